@@ -1,0 +1,25 @@
+"""jaxring: chunked multi-ring allreduce for JAX, as XLA FFI custom calls.
+
+Import jaxring before JAX starts its CPU backend: it sizes the CPU thread pool
+so that collectives dispatched back to back cannot wedge it.
+"""
+
+from jaxring._src import runtime as _runtime
+
+_runtime.size_cpu_pool()
+
+from jaxring._src.allreduce import JaxringError, allreduce, pmean, psum  # noqa: E402
+from jaxring._src.build_info import build_info  # noqa: E402
+from jaxring._src.config import config  # noqa: E402
+from jaxring import _build_config as _bc  # noqa: E402
+
+__version__ = _bc.VERSION
+
+__all__ = [
+    "JaxringError",
+    "allreduce",
+    "build_info",
+    "config",
+    "pmean",
+    "psum",
+]

@@ -1,0 +1,351 @@
+"""jaxring.allreduce: a drop-in for lax.psum backed by jaxring's ring plan.
+
+One primitive, ``jaxring_allreduce``, carries an elementwise reduction over
+named mesh axes. Its rules mirror lax.psum's so that it composes the same way:
+
+* abstract eval: under ``check_vma`` the result is invariant over the reduced
+  axes (like ``psum_invariant``); otherwise the aval is unchanged;
+* JVP: linear for ``op="sum"``; the other ops, like lax.pmax, have none;
+* transpose: ``pvary`` under ``check_vma``, the allreduce itself otherwise
+  (psum is psum + pbroadcast in that mode);
+* batching: a vmapped axis that is reduced over is reduced locally, the rest
+  of the axes go to the ring;
+* lowering: each device's rank in its ring and its ring's group number come
+  from partition-id through constant tables, then an FFI custom call runs the
+  chunked multi-ring allreduce.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax import lax
+from jax._src import config as jax_config
+from jax._src import core
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+
+from jaxring._src import runtime
+from jaxring._src.config import config, validate
+
+_OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
+_PUBLIC_OPS = ("sum", "mean", "max", "min", "prod")
+SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (
+    jax.numpy.float16, jax.numpy.bfloat16, np.float32, np.float64,
+    np.int8, np.int16, np.int32, np.int64,
+    np.uint8, np.uint16, np.uint32, np.uint64))
+
+# Op ids tell concurrent allreduces of one execution apart. Every device
+# runs the same lowered module, so a counter at lowering time gives each call
+# site the same id on every device and a fresh one in every module.
+_op_ids = itertools.count(1)
+
+
+class JaxringError(RuntimeError):
+    """Raised by jaxring for failures it detects itself."""
+
+
+def _axes_tuple(axis_name: Any) -> tuple:
+    if isinstance(axis_name, (tuple, list)):
+        axes = tuple(axis_name)
+    else:
+        axes = (axis_name,)
+    if not axes:
+        raise ValueError("jaxring.allreduce: axis_name must name at least one axis")
+    for a in axes:
+        if isinstance(a, int):
+            raise TypeError(
+                "jaxring.allreduce reduces over named axes only; got the "
+                f"positional axis {a}. Use jnp.sum for positional reductions.")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"jaxring.allreduce: axis {axes} repeats a name")
+    return axes
+
+
+def _check_bound(axes: tuple) -> None:
+    env = core.get_axis_env()
+    for name in axes:
+        if not env.axis_exists(name):
+            raise NameError(
+                f"jaxring.allreduce: unbound axis name {name!r}. Call it inside "
+                "jax.shard_map, jax.pmap or jax.vmap over an axis of that name.")
+
+
+# ---- varying-manual-axes (check_vma) helpers, across jax versions ----------
+
+def _varying(aval) -> frozenset:
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def _with_varying(aval, varying: frozenset):
+    if getattr(aval, "mat", None) is not None:
+        return aval.update(manual_axis_type=aval.mat.update(varying=varying))
+    return aval.update(vma=varying)
+
+
+# ---- the primitive ----------------------------------------------------------
+
+allreduce_p = core.Primitive("jaxring_allreduce")
+
+
+def _abstract_eval(aval, *, axes, op, rings, chunk_bytes, timeout_s, invariant):
+    del op, rings, chunk_bytes, timeout_s
+    _check_bound(axes)
+    if invariant:
+        out = _with_varying(aval, _varying(aval) - frozenset(axes))
+    else:
+        out = aval
+    return out, {core.NamedAxisEffect(a) for a in axes}
+
+
+allreduce_p.def_effectful_abstract_eval(_abstract_eval)
+
+
+def _impl(x, **params):
+    raise NameError(
+        "jaxring.allreduce must be called inside jax.shard_map or jax.pmap "
+        "(it was called eagerly, outside any mapped axis).")
+
+
+allreduce_p.def_impl(_impl)
+
+
+def _jvp(primals, tangents, **params):
+    (x,), (t,) = primals, tangents
+    y = allreduce_p.bind(x, **params)
+    if type(t) is ad.Zero:
+        return y, ad.Zero.from_primal_value(y)
+    if params["op"] != "sum":
+        raise TypeError(
+            f"jaxring.allreduce(op={params['op']!r}) is not differentiable "
+            "(neither are lax.pmax/pmin); only op='sum' and op='mean' are.")
+    return y, allreduce_p.bind(t, **params)
+
+
+ad.primitive_jvps[allreduce_p] = _jvp
+
+
+def _transpose(ct, x, **params):
+    assert ad.is_undefined_primal(x)
+    if params["op"] != "sum":
+        raise TypeError(f"jaxring.allreduce(op={params['op']!r}) is not linear")
+    if type(ct) is ad.Zero:
+        return (ad.Zero(x.aval),)
+    if params["invariant"]:
+        # An invariant result's cotangent is broadcast back to every rank:
+        # the transpose of psum_invariant is pvary, no communication.
+        return (core.pvary(ct, tuple(params["axes"])),)
+    return (allreduce_p.bind(ct, **params),)
+
+
+ad.primitive_transposes[allreduce_p] = _transpose
+
+
+def _local_reduce(op: str, x, dim: int):
+    return {"sum": lax.reduce_sum, "prod": lax.reduce_prod,
+            "min": lax.reduce_min, "max": lax.reduce_max}[op](x, (dim,))
+
+
+def _batch(axis_data, vals, dims, *, axes, op, **params):
+    (x,), (d,) = vals, dims
+    if axis_data.name not in axes:
+        return allreduce_p.bind(x, axes=axes, op=op, **params), d
+    rest = tuple(a for a in axes if a != axis_data.name)
+    if d is None:
+        # Every member of the vmapped axis holds the same x.
+        n = axis_data.size
+        if op == "sum":
+            y = x * lax.full_like(x, n)
+        elif op == "prod":
+            y = lax.integer_pow(x, n)
+        else:
+            y = x
+    else:
+        y = _local_reduce(op, x, d)
+    if rest:
+        y = allreduce_p.bind(y, axes=rest, op=op, **params)
+    return y, None
+
+
+batching.fancy_primitive_batchers[allreduce_p] = _batch
+
+
+def _rank_tables(axis_names: Sequence, axis_sizes: Sequence[int], axes: tuple):
+    """Rank in its ring and ring number, per partition id (row-major mesh)."""
+    sizes = dict(zip(axis_names, axis_sizes))
+    coords = np.indices(tuple(axis_sizes)).reshape(len(axis_sizes), -1)
+    coord = dict(zip(axis_names, coords))
+    rank = np.zeros(coords.shape[1], np.int64)
+    for a in axes:
+        rank = rank * sizes[a] + coord[a]
+    group = np.zeros(coords.shape[1], np.int64)
+    for a in axis_names:
+        if a not in axes:
+            group = group * sizes[a] + coord[a]
+    return rank.astype(np.int32), group.astype(np.int32)
+
+
+def _lookup(table: np.ndarray, index):
+    """table[index] as a scalar int32, index a scalar int32 value."""
+    const = mlir.ir_constant(table)
+    sliced = hlo.dynamic_slice(const, [index], ir.DenseI64ArrayAttr.get([1]))
+    return hlo.reshape(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)),
+                       sliced)
+
+
+def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, invariant):
+    del invariant
+    axis_ctx = ctx.module_context.axis_context
+    mesh = getattr(axis_ctx, "mesh", None)
+    if mesh is None:
+        raise NotImplementedError(
+            "jaxring.allreduce lowers only inside jax.shard_map or jax.pmap "
+            f"(found the axis context {type(axis_ctx).__name__}).")
+    names, sizes = tuple(mesh.axis_names), tuple(mesh.axis_sizes)
+    manual = getattr(axis_ctx, "manual_axes", frozenset(names))
+    auto = [n for n, s in zip(names, sizes) if n not in manual and s > 1]
+    if auto:
+        raise NotImplementedError(
+            f"jaxring.allreduce inside a shard_map that leaves mesh axes {auto} "
+            "automatic is not supported; make every mesh axis manual.")
+    world = math.prod(sizes[names.index(a)] for a in axes)
+    rank_table, group_table = _rank_tables(names, sizes, axes)
+    pid = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)),
+                      hlo.partition_id())
+    rank = _lookup(rank_table, pid)
+    group = _lookup(group_table, pid)
+    (aval,) = ctx.avals_in
+    scalar = core.ShapedArray((), np.int32)
+    call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
+    sub_ctx = ctx.replace(avals_in=[aval, scalar, scalar])
+    return call(sub_ctx, x, rank, group,
+                op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
+                reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
+                chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s))
+
+
+mlir.register_lowering(allreduce_p, _lowering, platform="cpu")
+
+
+# ---- public functions -------------------------------------------------------
+
+def _check_dtype(leaf) -> np.dtype:
+    dtype = np.dtype(jax.numpy.result_type(leaf))
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"jaxring.allreduce: unsupported dtype {dtype}; supported: "
+            + ", ".join(str(d) for d in SUPPORTED_DTYPES))
+    return dtype
+
+
+def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s):
+    """One allreduce for leaves of one dtype: ravel, concatenate, split."""
+    invariant = bool(jax_config._check_vma.value)
+    if invariant:
+        # Mirror lax.psum: a value not varying over an axis is first made
+        # varying (psum of it is then size * x), if JAX allows that.
+        fixed = []
+        for leaf in leaves:
+            missing = tuple(a for a in axes if a not in _varying(core.typeof(leaf)))
+            if missing:
+                if not jax_config.auto_pcast.value:
+                    raise ValueError(
+                        f"jaxring.allreduce over {axes}: the value is not varying "
+                        f"over {missing} (see jax.typeof(x).vma); apply "
+                        "jax.lax.pvary first.")
+                leaf = core.pvary(leaf, missing)
+            fixed.append(leaf)
+        leaves = fixed
+    params = dict(axes=axes, op=op, rings=rings, chunk_bytes=chunk_bytes,
+                  timeout_s=timeout_s, invariant=invariant)
+    if len(leaves) == 1:
+        return [allreduce_p.bind(leaves[0], **params)]
+    flat = jax.numpy.concatenate([jax.numpy.ravel(l) for l in leaves])
+    out = allreduce_p.bind(flat, **params)
+    pieces, start = [], 0
+    for leaf in leaves:
+        n = math.prod(leaf.shape)
+        pieces.append(out[start:start + n].reshape(leaf.shape))
+        start += n
+    return pieces
+
+
+def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
+              chunk_bytes: int | None = None, timeout_s: float | None = None):
+    """Reduces ``x`` over the mapped axis ``axis_name``, like ``lax.psum``.
+
+    Runs a chunked multi-ring allreduce: the buffer is split into ``rings``
+    parts, each reduce-scattered and all-gathered around its own ring, in
+    chunks of ``chunk_bytes``. All leaves of the pytree ``x`` of one dtype
+    are fused into one operation.
+
+    Args:
+      x: an array or pytree of arrays.
+      axis_name: a mesh axis name (from ``shard_map`` or ``pmap``) or a tuple
+        of them.
+      op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"prod"``.
+      rings: rings per operation (default ``jaxring.config.rings``).
+      chunk_bytes: pipelining unit (default ``jaxring.config.chunk_bytes``).
+      timeout_s: seconds to wait for peers before failing
+        (default ``jaxring.config.timeout_s``).
+
+    Returns:
+      The reduction, with the structure of ``x``; under ``check_vma`` it is
+      invariant over the reduced axes.
+
+    Example:
+        >>> mesh = jax.make_mesh((8,), ("batch",))
+        >>> f = jax.shard_map(lambda v: jaxring.allreduce(v, "batch"),
+        ...                   mesh=mesh, in_specs=P("batch"), out_specs=P())
+        >>> f(jnp.arange(8.0))   # Array([28.], dtype=float32)
+    """
+    if op not in _PUBLIC_OPS:
+        raise ValueError(f"jaxring.allreduce: op must be one of {_PUBLIC_OPS}, got {op!r}")
+    axes = _axes_tuple(axis_name)
+    rings = validate("rings", config.rings if rings is None else rings,
+                     "jaxring.allreduce")
+    chunk_bytes = validate("chunk_bytes",
+                           config.chunk_bytes if chunk_bytes is None else chunk_bytes,
+                           "jaxring.allreduce")
+    timeout_s = validate("timeout_s",
+                         config.timeout_s if timeout_s is None else timeout_s,
+                         "jaxring.allreduce")
+    runtime.register_ffi_targets()
+
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    if not leaves:
+        return x
+    _check_bound(axes)
+    leaves = [jax.numpy.asarray(l) for l in leaves]
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        by_dtype.setdefault(_check_dtype(leaf), []).append(i)
+    ring_op = "sum" if op == "mean" else op
+    out: list[Any] = [None] * len(leaves)
+    for idx in by_dtype.values():
+        reduced = _reduce_leaf_group([leaves[i] for i in idx], axes, ring_op,
+                                     rings, chunk_bytes, timeout_s)
+        for i, r in zip(idx, reduced):
+            out[i] = r
+    if op == "mean":
+        n = math.prod(core.get_axis_env().axis_size(a) for a in axes)
+        out = [v / n for v in out]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def pmean(x, axis_name, **kwargs):
+    """Mean over ``axis_name``, like ``lax.pmean``: ``allreduce(op="mean")``."""
+    return allreduce(x, axis_name, op="mean", **kwargs)
+
+
+def psum(x, axis_name, **kwargs):
+    """Alias of ``allreduce(op="sum")``, named like ``lax.psum``."""
+    return allreduce(x, axis_name, op="sum", **kwargs)

@@ -1,0 +1,118 @@
+"""jaxring's settings: defaults, environment variables, per-call overrides.
+
+Every setting has a default, can be set for the process with a ``JAXRING_*``
+environment variable (read once, at import), and changed later with
+``jaxring.config.update(name, value)``. Settings are read at trace time, so a
+change applies to functions traced after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    name: str
+    env: str
+    default: Any
+    parse: Callable[[str], Any]
+    check: Callable[[Any], bool]
+    requirement: str
+    doc: str
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _positive_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+_OPTIONS = {
+    o.name: o
+    for o in [
+        _Option("rings", "JAXRING_RINGS", 2, int, _positive_int,
+                "a positive int",
+                "Rings per allreduce. The buffer is split into one part per "
+                "ring; odd rings run in the opposite direction."),
+        _Option("chunk_bytes", "JAXRING_CHUNK_BYTES", 1 << 20, int,
+                _positive_int, "a positive int",
+                "Pipelining unit: each ring moves its part in chunks of at "
+                "most this many bytes."),
+        _Option("timeout_s", "JAXRING_TIMEOUT_S", 300.0, float,
+                _positive_number, "a positive number",
+                "Seconds an allreduce waits for its peers before it fails "
+                "with an error that names the missing ranks."),
+    ]
+}
+
+
+class Config:
+    """jax.config-like access to jaxring's settings.
+
+    Example:
+        >>> import jaxring
+        >>> jaxring.config.update("rings", 4)
+        >>> jaxring.config.rings
+        4
+        >>> jaxring.config.reset("rings")
+    """
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_values", {})
+        for opt in _OPTIONS.values():
+            raw = os.environ.get(opt.env)
+            if raw is None:
+                value = opt.default
+            else:
+                try:
+                    value = opt.parse(raw)
+                except ValueError:
+                    raise ValueError(
+                        f"{opt.env}={raw!r}: expected {opt.requirement}") from None
+                if not opt.check(value):
+                    raise ValueError(f"{opt.env}={raw!r}: expected {opt.requirement}")
+            self._values[opt.name] = value
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(
+                f"jaxring.config has no setting {name!r}; settings: "
+                f"{sorted(_OPTIONS)}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("use jaxring.config.update(name, value)")
+
+    def update(self, name: str, value: Any) -> None:
+        """Sets a setting for functions traced from now on."""
+        opt = _OPTIONS.get(name)
+        if opt is None:
+            raise AttributeError(
+                f"jaxring.config has no setting {name!r}; settings: {sorted(_OPTIONS)}")
+        validate(name, value)
+        self._values[name] = value
+
+    def reset(self, name: str) -> None:
+        """Returns a setting to its default (ignoring the environment)."""
+        self._values[name] = _OPTIONS[name].default
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """Each setting's value, environment variable and meaning."""
+        return {n: {"value": self._values[n], "env": o.env, "default": o.default,
+                    "doc": o.doc} for n, o in _OPTIONS.items()}
+
+
+def validate(name: str, value: Any, where: str = "jaxring.config") -> Any:
+    opt = _OPTIONS[name]
+    if not opt.check(value):
+        raise ValueError(f"{where}: {name} must be {opt.requirement}, got {value!r}")
+    return value
+
+
+config = Config()

@@ -1,0 +1,407 @@
+#include "inprocess_transport.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "../plan.h"
+
+namespace jaxring {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long an idle worker sleeps before it rechecks deadlines.
+constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
+
+class Worker;
+
+// One rank's slot in an operation.
+struct RankSlot {
+  std::atomic<bool> joined{false};
+  std::atomic<bool> finished{false};
+  // Set once a rank has stopped touching peers' buffers after a failure.
+  std::atomic<bool> stopped{false};
+  const void* in = nullptr;
+  void* out = nullptr;
+  Worker* worker = nullptr;
+  // progress[r]: units (chunk, step) of ring r this rank has completed, in
+  // the plan's chunk-major order.
+  std::unique_ptr<std::atomic<int64_t>[]> progress;
+};
+
+struct Op {
+  Op(const OpKey& k, const OpDesc& d, double timeout_s)
+      : key(k),
+        desc(d),
+        plan(d.world_size, d.num_rings, d.count, elem_bytes(d.type),
+             d.chunk_bytes),
+        slots(d.world_size),
+        deadline(Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(timeout_s))),
+        timeout_s(timeout_s) {
+    for (auto& s : slots) {
+      s.progress.reset(new std::atomic<int64_t>[d.num_rings]);
+      for (int r = 0; r < d.num_rings; ++r) s.progress[r].store(0);
+    }
+  }
+
+  const OpKey key;
+  const OpDesc desc;
+  const RingPlan plan;
+  std::vector<RankSlot> slots;
+  const Clock::time_point deadline;
+  const double timeout_s;
+  std::atomic<int> joined_count{0};
+  std::atomic<int> finished_count{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_mu;
+  std::string error;
+
+  void fail(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(error_mu);
+      if (failed.load()) return;
+      error = why;
+      failed.store(true);
+    }
+    wake_all();
+  }
+  std::string error_message() {
+    std::lock_guard<std::mutex> lock(error_mu);
+    return error;
+  }
+  void wake_all();
+  std::string missing_ranks() const {
+    std::ostringstream os;
+    bool first = true;
+    for (int r = 0; r < desc.world_size; ++r) {
+      if (!slots[r].joined.load()) {
+        os << (first ? "" : ", ") << r;
+        first = false;
+      }
+    }
+    return os.str();
+  }
+  std::string unfinished_ranks() const {
+    std::ostringstream os;
+    bool first = true;
+    for (int r = 0; r < desc.world_size; ++r) {
+      if (!slots[r].finished.load()) {
+        os << (first ? "" : ", ") << r;
+        first = false;
+      }
+    }
+    return os.str();
+  }
+  std::string name() const {
+    std::ostringstream os;
+    os << "jaxring allreduce (op " << key.op_id << ", group " << key.group
+       << ", run " << key.run_id << ", " << desc.describe() << ")";
+    return os.str();
+  }
+};
+
+// One rank's pending part of an operation, held by that rank's worker.
+struct Task {
+  std::shared_ptr<Op> op;
+  int rank;
+  Completion done;
+  std::vector<int64_t> cursor;  // per ring: next unit to run
+};
+
+// A thread per device that advances its tasks.
+class Worker {
+ public:
+  explicit Worker(int device) : device_(device) {
+    // Workers live for the whole process: XLA may still be running a
+    // program during interpreter shutdown, and a worker destroyed under it
+    // would turn a clean exit into a crash.
+    std::thread([this] { loop(); }).detach();
+  }
+
+  void submit(Task task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      incoming_.push_back(std::move(task));
+      ++epoch_;
+    }
+    cv_.notify_one();
+  }
+
+  void wake() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++epoch_;
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop() {
+    std::list<Task> active;
+    for (;;) {
+      uint64_t seen;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (active.empty()) {
+          cv_.wait(lock, [&] { return !incoming_.empty(); });
+        }
+        seen = epoch_;
+        while (!incoming_.empty()) {
+          active.push_back(std::move(incoming_.front()));
+          incoming_.pop_front();
+        }
+      }
+      bool progressed = false;
+      for (auto it = active.begin(); it != active.end();) {
+        bool finished = false;
+        progressed |= advance(*it, &finished);
+        if (finished) {
+          it = active.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (!progressed && !active.empty()) {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait_for(lock, kDeadlinePoll,
+                     [&] { return epoch_ != seen || !incoming_.empty(); });
+      }
+    }
+  }
+
+  // Runs what the task can run now. Returns whether anything happened; sets
+  // *finished once the task's completion has been called.
+  bool advance(Task& task, bool* finished);
+
+  const int device_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> incoming_;
+  uint64_t epoch_ = 0;
+};
+
+void Op::wake_all() {
+  for (auto& s : slots) {
+    if (s.joined.load(std::memory_order_acquire) && s.worker) s.worker->wake();
+  }
+}
+
+bool Worker::advance(Task& task, bool* finished) {
+  Op& op = *task.op;
+  RankSlot& me = op.slots[task.rank];
+  const RingPlan& plan = op.plan;
+  const int steps = plan.num_steps();
+  const int64_t esize = plan.elem_bytes();
+
+  if (op.failed.load(std::memory_order_acquire)) {
+    if (!me.stopped.exchange(true)) op.wake_all();
+    // Complete only once no joined rank can still be reading our buffers.
+    for (auto& s : op.slots) {
+      if (s.joined.load() && !s.stopped.load() && !s.finished.load()) {
+        return false;
+      }
+    }
+    task.done(op.error_message());
+    *finished = true;
+    return true;
+  }
+
+  bool progressed = false;
+  if (!me.finished.load(std::memory_order_relaxed)) {
+    bool all_rings_done = true;
+    for (int r = 0; r < plan.num_rings(); ++r) {
+      const int64_t total = plan.num_chunks(r) * steps;
+      const int prev = plan.prev_rank(r, task.rank);
+      RankSlot& from = op.slots[prev];
+      const int pos = plan.position(r, task.rank);
+      int64_t& cur = task.cursor[r];
+      while (cur < total) {
+        const int64_t c = cur / steps;
+        const int t = static_cast<int>(cur % steps);
+        if (!from.joined.load(std::memory_order_acquire)) break;
+        // Chunk c of step t needs the neighbour's chunk c of step t-1.
+        if (t > 0 &&
+            from.progress[r].load(std::memory_order_acquire) < c * steps + t) {
+          break;
+        }
+        const Span span = plan.chunk(r, plan.recv_segment(pos, t), c);
+        if (span.count > 0) {
+          char* dst = static_cast<char*>(me.out) + span.offset * esize;
+          if (plan.is_reduce_step(t)) {
+            // Step 0 starts from the neighbour's input; later steps from
+            // the partial result it wrote at the step before.
+            const char* src =
+                static_cast<const char*>(t == 0 ? from.in : from.out) +
+                span.offset * esize;
+            const char* mine =
+                static_cast<const char*>(me.in) + span.offset * esize;
+            reduce(op.desc.type, op.desc.op, dst, src, mine, span.count);
+          } else {
+            const char* src =
+                static_cast<const char*>(from.out) + span.offset * esize;
+            std::memcpy(dst, src, span.count * esize);
+          }
+        }
+        ++cur;
+        me.progress[r].store(cur, std::memory_order_release);
+        progressed = true;
+        RankSlot& to = op.slots[plan.next_rank(r, task.rank)];
+        if (to.joined.load(std::memory_order_acquire)) to.worker->wake();
+      }
+      if (cur < total) all_rings_done = false;
+    }
+    if (all_rings_done) {
+      me.finished.store(true, std::memory_order_release);
+      op.finished_count.fetch_add(1);
+      op.wake_all();
+      progressed = true;
+    }
+  }
+
+  if (op.finished_count.load() == op.desc.world_size) {
+    task.done(std::nullopt);
+    *finished = true;
+    return true;
+  }
+  if (!progressed && Clock::now() > op.deadline) {
+    std::ostringstream os;
+    os << op.name() << " timed out after " << op.timeout_s << " s: ";
+    const std::string missing = op.missing_ranks();
+    if (!missing.empty()) {
+      os << "rank(s) " << missing << " of " << op.desc.world_size
+         << " never arrived. Every device must run the same allreduces; a "
+            "device program that never starts usually means the CPU thread "
+            "pool is exhausted (see JAXRING_CPU_THREADS) or a rank took a "
+            "different branch.";
+    } else {
+      os << "rank(s) " << op.unfinished_ranks() << " did not finish.";
+    }
+    op.fail(os.str());
+  }
+  return progressed;
+}
+
+class Registry {
+ public:
+  static Registry& get() {
+    // Leaked on purpose: see Worker.
+    static Registry* r = new Registry();
+    return *r;
+  }
+
+  Worker* worker(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& w = workers_[device];
+    if (!w) w.reset(new Worker(device));
+    return w.get();
+  }
+
+  // Returns the op for key, creating it; an error if desc disagrees or the
+  // rank has already joined.
+  std::shared_ptr<Op> join(const OpKey& key, const OpDesc& desc, int rank,
+                           const void* in, void* out, Worker* worker,
+                           double timeout_s, std::string* error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    collect_garbage();
+    auto& slot = ops_[key];
+    if (!slot) slot = std::make_shared<Op>(key, desc, timeout_s);
+    std::shared_ptr<Op> op = slot;
+    if (!(op->desc == desc)) {
+      std::ostringstream os;
+      os << op->name() << ": rank " << rank << " called with "
+         << desc.describe() << " but an earlier rank used "
+         << op->desc.describe()
+         << ". Every rank must pass the same shape, dtype and op.";
+      *error = os.str();
+      op->fail(*error);
+      return nullptr;
+    }
+    RankSlot& s = op->slots[rank];
+    if (s.joined.load()) {
+      std::ostringstream os;
+      os << op->name() << ": rank " << rank
+         << " joined twice (two devices computed the same rank).";
+      *error = os.str();
+      op->fail(*error);
+      return nullptr;
+    }
+    s.in = in;
+    s.out = out;
+    s.worker = worker;
+    s.joined.store(true, std::memory_order_release);
+    if (op->joined_count.fetch_add(1) + 1 == desc.world_size) {
+      ops_.erase(key);  // everyone is here; the key is free again
+    }
+    op->wake_all();
+    return op;
+  }
+
+  int64_t pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(ops_.size());
+  }
+
+ private:
+  // An op whose ranks never all arrived stays so that latecomers fail fast
+  // with its error; it is dropped a timeout after its deadline.
+  void collect_garbage() {
+    const auto now = Clock::now();
+    for (auto it = ops_.begin(); it != ops_.end();) {
+      const auto grace = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(it->second->timeout_s));
+      if (it->second->failed.load() && now > it->second->deadline + grace) {
+        it = ops_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::map<int, std::unique_ptr<Worker>> workers_;
+  std::map<OpKey, std::shared_ptr<Op>> ops_;
+};
+
+}  // namespace
+
+std::string OpDesc::describe() const {
+  std::ostringstream os;
+  os << count << " x " << elem_type_name(type) << ", op=" << reduce_op_name(op)
+     << ", world=" << world_size << ", rings=" << num_rings
+     << ", chunk_bytes=" << chunk_bytes;
+  return os.str();
+}
+
+void inprocess_allreduce(const OpKey& key, const OpDesc& desc, int rank,
+                         int device, const void* in, void* out,
+                         double timeout_s, Completion done) {
+  Registry& reg = Registry::get();
+  Worker* worker = reg.worker(device);
+  std::string error;
+  std::shared_ptr<Op> op =
+      reg.join(key, desc, rank, in, out, worker, timeout_s, &error);
+  if (!op) {
+    done(error);
+    return;
+  }
+  Task task{std::move(op), rank, std::move(done),
+            std::vector<int64_t>(desc.num_rings, 0)};
+  worker->submit(std::move(task));
+}
+
+int64_t inprocess_pending_ops() { return Registry::get().pending(); }
+
+}  // namespace jaxring

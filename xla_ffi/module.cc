@@ -1,0 +1,112 @@
+// The nanobind module jaxring._jaxring: FFI handler capsules for the CPU
+// backend and the ring plan, exposed for inspection and tests.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "cpu/allreduce_handler.h"
+#include "cpu/inprocess_transport.h"
+#include "plan.h"
+#include "reduce.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule encapsulate_ffi(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict transfer_to_dict(const jaxring::Transfer& t) {
+  nb::dict d;
+  d["ring"] = t.ring;
+  d["chunk"] = t.chunk;
+  d["step"] = t.step;
+  d["reduce"] = t.reduce;
+  d["src"] = t.src_rank;
+  d["dst"] = t.dst_rank;
+  d["segment"] = t.segment;
+  d["offset"] = t.span.offset;
+  d["count"] = t.span.count;
+  return d;
+}
+
+}  // namespace
+
+NB_MODULE(_jaxring, m) {
+  m.doc() = "jaxring C++ core: XLA FFI handlers and the ring plan.";
+
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jaxring_allreduce_cpu"] = encapsulate_ffi(jaxring::AllreduceCpu);
+    return d;
+  });
+
+  nb::class_<jaxring::RingPlan>(m, "RingPlan",
+                                "A chunked multi-ring allreduce schedule.")
+      .def(nb::init<int, int, int64_t, int64_t, int64_t>(),
+           nb::arg("world_size"), nb::arg("rings"), nb::arg("count"),
+           nb::arg("elem_bytes"), nb::arg("chunk_bytes"))
+      .def_prop_ro("world_size", &jaxring::RingPlan::world_size)
+      .def_prop_ro("rings", &jaxring::RingPlan::num_rings)
+      .def_prop_ro("count", &jaxring::RingPlan::count)
+      .def_prop_ro("elem_bytes", &jaxring::RingPlan::elem_bytes)
+      .def_prop_ro("chunk_elems", &jaxring::RingPlan::chunk_elems)
+      .def_prop_ro("num_steps", &jaxring::RingPlan::num_steps)
+      .def("order", &jaxring::RingPlan::order, nb::arg("ring"))
+      .def("part", [](const jaxring::RingPlan& p, int r) {
+        const auto s = p.part(r);
+        return nb::make_tuple(s.offset, s.count);
+      }, nb::arg("ring"))
+      .def("num_chunks", &jaxring::RingPlan::num_chunks, nb::arg("ring"))
+      .def("bytes_sent", &jaxring::RingPlan::bytes_sent, nb::arg("rank"))
+      .def("transfers", [](const jaxring::RingPlan& p) {
+        nb::list out;
+        for (const auto& t : p.transfers()) out.append(transfer_to_dict(t));
+        return out;
+      })
+      .def("__repr__", &jaxring::RingPlan::describe);
+
+  // Registers RingPlan's std::invalid_argument as ValueError.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("inprocess_pending_ops", &jaxring::inprocess_pending_ops,
+        "Operations the in-process transport still holds.");
+
+  // Reduction kernels on raw bytes, for tests of rounding and wrapping.
+  m.def("reduce_bytes", [](int elem_type, int op, nb::bytes a, nb::bytes b) {
+    if (a.size() != b.size()) throw std::invalid_argument("size mismatch");
+    const auto t = static_cast<jaxring::ElemType>(elem_type);
+    const int64_t esize = jaxring::elem_bytes(t);
+    if (esize == 0 || a.size() % esize) throw std::invalid_argument("bad type");
+    jaxring::ReduceOp rop;
+    if (!jaxring::reduce_op_from_int(op, &rop)) throw std::invalid_argument("bad op");
+    std::string out(a.size(), '\0');
+    jaxring::reduce(t, rop, out.data(), a.c_str(), b.c_str(),
+                    static_cast<int64_t>(a.size()) / esize);
+    return nb::bytes(out.data(), out.size());
+  });
+
+  m.attr("ELEM_TYPES") = [] {
+    nb::dict d;
+    for (int i = 0; i <= static_cast<int>(jaxring::ElemType::kU64); ++i) {
+      d[jaxring::elem_type_name(static_cast<jaxring::ElemType>(i))] = i;
+    }
+    return d;
+  }();
+#ifdef JAXRING_VERSION
+  m.attr("__version__") = JAXRING_VERSION;
+#endif
+  m.attr("built_with_jaxlib") = JAXRING_BUILT_WITH_JAXLIB;
+}
