@@ -4,6 +4,14 @@ Import jaxring before JAX starts its CPU backend: it sizes the CPU thread pool
 so that collectives dispatched back to back cannot wedge it.
 """
 
+try:
+    from jaxring import _build_config as _bc
+except ImportError:  # the C++ extension and its build record are made by pip
+    raise ImportError(
+        "jaxring's compiled extension is missing: this is the source tree, not "
+        "an installed build. Run `pip install .` and import jaxring from "
+        "outside the checkout.") from None
+
 from jaxring._src import runtime as _runtime
 
 _runtime.size_cpu_pool()
@@ -11,7 +19,6 @@ _runtime.size_cpu_pool()
 from jaxring._src.allreduce import JaxringError, allreduce, pmean, psum  # noqa: E402
 from jaxring._src.build_info import build_info  # noqa: E402
 from jaxring._src.config import config  # noqa: E402
-from jaxring import _build_config as _bc  # noqa: E402
 
 __version__ = _bc.VERSION
 

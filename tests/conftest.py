@@ -1,0 +1,40 @@
+"""Test set-up: 8 virtual CPU devices, forced before JAX is imported."""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+               os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jaxring  # noqa: E402,F401  (sizes the CPU pool before JAX starts)
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+import pytest  # noqa: E402
+
+
+def run_script(code: str, devices: int = 8, timeout: float = 300,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs code in a fresh interpreter with `devices` virtual CPU devices."""
+    full_env = dict(os.environ)
+    full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    full_env.pop("PJRT_NPROC", None)
+    full_env.update(env or {})
+    # Run outside the checkout so that the installed package is imported,
+    # not the unbuilt sources.
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                              capture_output=True, text=True, timeout=timeout,
+                              env=full_env, cwd=cwd)
+
+
+@pytest.fixture
+def script():
+    return run_script
