@@ -8,9 +8,10 @@ try:
     from jaxring import _build_config as _bc
 except ImportError:  # the C++ extension and its build record are made by pip
     raise ImportError(
-        "jaxring's compiled extension is missing: this is the source tree, not "
-        "an installed build. Run `pip install .` and import jaxring from "
-        "outside the checkout.") from None
+        "jaxring's compiled extension is missing: Python found the source "
+        "tree (the current directory?) rather than an installed build. Run "
+        "`pip install .`, then use jaxring from outside the checkout, or "
+        "through its commands (jaxring-bench) and `pytest tests`.") from None
 
 from jaxring._src import runtime as _runtime
 

@@ -22,6 +22,7 @@ _MIN_CPU_THREADS = 32
 _THREADS_PER_DEVICE = 4
 
 _registered = False
+_pool_set_by_jaxring = False
 
 
 def _requested_cpu_devices() -> int:
@@ -38,12 +39,19 @@ def cpu_threads_for(devices: int) -> int:
                _THREADS_PER_DEVICE * devices)
 
 
-def size_cpu_pool() -> None:
-    """Sets PJRT_NPROC before the CPU client starts, unless the user did."""
-    if "PJRT_NPROC" in os.environ:
+def size_cpu_pool(devices: int | None = None) -> None:
+    """Sets PJRT_NPROC before the CPU client starts, unless the user did.
+
+    Called at import; call it again with ``devices`` when the device count is
+    chosen later (before JAX's first computation).
+    """
+    global _pool_set_by_jaxring
+    if "PJRT_NPROC" in os.environ and not _pool_set_by_jaxring:
         return
     explicit = os.environ.get("JAXRING_CPU_THREADS")
-    threads = int(explicit) if explicit else cpu_threads_for(_requested_cpu_devices())
+    if devices is None:
+        devices = _requested_cpu_devices()
+    threads = int(explicit) if explicit else cpu_threads_for(devices)
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():
         warnings.warn(
@@ -54,6 +62,7 @@ def size_cpu_pool() -> None:
             RuntimeWarning, stacklevel=3)
         return
     os.environ["PJRT_NPROC"] = str(threads)
+    _pool_set_by_jaxring = True
 
 
 def register_ffi_targets() -> None:

@@ -1,0 +1,134 @@
+"""Allreduce benchmark: jaxring.allreduce vs lax.psum, nccl-tests style.
+
+Usage:
+    python -m jaxring.bench [--devices 8] [--min-bytes 4K] [--max-bytes 64M]
+                            [--dtype float32] [--rings R] [--chunk-bytes C]
+
+Both implementations run in the same process on the same virtual CPU
+devices, one size at a time, each timed over back-to-back calls. Columns
+follow nccl-tests: ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n``
+(the bandwidth each link would need for a ring allreduce in that time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+
+
+def _parse_bytes(s: str) -> int:
+    m = re.fullmatch(r"(\d+)([KMG]?)i?B?", s.strip(), re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {s!r} (use e.g. 4K, 64M)")
+    return int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2).upper()]
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+def _time_calls(f, x, min_time: float, min_iters: int) -> float:
+    """Seconds per call: calls dispatched back to back, then waited for."""
+    import jax
+    jax.block_until_ready(f(x))  # compile and warm up
+    iters = min_iters
+    while True:
+        t0 = time.perf_counter()
+        outs = [f(x) for _ in range(iters)]
+        jax.block_until_ready(outs)
+        dt = time.perf_counter() - t0
+        if dt >= min_time or iters >= 1000:
+            return dt / iters
+        iters = max(iters * 2, int(iters * min_time / max(dt, 1e-6)) + 1)
+
+
+def run(devices: int, min_bytes: int, max_bytes: int, dtype: str,
+        rings: int | None, chunk_bytes: int | None, min_time: float,
+        out=sys.stdout) -> list[dict]:
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jaxring
+
+    if len(jax.devices()) < devices:
+        raise SystemExit(f"asked for {devices} devices, JAX has {len(jax.devices())}")
+    mesh = jax.make_mesh((devices,), ("i",), devices=jax.devices()[:devices])
+    spec = P("i")
+
+    def program(reduce):
+        return jax.jit(jax.shard_map(lambda v: reduce(v, "i"), mesh=mesh,
+                                     in_specs=spec, out_specs=spec,
+                                     check_vma=False))
+
+    ours = program(lambda v, a: jaxring.allreduce(v, a, rings=rings,
+                                                  chunk_bytes=chunk_bytes))
+    theirs = program(jax.lax.psum)
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    factor = 2 * (devices - 1) / devices
+    rows = []
+    print(f"# jaxring.allreduce vs lax.psum on {devices} virtual CPU devices "
+          f"({os.cpu_count()} cores), dtype {dtype}, rings="
+          f"{rings or jaxring.config.rings}, chunk_bytes="
+          f"{chunk_bytes or jaxring.config.chunk_bytes}", file=out)
+    header = (f"{'bytes/device':>14} {'count':>10} | {'jaxring us':>11} {'algbw GB/s':>10} "
+              f"{'busbw GB/s':>10} | {'psum us':>11} {'algbw GB/s':>10} {'busbw GB/s':>10} "
+              f"| {'speedup':>7}")
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    size = min_bytes
+    while size <= max_bytes:
+        count = max(1, size // np_dtype.itemsize)
+        x = jax.device_put(np.ones((devices, count), np_dtype),
+                           NamedSharding(mesh, spec))
+        # Correctness first: the table means nothing if the sums differ.
+        if not np.array_equal(np.asarray(ours(x)), np.asarray(theirs(x))):
+            raise SystemExit(f"jaxring and psum disagree at {size} bytes")
+        t_ours = _time_calls(ours, x, min_time, 3)
+        t_lax = _time_calls(theirs, x, min_time, 3)
+        nbytes = count * np_dtype.itemsize
+        row = dict(bytes=nbytes, count=count, jaxring_s=t_ours, psum_s=t_lax,
+                   jaxring_busbw=nbytes / t_ours * factor / 1e9,
+                   psum_busbw=nbytes / t_lax * factor / 1e9,
+                   speedup=t_lax / t_ours)
+        rows.append(row)
+        print(f"{_fmt_bytes(nbytes):>14} {count:>10} | {t_ours * 1e6:>11.1f} "
+              f"{nbytes / t_ours / 1e9:>10.3f} {row['jaxring_busbw']:>10.3f} | "
+              f"{t_lax * 1e6:>11.1f} {nbytes / t_lax / 1e9:>10.3f} "
+              f"{row['psum_busbw']:>10.3f} | {row['speedup']:>6.2f}x", file=out)
+        out.flush()
+        del x
+        size *= 4
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
+    ap.add_argument("--min-bytes", type=_parse_bytes, default=4 << 10)
+    ap.add_argument("--max-bytes", type=_parse_bytes, default=64 << 20)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--rings", type=int, default=None)
+    ap.add_argument("--chunk-bytes", type=_parse_bytes, default=None)
+    ap.add_argument("--min-time", type=float, default=0.3,
+                    help="seconds of calls timed per size and implementation")
+    args = ap.parse_args(argv)
+    # The device count must be fixed before JAX starts its CPU backend.
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
+    from jaxring._src import runtime
+    runtime.size_cpu_pool(devices=args.devices)
+    run(args.devices, args.min_bytes, args.max_bytes, args.dtype, args.rings,
+        args.chunk_bytes, args.min_time)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
