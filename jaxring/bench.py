@@ -33,24 +33,39 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _time_calls(f, x, min_time: float, min_iters: int) -> float:
-    """Seconds per call: calls dispatched back to back, then waited for."""
+def _time_calls(f, x, iters: int) -> float:
+    """Seconds per call: `iters` calls dispatched back to back, then waited for."""
     import jax
-    jax.block_until_ready(f(x))  # compile and warm up
-    iters = min_iters
-    while True:
-        t0 = time.perf_counter()
-        outs = [f(x) for _ in range(iters)]
-        jax.block_until_ready(outs)
-        dt = time.perf_counter() - t0
-        if dt >= min_time or iters >= 1000:
-            return dt / iters
-        iters = max(iters * 2, int(iters * min_time / max(dt, 1e-6)) + 1)
+    t0 = time.perf_counter()
+    outs = [f(x) for _ in range(iters)]
+    jax.block_until_ready(outs)
+    return (time.perf_counter() - t0) / iters
+
+
+def _compare(fns, x, min_time: float, rounds: int) -> list[float]:
+    """Median seconds per call of each fn, measured in alternating rounds.
+
+    The machine's load drifts, so the implementations take turns: each round
+    times every fn once, over the same number of calls, and the median over
+    rounds is reported.
+    """
+    import jax
+    import statistics
+    for f in fns:
+        jax.block_until_ready(f(x))  # compile and warm up
+    # Calls per round: enough for min_time / rounds with the slowest fn.
+    probe = max(_time_calls(f, x, 2) for f in fns)
+    iters = int(min(500, max(2, min_time / rounds / max(probe, 1e-7))))
+    samples = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, f in enumerate(fns):
+            samples[i].append(_time_calls(f, x, iters))
+    return [statistics.median(s) for s in samples]
 
 
 def run(devices: int, min_bytes: int, max_bytes: int, dtype: str,
         rings: int | None, chunk_bytes: int | None, min_time: float,
-        out=sys.stdout) -> list[dict]:
+        rounds: int = 5, out=sys.stdout) -> list[dict]:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -73,6 +88,8 @@ def run(devices: int, min_bytes: int, max_bytes: int, dtype: str,
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     factor = 2 * (devices - 1) / devices
     rows = []
+    print(f"# median of {rounds} alternating rounds per size; "
+          "speedup = psum time / jaxring time", file=out)
     print(f"# jaxring.allreduce vs lax.psum on {devices} virtual CPU devices "
           f"({os.cpu_count()} cores), dtype {dtype}, rings="
           f"{rings or jaxring.config.rings}, chunk_bytes="
@@ -90,8 +107,7 @@ def run(devices: int, min_bytes: int, max_bytes: int, dtype: str,
         # Correctness first: the table means nothing if the sums differ.
         if not np.array_equal(np.asarray(ours(x)), np.asarray(theirs(x))):
             raise SystemExit(f"jaxring and psum disagree at {size} bytes")
-        t_ours = _time_calls(ours, x, min_time, 3)
-        t_lax = _time_calls(theirs, x, min_time, 3)
+        t_ours, t_lax = _compare([ours, theirs], x, min_time, rounds)
         nbytes = count * np_dtype.itemsize
         row = dict(bytes=nbytes, count=count, jaxring_s=t_ours, psum_s=t_lax,
                    jaxring_busbw=nbytes / t_ours * factor / 1e9,
@@ -116,8 +132,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rings", type=int, default=None)
     ap.add_argument("--chunk-bytes", type=_parse_bytes, default=None)
-    ap.add_argument("--min-time", type=float, default=0.3,
+    ap.add_argument("--min-time", type=float, default=0.5,
                     help="seconds of calls timed per size and implementation")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="alternating timing rounds per size (median reported)")
     args = ap.parse_args(argv)
     # The device count must be fixed before JAX starts its CPU backend.
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
@@ -126,7 +144,7 @@ def main(argv=None) -> int:
     from jaxring._src import runtime
     runtime.size_cpu_pool(devices=args.devices)
     run(args.devices, args.min_bytes, args.max_bytes, args.dtype, args.rings,
-        args.chunk_bytes, args.min_time)
+        args.chunk_bytes, args.min_time, args.rounds)
     return 0
 
 
