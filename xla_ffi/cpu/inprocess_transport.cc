@@ -83,24 +83,14 @@ struct Op {
     return error;
   }
   void wake_all();
-  std::string missing_ranks() const {
+  // Comma-separated ranks whose flag (joined, finished) is not yet set.
+  std::string ranks_without(std::atomic<bool> RankSlot::*flag) const {
     std::ostringstream os;
-    bool first = true;
+    const char* sep = "";
     for (int r = 0; r < desc.world_size; ++r) {
-      if (!slots[r].joined.load()) {
-        os << (first ? "" : ", ") << r;
-        first = false;
-      }
-    }
-    return os.str();
-  }
-  std::string unfinished_ranks() const {
-    std::ostringstream os;
-    bool first = true;
-    for (int r = 0; r < desc.world_size; ++r) {
-      if (!slots[r].finished.load()) {
-        os << (first ? "" : ", ") << r;
-        first = false;
+      if (!(slots[r].*flag).load()) {
+        os << sep << r;
+        sep = ", ";
       }
     }
     return os.str();
@@ -279,7 +269,7 @@ bool Worker::advance(Task& task, bool* finished) {
   if (!progressed && Clock::now() > op.deadline) {
     std::ostringstream os;
     os << op.name() << " timed out after " << op.timeout_s << " s: ";
-    const std::string missing = op.missing_ranks();
+    const std::string missing = op.ranks_without(&RankSlot::joined);
     if (!missing.empty()) {
       os << "rank(s) " << missing << " of " << op.desc.world_size
          << " never arrived. Every device must run the same allreduces; a "
@@ -287,7 +277,7 @@ bool Worker::advance(Task& task, bool* finished) {
             "pool is exhausted (see JAXRING_CPU_THREADS) or a rank took a "
             "different branch.";
     } else {
-      os << "rank(s) " << op.unfinished_ranks() << " did not finish.";
+      os << "rank(s) " << op.ranks_without(&RankSlot::finished) << " did not finish.";
     }
     op.fail(os.str());
   }
