@@ -401,3 +401,21 @@ def test_build_info():
     assert info["backends"]["cpu"] is True
     assert info["built_with_jaxlib"]
     assert "cuda" in info and isinstance(info["cuda"], str)
+
+
+def test_inside_scan_and_while_loops():
+    """One lowered call site runs once per iteration under one run id."""
+    mesh = mesh_of(8)
+    x = put(np.arange(8.0, dtype=np.float32).reshape(8, 1), mesh, P("i"))
+
+    def scanned(red):
+        def body(c, _):
+            return red(c, "i") / 8.0 + 1.0, None
+        def f(v):
+            out, _ = jax.lax.scan(body, v, None, length=25)
+            out = jax.lax.fori_loop(0, 5, lambda i, c: red(c, "i") / 8.0, out)
+            return out
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+                                     check_vma=False))
+    np.testing.assert_allclose(np.asarray(scanned(jaxring.allreduce)(x)),
+                               np.asarray(scanned(jax.lax.psum)(x)), rtol=1e-6)
