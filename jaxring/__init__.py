@@ -20,14 +20,20 @@ _runtime.size_cpu_pool()
 from jaxring._src.allreduce import JaxringError, allreduce, pmean, psum  # noqa: E402
 from jaxring._src.build_info import build_info  # noqa: E402
 from jaxring._src.config import config  # noqa: E402
+from jaxring._src.overlap import (  # noqa: E402
+    OverlapReport, OverlapWarning, explain, overlap)
 
 __version__ = _bc.VERSION
 
 __all__ = [
     "JaxringError",
+    "OverlapReport",
+    "OverlapWarning",
     "allreduce",
     "build_info",
     "config",
+    "explain",
+    "overlap",
     "pmean",
     "psum",
 ]

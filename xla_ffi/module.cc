@@ -8,6 +8,7 @@
 
 #include "cpu/allreduce_handler.h"
 #include "cpu/inprocess_transport.h"
+#include "cpu/split_phase.h"
 #include "plan.h"
 #include "reduce.h"
 
@@ -44,6 +45,9 @@ NB_MODULE(_jaxring, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jaxring_allreduce_cpu"] = encapsulate_ffi(jaxring::AllreduceCpu);
+    d["jaxring_allreduce_start_cpu"] =
+        encapsulate_ffi(jaxring::AllreduceStartCpu);
+    d["jaxring_allreduce_done_cpu"] = encapsulate_ffi(jaxring::AllreduceDoneCpu);
     return d;
   });
 
@@ -83,6 +87,8 @@ NB_MODULE(_jaxring, m) {
 
   m.def("inprocess_pending_ops", &jaxring::inprocess_pending_ops,
         "Operations the in-process transport still holds.");
+  m.def("inprocess_unfinished_starts", &jaxring::inprocess_unfinished_starts,
+        "Split-phase allreduces started and not yet finished.");
 
   // Reduction kernels on raw bytes, for tests of rounding and wrapping.
   m.def("reduce_bytes", [](int elem_type, int op, nb::bytes a, nb::bytes b) {

@@ -78,14 +78,14 @@ def _check_bound(axes: tuple) -> None:
 
 # ---- varying-manual-axes (check_vma) helpers, across jax versions ----------
 
-def _varying(aval) -> frozenset:
+def varying(aval) -> frozenset:
     mat = getattr(aval, "mat", None)
     if mat is not None:
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", frozenset()))
 
 
-def _with_varying(aval, varying: frozenset):
+def with_varying(aval, varying: frozenset):
     if getattr(aval, "mat", None) is not None:
         return aval.update(manual_axis_type=aval.mat.update(varying=varying))
     return aval.update(vma=varying)
@@ -100,7 +100,7 @@ def _abstract_eval(aval, *, axes, op, rings, chunk_bytes, timeout_s, invariant):
     del op, rings, chunk_bytes, timeout_s
     _check_bound(axes)
     if invariant:
-        out = _with_varying(aval, _varying(aval) - frozenset(axes))
+        out = with_varying(aval, varying(aval) - frozenset(axes))
     else:
         out = aval
     return out, {core.NamedAxisEffect(a) for a in axes}
@@ -201,8 +201,12 @@ def _lookup(table: np.ndarray, index):
                        sliced)
 
 
-def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, invariant):
-    del invariant
+def ring_coordinates(ctx, axes: tuple):
+    """(world size, rank value, group value) of this device for a ring over axes.
+
+    Rank and group are scalar int32 IR values computed from partition-id, so
+    one lowered module serves every device.
+    """
     axis_ctx = ctx.module_context.axis_context
     mesh = getattr(axis_ctx, "mesh", None)
     if mesh is None:
@@ -220,16 +224,27 @@ def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, invariant):
     rank_table, group_table = _rank_tables(names, sizes, axes)
     pid = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)),
                       hlo.partition_id())
-    rank = _lookup(rank_table, pid)
-    group = _lookup(group_table, pid)
-    (aval,) = ctx.avals_in
-    scalar = core.ShapedArray((), np.int32)
-    call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
-    sub_ctx = ctx.replace(avals_in=[aval, scalar, scalar])
-    return call(sub_ctx, x, rank, group,
-                op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
+    return world, _lookup(rank_table, pid), _lookup(group_table, pid)
+
+
+def ring_attributes(world, op, rings, chunk_bytes, timeout_s) -> dict:
+    """The custom-call attributes every ring operation carries, with a fresh op id."""
+    return dict(op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s))
+
+
+SCALAR_I32 = core.ShapedArray((), np.int32)
+
+
+def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, invariant):
+    del invariant
+    world, rank, group = ring_coordinates(ctx, axes)
+    (aval,) = ctx.avals_in
+    call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
+    sub_ctx = ctx.replace(avals_in=[aval, SCALAR_I32, SCALAR_I32])
+    return call(sub_ctx, x, rank, group,
+                **ring_attributes(world, op, rings, chunk_bytes, timeout_s))
 
 
 mlir.register_lowering(allreduce_p, _lowering, platform="cpu")
@@ -254,7 +269,7 @@ def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s):
         # varying (psum of it is then size * x), if JAX allows that.
         fixed = []
         for leaf in leaves:
-            missing = tuple(a for a in axes if a not in _varying(core.typeof(leaf)))
+            missing = tuple(a for a in axes if a not in varying(core.typeof(leaf)))
             if missing:
                 if not jax_config.auto_pcast.value:
                     raise ValueError(

@@ -1,12 +1,15 @@
 #include "allreduce_handler.h"
 
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "../reduce.h"
 #include "inprocess_transport.h"
+#include "split_phase.h"
 
 namespace ffi = xla::ffi;
 
@@ -39,6 +42,52 @@ ffi::Future failed_future(const std::string& message) {
   return future;
 }
 
+// Checks the attributes (the Python side validates them at trace time; this
+// guards against a hand-written custom call) and builds the description.
+std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
+                                       int rank, int64_t world_size,
+                                       int64_t reduce_op, int64_t num_rings,
+                                       int64_t chunk_bytes, double timeout_s,
+                                       OpDesc* desc) {
+  const std::optional<ElemType> type = to_elem_type(dtype);
+  if (!type) return "jaxring allreduce: unsupported dtype";
+  ReduceOp op;
+  if (!reduce_op_from_int(reduce_op, &op)) {
+    return "jaxring allreduce: unknown reduction op";
+  }
+  if (world_size < 1 || num_rings < 1 || chunk_bytes < 1 || timeout_s <= 0) {
+    return "jaxring allreduce: world_size, rings, chunk_bytes and timeout "
+           "must be positive";
+  }
+  if (rank < 0 || rank >= world_size) {
+    std::ostringstream os;
+    os << "jaxring allreduce: rank " << rank << " outside [0, " << world_size
+       << ")";
+    return os.str();
+  }
+  desc->type = *type;
+  desc->op = op;
+  desc->count = count;
+  desc->world_size = static_cast<int>(world_size);
+  desc->num_rings = static_cast<int>(num_rings);
+  desc->chunk_bytes = chunk_bytes;
+  return std::nullopt;
+}
+
+// A promise completed by the transport: errors are deadline or peer failures.
+ffi::Future future_for(std::function<void(Completion)> start) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  start([promise](const std::optional<std::string>& error) mutable {
+    if (error) {
+      promise.SetError(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, *error));
+    } else {
+      promise.SetAvailable();
+    }
+  });
+  return future;
+}
+
 ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                              ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                              ffi::Buffer<ffi::S32> group_buf,
@@ -46,29 +95,15 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                              int64_t world_size, int64_t reduce_op,
                              int64_t num_rings, int64_t chunk_bytes,
                              double timeout_s) {
-  // The Python side validates all of this at trace time; these checks guard
-  // against a hand-written custom call.
-  const std::optional<ElemType> type = to_elem_type(x.element_type());
-  if (!type) return failed_future("jaxring allreduce: unsupported dtype");
-  ReduceOp op;
-  if (!reduce_op_from_int(reduce_op, &op)) {
-    return failed_future("jaxring allreduce: unknown reduction op");
-  }
-  if (world_size < 1 || num_rings < 1 || chunk_bytes < 1 || timeout_s <= 0) {
-    return failed_future(
-        "jaxring allreduce: world_size, rings, chunk_bytes and timeout must "
-        "be positive");
-  }
   const int rank = rank_buf.typed_data()[0];
   const int64_t group = group_buf.typed_data()[0];
-  if (rank < 0 || rank >= world_size) {
-    std::ostringstream os;
-    os << "jaxring allreduce: rank " << rank << " outside [0, " << world_size
-       << ")";
-    return failed_future(os.str());
-  }
-
   const int64_t count = static_cast<int64_t>(x.element_count());
+  OpDesc desc;
+  if (auto error = describe_op(x.element_type(), count, rank, world_size,
+                               reduce_op, num_rings, chunk_bytes, timeout_s,
+                               &desc)) {
+    return failed_future(*error);
+  }
   if (world_size == 1) {
     if (out->untyped_data() != x.untyped_data() && count > 0) {
       std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
@@ -78,29 +113,73 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
     promise.SetAvailable();
     return future;
   }
+  const OpKey key{run_id.run_id, op_id, group};
+  return future_for([&](Completion done) {
+    inprocess_allreduce(key, desc, rank, device, x.untyped_data(),
+                        out->untyped_data(), timeout_s, std::move(done));
+  });
+}
 
-  OpKey key{run_id.run_id, op_id, group};
+// Start of the split-phase allreduce: every operand (all of one dtype) is
+// reduced as one buffer. Returns at once; the handle only carries the data
+// dependency from start to done.
+ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
+                                 ffi::Buffer<ffi::S32> rank_buf,
+                                 ffi::Buffer<ffi::S32> group_buf,
+                                 ffi::RemainingArgs xs,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> handle,
+                                 int64_t op_id, int64_t world_size,
+                                 int64_t reduce_op, int64_t num_rings,
+                                 int64_t chunk_bytes, double timeout_s) {
+  handle->typed_data()[0] = 0;
+  std::vector<ConstBytes> inputs;
+  int64_t count = 0;
+  ffi::DataType dtype = ffi::DataType::INVALID;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    auto x = xs.get<ffi::AnyBuffer>(i);
+    if (x.has_error()) return x.error();
+    if (i == 0) dtype = x->element_type();
+    if (x->element_type() != dtype) {
+      return ffi::Error::InvalidArgument(
+          "jaxring allreduce start: operands must share one dtype");
+    }
+    inputs.push_back({x->untyped_data(), x->size_bytes()});
+    count += static_cast<int64_t>(x->element_count());
+  }
+  if (inputs.empty()) {
+    return ffi::Error::InvalidArgument(
+        "jaxring allreduce start: no operands");
+  }
   OpDesc desc;
-  desc.type = *type;
-  desc.op = op;
-  desc.count = count;
-  desc.world_size = static_cast<int>(world_size);
-  desc.num_rings = static_cast<int>(num_rings);
-  desc.chunk_bytes = chunk_bytes;
+  if (auto error = describe_op(dtype, count, rank_buf.typed_data()[0],
+                               world_size, reduce_op, num_rings, chunk_bytes,
+                               timeout_s, &desc)) {
+    return ffi::Error::InvalidArgument(*error);
+  }
+  const OpKey key{run_id.run_id, op_id, group_buf.typed_data()[0]};
+  if (auto error = inprocess_start(key, desc, rank_buf.typed_data()[0], device,
+                                   inputs, timeout_s)) {
+    return ffi::Error::Internal(*error);
+  }
+  return ffi::Error::Success();
+}
 
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  inprocess_allreduce(
-      key, desc, rank, device, x.untyped_data(), out->untyped_data(),
-      timeout_s,
-      [promise](const std::optional<std::string>& error) mutable {
-        if (error) {
-          promise.SetError(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, *error));
-        } else {
-          promise.SetAvailable();
-        }
-      });
-  return future;
+// Done of the split-phase allreduce: completes when the result is in its
+// outputs, which have the operands' shapes in the same order.
+ffi::Future AllreduceDoneCpuImpl(ffi::RunId run_id, int32_t device,
+                                 ffi::Buffer<ffi::S32> handle,
+                                 ffi::RemainingRets outs, int64_t op_id) {
+  (void)handle;
+  std::vector<MutableBytes> outputs;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (out.has_error()) return failed_future(out.error().message());
+    outputs.push_back({(*out)->untyped_data(), (*out)->size_bytes()});
+  }
+  return future_for([&](Completion done) {
+    inprocess_finish(run_id.run_id, device, op_id, std::move(outputs),
+                     std::move(done));
+  });
 }
 
 }  // namespace
@@ -120,5 +199,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("num_rings")
         .Attr<int64_t>("chunk_bytes")
         .Attr<double>("timeout_s"));
+
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllreduceStartCpu, AllreduceStartCpuImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::RunId>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::Buffer<ffi::S32>>()  // rank of this device in its group
+        .Arg<ffi::Buffer<ffi::S32>>()  // which group (ring) it belongs to
+        .RemainingArgs()               // the operands, one dtype
+        .Ret<ffi::Buffer<ffi::S32>>()  // handle for done
+        .Attr<int64_t>("op_id")
+        .Attr<int64_t>("world_size")
+        .Attr<int64_t>("reduce_op")
+        .Attr<int64_t>("num_rings")
+        .Attr<int64_t>("chunk_bytes")
+        .Attr<double>("timeout_s"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllreduceDoneCpu, AllreduceDoneCpuImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::RunId>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::Buffer<ffi::S32>>()  // handle from start
+        .RemainingRets()               // the results, shaped like the operands
+        .Attr<int64_t>("op_id"));
 
 }  // namespace jaxring

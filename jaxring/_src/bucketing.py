@@ -1,0 +1,146 @@
+"""Bucket planning for jaxring.overlap: pure, no JAX.
+
+The program is a sequence of equations; a *slot* s is the point just before
+equation s (slot n is the end). Each reduced value is an :class:`Item` that
+can be started from slot ``ready`` (its producer has run) and must be done by
+slot ``needed`` (its first use). The planner
+
+1. cuts items bigger than the partition size into parts (ByteScheduler), so
+   that one huge tensor does not hold back the rest;
+2. groups items in the order they become ready (the backward pass produces
+   the last layers' gradients first) into buckets: the first bucket closes at
+   ``first_bucket_bytes`` so that communication starts early (PyTorch DDP),
+   the others at ``bucket_bytes``; a bucket also closes when the next item
+   only becomes ready after some item already in it is needed (a BatchNorm
+   statistic must not wait for gradients);
+3. applies a credit window: before a bucket starts, the oldest buckets still
+   in flight are finished until the bytes in flight fit ``max_inflight_bytes``;
+4. returns, per slot, the ordered list of actions ("start" or "done",
+   bucket) to emit there.
+
+Each bucket starts at the slot where its last item becomes ready and is done
+at the slot where its first item is needed (or earlier, for the window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Hashable
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One value to reduce, or a contiguous part of one."""
+    key: Hashable           # identifies the value (the planner does not look)
+    nbytes: int
+    dtype: Any              # items of different dtypes may share a bucket
+    ready: int              # first slot at which it can start
+    needed: int             # last slot by which it must be done
+    part: int = 0           # index of this part within its value
+    offset: int = 0         # first element of this part
+    count: int = -1         # elements in this part (-1: the whole value)
+
+
+@dataclasses.dataclass
+class Bucket:
+    index: int
+    items: list[Item]
+    start_slot: int
+    done_slot: int
+    # Buckets the credit window finishes right before this one starts.
+    waits_for: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+
+@dataclasses.dataclass
+class Plan:
+    buckets: list[Bucket]
+    # slot -> ordered actions [("start" | "done", bucket index), ...]
+    actions: dict[int, list[tuple[str, int]]]
+
+
+def split_item(item: Item, elem_bytes: int, partition_bytes: int) -> list[Item]:
+    """Cuts an item into parts of at most partition_bytes (whole elements)."""
+    count = item.nbytes // elem_bytes if elem_bytes else 0
+    if partition_bytes <= 0 or item.nbytes <= partition_bytes or count <= 1:
+        return [dataclasses.replace(item, count=count)]
+    per_part = max(1, partition_bytes // elem_bytes)
+    parts = []
+    for p, off in enumerate(range(0, count, per_part)):
+        n = min(per_part, count - off)
+        parts.append(dataclasses.replace(item, nbytes=n * elem_bytes, part=p,
+                                         offset=off, count=n))
+    return parts
+
+
+def plan_buckets(items: list[Item], *, first_bucket_bytes: int,
+                 bucket_bytes: int, max_inflight_bytes: int | None) -> Plan:
+    for it in items:
+        if it.ready > it.needed:
+            raise ValueError(f"item {it.key}: ready at slot {it.ready} but "
+                             f"needed at slot {it.needed}")
+    order = sorted(range(len(items)), key=lambda i: (items[i].ready, i))
+    buckets: list[Bucket] = []
+    current: list[Item] = []
+    start = done = 0
+
+    def close():
+        buckets.append(Bucket(len(buckets), list(current), start, done))
+        current.clear()
+
+    for i in order:
+        it = items[i]
+        if current and it.ready > done:
+            close()
+        if not current:
+            start, done = it.ready, it.needed
+        current.append(it)
+        start = max(start, it.ready)
+        done = min(done, it.needed)
+        cap = first_bucket_bytes if not buckets else bucket_bytes
+        if sum(x.nbytes for x in current) >= cap:
+            close()
+    if current:
+        close()
+
+    _apply_credit_window(buckets, max_inflight_bytes)
+    return Plan(buckets, _actions(buckets))
+
+
+def _apply_credit_window(buckets: list[Bucket], limit: int | None) -> None:
+    if limit is None:
+        return
+    in_flight: list[Bucket] = []  # started, oldest first
+    for b in buckets:  # buckets are in start order
+        # Buckets done before b's slot, or at it but started earlier (their
+        # dones are emitted before the slot's starts), no longer count.
+        in_flight = [o for o in in_flight
+                     if o.done_slot > b.start_slot
+                     or (o.done_slot == b.start_slot and o.start_slot == b.start_slot)]
+        while in_flight and sum(o.nbytes for o in in_flight) + b.nbytes > limit:
+            oldest = in_flight.pop(0)
+            oldest.done_slot = b.start_slot
+            b.waits_for.append(oldest.index)
+        in_flight.append(b)
+
+
+def _actions(buckets: list[Bucket]) -> dict[int, list[tuple[str, int]]]:
+    """Orders each slot: dones of earlier starts, then each start preceded by
+    the dones the window forces, then dones of buckets started in the slot."""
+    forced = {w for b in buckets for w in b.waits_for}
+    actions: dict[int, list[tuple[str, int]]] = {}
+    slots = sorted({b.start_slot for b in buckets} | {b.done_slot for b in buckets})
+    for s in slots:
+        acts = [("done", b.index) for b in buckets
+                if b.done_slot == s and b.start_slot < s and b.index not in forced]
+        for b in buckets:
+            if b.start_slot == s:
+                acts += [("done", w) for w in b.waits_for]
+                acts.append(("start", b.index))
+        acts += [("done", b.index) for b in buckets
+                 if b.done_slot == s and b.start_slot == s and b.index not in forced]
+        actions[s] = acts
+    return actions
