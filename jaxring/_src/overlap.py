@@ -15,11 +15,11 @@ How. Each reduced value is ready once the equation producing it has run and
 needed at its first use. Values are grouped into buckets in the order they
 become ready (see :mod:`jaxring._src.bucketing`); each bucket becomes a
 split-phase allreduce whose *start* is issued right after its last value is
-produced and whose *done* is placed right before its first use. Fences (HLO
-optimization barriers over the start's handle and every value still live)
-keep the compiler from sinking a start to the end of the program or hoisting
-a done next to its start, so the transfer runs while the rest of the backward
-pass computes.
+produced and whose *done* is placed right before its first use. The done
+takes, as extra operands that it ignores, the values computed since its start
+that are still needed, so the compiler cannot hoist it next to its start; the
+transfer runs while the rest of the backward pass computes (see
+:mod:`jaxring._src.split_phase`).
 """
 
 from __future__ import annotations
@@ -385,8 +385,8 @@ def _vector_aval(aval, count: int):
 
 
 class _Emitter:
-    """Evaluates the jaxpr in the caller's trace, emitting starts, dones and
-    fences at the slots the plan chose."""
+    """Evaluates the jaxpr in the caller's trace, emitting starts and dones
+    at the slots the plan chose."""
 
     def __init__(self, jaxpr, consts, args, plan, reductions, opts):
         self.jaxpr = jaxpr
@@ -404,6 +404,7 @@ class _Emitter:
             for it in b.items:
                 self.parts_total[it.key] = self.parts_total.get(it.key, 0) + 1
         self.parts: dict = {}
+        self.produced_at: dict = {}  # var -> index of the eqn that made it
         self.unstarted_uses: dict = {}
         for r in reductions:
             v = jaxpr.eqns[r.eqn].invars[r.operand]
@@ -422,6 +423,8 @@ class _Emitter:
                 continue  # its outputs come from dones
             outs = _bind(eqn, [_read(self.env, v) for v in eqn.invars])
             self.env.update(zip(eqn.outvars, outs))
+            for v in eqn.outvars:
+                self.produced_at[v] = s
             self._drop_dead(s)
         return [_read(self.env, v) for v in self.jaxpr.outvars]
 
@@ -435,40 +438,20 @@ class _Emitter:
         # An operand of a rewritten psum stays until its bucket has started.
         return self.unstarted_uses.get(v, 0) > 0
 
-    def _live(self, s):
-        return [v for v in self.env
-                if self.last_use.get(v, -1) >= s or self._pending_operand(v)]
-
-    def _fence_live(self, s, extra):
-        live = self._live(s)
-        vals = [self.env[v] for v in live]
-        fenced = split_phase.fence(list(extra) + vals)
-        extra_out, vals_out = fenced[:len(extra)], fenced[len(extra):]
-        self.env.update(zip(live, vals_out))
-        return extra_out
+    def _frontier(self, bucket):
+        """Values computed since the bucket started that are still needed:
+        a done that takes them cannot run before the backward computation
+        that produced them."""
+        since = bucket.start_slot
+        return [self.env[v] for v in self.env
+                if self.produced_at.get(v, -1) >= since]
 
     def _actions(self, s):
-        acts = self.plan.actions.get(s, [])
-        k = 0
-        while k < len(acts):
-            kind = acts[k][0]
-            group = []
-            while k < len(acts) and acts[k][0] == kind:
-                group.append(acts[k][1])
-                k += 1
+        for kind, b in self.plan.actions.get(s, []):
             if kind == "start":
-                for b in group:
-                    self._start(b)
-                handles = [h for b in group for h, *_ in self.started[b]]
-                fenced = self._fence_live(s, handles)
-                it = iter(fenced)
-                for b in group:
-                    self.started[b] = [(next(it), *rest) for _, *rest in self.started[b]]
+                self._start(b)
             else:
-                handles = [h for b in group for h, *_ in self.started[b]]
-                fenced = iter(self._fence_live(s, handles))
-                for b in group:
-                    self._done(b, [next(fenced) for _ in self.started[b]])
+                self._done(b)
 
     def _operand(self, it):
         eqn = self.jaxpr.eqns[it.key[0]]
@@ -487,18 +470,15 @@ class _Emitter:
         for it in bucket.items:
             r = self.red[it.key]
             groups.setdefault((r.axes, r.dtype), []).append(it)
+        # The credit window: this start may only run once the buckets it
+        # waits for are done.
         waited = [v for w in bucket.waits_for for v in self.results.get(w, [])]
         started = []
         for (axes, _), items in groups.items():
             operands, avals = zip(*(self._operand(it) for it in items))
-            operands = list(operands)
-            if waited:
-                # The credit window: this start may only run once the buckets
-                # it waits for are done.
-                fenced = split_phase.fence(waited + operands)
-                operands = fenced[len(waited):]
             handle, op_id = split_phase.start(
-                operands, axes=axes, op="sum", rings=self.opts.rings,
+                list(operands), deps=waited, axes=axes, op="sum",
+                rings=self.opts.rings,
                 chunk_bytes=self.opts.chunk_bytes, timeout_s=self.opts.timeout_s)
             started.append((handle, op_id, items, avals))
         for it in bucket.items:
@@ -506,10 +486,11 @@ class _Emitter:
             self.unstarted_uses[v] -= 1
         self.started[b] = started
 
-    def _done(self, b, handles):
+    def _done(self, b):
+        deps = self._frontier(self.plan.buckets[b])
         outs_all = []
-        for handle, (_, op_id, items, avals) in zip(handles, self.started[b]):
-            outs = split_phase.done(handle, op_id, avals)
+        for handle, op_id, items, avals in self.started[b]:
+            outs = split_phase.done(handle, op_id, avals, deps=deps)
             outs_all += outs
             for it, out in zip(items, outs):
                 self._deliver(it, out)

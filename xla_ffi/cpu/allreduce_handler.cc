@@ -120,9 +120,11 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
   });
 }
 
-// Start of the split-phase allreduce: every operand (all of one dtype) is
-// reduced as one buffer. Returns at once; the handle only carries the data
-// dependency from start to done.
+// Start of the split-phase allreduce. The first num_deps remaining arguments
+// are ordering dependencies only (values that must exist before this start,
+// e.g. the results of buckets a credit window waits for); the rest, all of
+// one dtype, are reduced as one buffer. Returns at once; the handle only
+// carries the data dependency from start to done.
 ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                  ffi::Buffer<ffi::S32> rank_buf,
                                  ffi::Buffer<ffi::S32> group_buf,
@@ -130,15 +132,20 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                  ffi::Result<ffi::Buffer<ffi::S32>> handle,
                                  int64_t op_id, int64_t world_size,
                                  int64_t reduce_op, int64_t num_rings,
-                                 int64_t chunk_bytes, double timeout_s) {
+                                 int64_t chunk_bytes, double timeout_s,
+                                 int64_t num_deps) {
   handle->typed_data()[0] = 0;
   std::vector<ConstBytes> inputs;
   int64_t count = 0;
   ffi::DataType dtype = ffi::DataType::INVALID;
-  for (size_t i = 0; i < xs.size(); ++i) {
+  if (num_deps < 0 || static_cast<size_t>(num_deps) > xs.size()) {
+    return ffi::Error::InvalidArgument(
+        "jaxring allreduce start: num_deps outside the argument list");
+  }
+  for (size_t i = num_deps; i < xs.size(); ++i) {
     auto x = xs.get<ffi::AnyBuffer>(i);
     if (x.has_error()) return x.error();
-    if (i == 0) dtype = x->element_type();
+    if (inputs.empty()) dtype = x->element_type();
     if (x->element_type() != dtype) {
       return ffi::Error::InvalidArgument(
           "jaxring allreduce start: operands must share one dtype");
@@ -165,11 +172,15 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
 }
 
 // Done of the split-phase allreduce: completes when the result is in its
-// outputs, which have the operands' shapes in the same order.
+// outputs, which have the operands' shapes in the same order. Arguments after
+// the handle are ordering dependencies only: the computation that must run
+// before the program waits for this result.
 ffi::Future AllreduceDoneCpuImpl(ffi::RunId run_id, int32_t device,
                                  ffi::Buffer<ffi::S32> handle,
+                                 ffi::RemainingArgs deps,
                                  ffi::RemainingRets outs, int64_t op_id) {
   (void)handle;
+  (void)deps;
   std::vector<MutableBytes> outputs;
   for (size_t i = 0; i < outs.size(); ++i) {
     auto out = outs.get<ffi::AnyBuffer>(i);
@@ -208,14 +219,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::DeviceOrdinal>()
         .Arg<ffi::Buffer<ffi::S32>>()  // rank of this device in its group
         .Arg<ffi::Buffer<ffi::S32>>()  // which group (ring) it belongs to
-        .RemainingArgs()               // the operands, one dtype
+        .RemainingArgs()               // num_deps dependencies, then operands
         .Ret<ffi::Buffer<ffi::S32>>()  // handle for done
         .Attr<int64_t>("op_id")
         .Attr<int64_t>("world_size")
         .Attr<int64_t>("reduce_op")
         .Attr<int64_t>("num_rings")
         .Attr<int64_t>("chunk_bytes")
-        .Attr<double>("timeout_s"));
+        .Attr<double>("timeout_s")
+        .Attr<int64_t>("num_deps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllreduceDoneCpu, AllreduceDoneCpuImpl,
@@ -223,6 +235,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::RunId>()
         .Ctx<ffi::DeviceOrdinal>()
         .Arg<ffi::Buffer<ffi::S32>>()  // handle from start
+        .RemainingArgs()               // ordering dependencies
         .RemainingRets()               // the results, shaped like the operands
         .Attr<int64_t>("op_id"));
 
