@@ -448,10 +448,20 @@ class _Emitter:
 
     def _actions(self, s):
         for kind, b in self.plan.actions.get(s, []):
-            if kind == "start":
-                self._start(b)
-            else:
-                self._done(b)
+            # Name each call after its bucket, under the scope of the
+            # equation it follows (a start) or precedes (a done), so that
+            # profiles and HLO dumps show where it sits.
+            n = len(self.jaxpr.eqns)
+            near = s - 1 if kind == "start" else s
+            stack = source_info_util.current_name_stack()
+            if 0 <= near < n:
+                stack = stack + self.jaxpr.eqns[near].source_info.name_stack
+            with source_info_util.user_context(
+                    None, name_stack=stack.extend(f"jaxring_bucket{b}")):
+                if kind == "start":
+                    self._start(b)
+                else:
+                    self._done(b)
 
     def _operand(self, it):
         eqn = self.jaxpr.eqns[it.key[0]]

@@ -1,0 +1,470 @@
+"""jaxring.overlap: the rewritten step computes what the original computes,
+and its compiled program issues each bucket during the backward pass."""
+
+import functools
+import re
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxring
+from jaxring import _jaxring
+
+N = 8
+WIDTH = 32
+LAYERS = 4
+
+
+@pytest.fixture(autouse=True)
+def no_state_left_behind():
+    yield
+    # Reading one replicated result does not wait for the other devices, so
+    # give the last step a moment to finish everywhere.
+    deadline = time.monotonic() + 30
+    while (_jaxring.inprocess_unfinished_starts() or _jaxring.inprocess_pending_ops()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _jaxring.inprocess_unfinished_starts() == 0
+    assert _jaxring.inprocess_pending_ops() == 0
+
+
+def mesh():
+    return jax.make_mesh((N,), ("batch",))
+
+
+def init_mlp(seed=0, layers=LAYERS, width=WIDTH):
+    rng = np.random.default_rng(seed)
+    return {f"layer{i}": {"w": jnp.asarray(rng.normal(0, 0.3, (width, width)), jnp.float32),
+                          "b": jnp.asarray(rng.normal(0, 0.1, (width,)), jnp.float32)}
+            for i in range(layers)}
+
+
+def mlp(params, x):
+    for i in range(len(params)):
+        with jax.named_scope(f"layer{i}"):
+            p = params[f"layer{i}"]
+            x = jnp.tanh(x @ p["w"] + p["b"])
+    return x
+
+
+def batch(seed=1, per_device=4, width=WIDTH):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N * per_device, width)).astype(np.float32)
+    y = rng.normal(size=(N * per_device, width)).astype(np.float32)
+    return {"x": jnp.asarray(x), "y": jnp.asarray(y)}
+
+
+def make_step(pmean, optimizer, model=mlp):
+    """A train step written the usual way; `pmean` is lax.pmean or jaxring's."""
+    def step(params, opt_state, data):
+        def loss_fn(p):
+            pred = model(p, data["x"])
+            return jnp.mean((pred - data["y"]) ** 2), {"pred_mean": jnp.mean(pred)}
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grads = pmean(grads, "batch")
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, pmean(loss, "batch"), pmean(aux, "batch")
+    return step
+
+
+def sharded(step, check_vma=True):
+    m = mesh()
+    return jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), P(), P("batch")),
+                                 out_specs=P(), check_vma=check_vma))
+
+
+def train(step_fn, params, optimizer, data, steps=3):
+    opt_state = optimizer.init(params)
+    m = mesh()
+    data = jax.device_put(data, NamedSharding(m, P("batch")))
+    history = []
+    for _ in range(steps):
+        params, opt_state, loss, aux = step_fn(params, opt_state, data)
+        history.append((float(loss), float(aux["pred_mean"])))
+    return params, history
+
+
+def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(
+        np.asarray(u), np.asarray(v), rtol=rtol, atol=atol), a, b)
+
+
+def small_buckets(**kw):
+    # Buckets of about one layer each, so that there are several.
+    return dict(axis_name="batch", bucket_mb=WIDTH * WIDTH * 4 / 2**20,
+                first_bucket_mb=WIDTH * WIDTH * 4 / 2**20, **kw)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_mlp_with_optax_matches_psum_and_plain_jaxring(check_vma):
+    opt = optax.adam(1e-2)
+    params, data = init_mlp(), batch()
+    ref_lax = train(sharded(make_step(jax.lax.pmean, opt), check_vma), params, opt, data)
+    ref_ring = train(sharded(make_step(jaxring.pmean, opt), check_vma), params, opt, data)
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt), **small_buckets())
+    got = train(sharded(ov, check_vma), params, opt, data)
+    assert_trees_close(got, ref_ring)
+    assert_trees_close(got, ref_lax)
+
+
+def test_pmap_step():
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+    data = jax.tree.map(lambda a: a.reshape(N, -1, *a.shape[1:]), data)
+
+    def run(step):
+        f = jax.pmap(step, axis_name="batch", in_axes=(None, None, 0))
+        p, s = params, opt.init(params)
+        for _ in range(2):
+            p, s, loss, _ = f(p, s, data)
+            p, s = jax.tree.map(lambda a: a[0], (p, s))
+        return p, float(loss[0])
+
+    ref = run(make_step(jax.lax.pmean, opt))
+    got = run(jaxring.overlap(make_step(jax.lax.pmean, opt), **small_buckets()))
+    assert_trees_close(got, ref)
+
+
+def test_bare_decorator_rewrites_every_mapped_axis():
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+    ref = train(sharded(make_step(jax.lax.pmean, opt)), params, opt, data, steps=1)
+    got = train(sharded(jaxring.overlap(make_step(jax.lax.pmean, opt))),
+                params, opt, data, steps=1)
+    assert_trees_close(got, ref)
+
+
+def test_results_are_repeatable_bit_for_bit():
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+    step = sharded(jaxring.overlap(make_step(jax.lax.pmean, opt), **small_buckets()))
+    a = train(step, params, opt, data)
+    b = train(step, params, opt, data)
+    jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), a, b)
+
+
+def test_integer_reductions_are_bit_identical():
+    def step(x):
+        counts = jnp.stack([jnp.sum(x > t, dtype=jnp.int32) for t in range(-3, 4)])
+        big = (x * 1e6).astype(jnp.int64) * 7919
+        return jax.lax.psum(counts, "batch"), jax.lax.psum(big, "batch")
+
+    m = mesh()
+    x = jax.device_put(jnp.asarray(np.random.default_rng(0).normal(size=(N * 64,))),
+                       NamedSharding(m, P("batch")))
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
+                                          out_specs=P()))(x)
+    ref = run(step)
+    got = run(jaxring.overlap(step, axis_name="batch"))
+    for r, g in zip(ref, got):
+        assert g.dtype == r.dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+
+
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_nested_jit_remat_and_custom_vjp(check_vma):
+    @jax.custom_vjp
+    def softsign(x):
+        return x / (1 + jnp.abs(x))
+
+    def softsign_fwd(x):
+        return softsign(x), x
+
+    def softsign_bwd(x, g):
+        return (g / (1 + jnp.abs(x)) ** 2,)
+
+    softsign.defvjp(softsign_fwd, softsign_bwd)
+
+    @jax.jit
+    def layer(p, x):
+        return softsign(x @ p["w"] + p["b"])
+
+    def model(params, x):
+        for i in range(len(params)):
+            x = jax.checkpoint(layer)(params[f"layer{i}"], x)
+        return x
+
+    reduce_in_jit = jax.jit(lambda g, axis: jax.lax.pmean(g, axis), static_argnums=1)
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+    ref = train(sharded(make_step(jax.lax.pmean, opt, model), check_vma),
+                params, opt, data)
+    ov = jaxring.overlap(make_step(reduce_in_jit, opt, model), **small_buckets())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", jaxring.OverlapWarning)
+        got = train(sharded(ov, check_vma), params, opt, data)
+    assert_trees_close(got, ref)
+    messages = [str(w.message) for w in caught
+                if issubclass(w.category, jaxring.OverlapWarning)]
+    if check_vma:
+        # Under check_vma, AD itself sums the gradient of a replicated
+        # parameter where the parameter is used: inside the remat body.
+        assert messages and all("inside `remat" in m for m in messages), messages
+    else:
+        assert not messages, messages
+
+
+def scan_model(params, x):
+    def body(h, p):
+        return jnp.tanh(h @ p["w"] + p["b"]), None
+    return jax.lax.scan(body, x, params)[0]
+
+
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_scan_over_layers(check_vma):
+    opt = optax.adam(1e-2)
+    layers = init_mlp()
+    params = jax.tree.map(lambda *a: jnp.stack(a), *layers.values())
+    data = batch()
+    ref = train(sharded(make_step(jax.lax.pmean, opt, scan_model), check_vma),
+                params, opt, data)
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt, scan_model), axis_name="batch")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", jaxring.OverlapWarning)
+        got = train(sharded(ov, check_vma), params, opt, data)
+    assert_trees_close(got, ref)
+    messages = [str(w.message) for w in caught
+                if issubclass(w.category, jaxring.OverlapWarning)]
+    if check_vma:
+        # AD sums the replicated stacked parameters' gradients inside the
+        # backward scan, one layer per iteration: left there, and said so.
+        assert messages and all("inside `scan`" in m for m in messages), messages
+    else:
+        # The stacked gradients leave the scan whole: one bucket, after it.
+        assert not messages, messages
+
+
+def test_psum_inside_scan_is_left_alone_with_a_warning():
+    def step(x):
+        def body(c, row):
+            return c + jax.lax.psum(row, "batch"), None
+        total = jax.lax.scan(body, jnp.zeros(x.shape[1:]), x)[0]
+        return total, jax.lax.psum(jnp.sum(x), "batch")
+
+    m = mesh()
+    x = jax.device_put(jnp.arange(N * 3 * 5, dtype=jnp.float32).reshape(N * 3, 5),
+                       NamedSharding(m, P("batch")))
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
+                                          out_specs=P()))(x)
+    with pytest.warns(jaxring.OverlapWarning, match="inside `scan`"):
+        got = run(jaxring.overlap(step, axis_name="batch"))
+    assert_trees_close(got, run(step))
+
+
+def test_batchnorm_statistic_is_done_before_it_is_used():
+    def model(params, x):
+        for i in range(len(params)):
+            p = params[f"layer{i}"]
+            h = x @ p["w"]
+            mean = jax.lax.pmean(jnp.mean(h, axis=0), "batch")
+            var = jax.lax.pmean(jnp.mean((h - mean) ** 2, axis=0), "batch")
+            x = jnp.tanh((h - mean) / jnp.sqrt(var + 1e-5) + p["b"])
+        return x
+
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+    ref = train(sharded(make_step(jax.lax.pmean, opt, model)), params, opt, data)
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt, model), axis_name="batch")
+    got = train(sharded(ov), params, opt, data)
+    assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_partitions_and_a_tight_credit_window():
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+    ref = train(sharded(make_step(jaxring.pmean, opt)), params, opt, data)
+    tiny = WIDTH * WIDTH * 4 / 2**20 / 3  # a third of a layer's weight
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt), axis_name="batch",
+                         bucket_mb=tiny, first_bucket_mb=tiny, partition_mb=tiny,
+                         max_inflight_mb=2 * tiny)
+    got = train(sharded(ov), params, opt, data)
+    assert_trees_close(got, ref)
+
+
+def test_explain_names_buckets_by_parameter_path():
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+    step = jaxring.overlap(make_step(jax.lax.pmean, opt), **small_buckets())
+    holder = {}
+
+    def body(p, s, d):
+        holder["report"] = jaxring.explain(step, p, s, d)
+        return step(p, s, d)
+
+    # Without check_vma the user's pmean is the gradient reduction (under
+    # check_vma, AD sums replicated parameters' gradients itself).
+    train(sharded(body, check_vma=False), params, opt, data, steps=1)
+    report = holder["report"]
+    leaves = [leaf for b in report.buckets for leaf in b.leaves]
+    for i in range(LAYERS):
+        assert any(f"args[0]['layer{i}']['w']" in leaf for leaf in leaves), leaves
+    # Backward order: the last layer's gradient is in an earlier bucket.
+    first = {i: next(b.index for b in report.buckets
+                     if any(f"['layer{i}']['w']" in leaf for leaf in b.leaves))
+             for i in range(LAYERS)}
+    assert first[LAYERS - 1] < first[0]
+    text = str(report)
+    assert "issued after" in text and "waited before" in text
+
+
+def test_report_prints_at_trace_time(capsys):
+    opt = optax.sgd(0.1)
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt), report=True, **small_buckets())
+    train(sharded(ov), init_mlp(), opt, batch(), steps=1)
+    assert "jaxring.overlap:" in capsys.readouterr().out
+
+
+def on_devices(x):
+    return jax.device_put(x, NamedSharding(mesh(), P("batch")))
+
+
+def test_nothing_to_rewrite_warns():
+    m = mesh()
+    f = jax.jit(jax.shard_map(jaxring.overlap(lambda x: x * 2, axis_name="batch"),
+                              mesh=m, in_specs=P("batch"), out_specs=P("batch")))
+    with pytest.warns(jaxring.OverlapWarning, match="nothing to overlap"):
+        f(on_devices(jnp.ones(N)))
+
+
+def test_unsupported_dtype_is_left_alone_with_a_warning():
+    def step(x):
+        return jax.lax.psum(x.astype(jnp.complex64), "batch"), jax.lax.psum(x, "batch")
+
+    m = mesh()
+    x = jax.device_put(jnp.arange(N, dtype=jnp.float32), NamedSharding(m, P("batch")))
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
+                                          out_specs=P()))(x)
+    with pytest.warns(jaxring.OverlapWarning, match="complex64"):
+        got = run(jaxring.overlap(step, axis_name="batch"))
+    assert_trees_close(got, run(step))
+
+
+def test_errors_are_clear():
+    with pytest.raises(ValueError, match="bucket_mb"):
+        jaxring.overlap(lambda x: x, bucket_mb=0)
+    with pytest.raises(ValueError, match="max_inflight_mb"):
+        jaxring.overlap(lambda x: x, max_inflight_mb=-1)
+    with pytest.raises(TypeError, match="decorates a function"):
+        jaxring.overlap(3)
+    m = mesh()
+    f = jax.jit(jax.shard_map(jaxring.overlap(lambda x: jax.lax.psum(x, "batch"),
+                                              axis_name="model"),
+                              mesh=m, in_specs=P("batch"), out_specs=P()))
+    with pytest.raises(NameError, match="unbound axis name 'model'"):
+        f(on_devices(jnp.ones(N)))
+    with pytest.raises(TypeError, match="decorated with jaxring.overlap"):
+        jaxring.explain(lambda x: x, 1.0)
+
+
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_compiled_order_overlaps_the_backward_pass(check_vma):
+    """Each layer's bucket starts before the backward computation of the layer
+    below it and is done after the whole backward pass."""
+    opt = optax.sgd(0.1)
+    layers = 6
+    params, data = init_mlp(layers=layers, width=64), batch(width=64)
+    one_layer = 64 * 64 * 4 / 2**20
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt), axis_name="batch",
+                         bucket_mb=one_layer, first_bucket_mb=one_layer,
+                         partition_mb=100)
+    f = sharded(ov, check_vma)
+    m = mesh()
+    hlo = f.lower(params, opt.init(params),
+                  jax.device_put(data, NamedSharding(m, P("batch")))).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):].splitlines()
+    starts, dones, backward = {}, {}, {}
+    for pos, line in enumerate(entry):
+        layer = re.search(r'op_name="[^"]*transpose\(jvp\(layer(\d+)\)\)([^"]*)"', line)
+        target = re.search(r'custom_call_target="jaxring_allreduce_(start|done)_cpu"', line)
+        if target:
+            bucket = int(re.search(r"jaxring_bucket(\d+)", line).group(1))
+            if target.group(1) == "start":
+                starts[bucket] = (pos, int(layer.group(1)) if layer else None)
+            else:
+                dones[bucket] = pos
+        elif layer and layer.group(2).endswith(("dot_general", "transpose")):
+            # The matmuls (XLA names the weight gradient's after the
+            # transpose it absorbs): the bulk of a layer's backward pass.
+            backward.setdefault(int(layer.group(1)), []).append(pos)
+    assert sorted(backward) == list(range(layers))
+    assert sorted(starts) == sorted(dones)
+    last_backward = max(max(v) for v in backward.values())
+    started_in = {}
+    for bucket, (pos, layer) in starts.items():
+        if layer is not None:
+            started_in.setdefault(layer, []).append(bucket)
+            if layer > 0:
+                # Issued before the backward matmuls of the layer below.
+                assert pos < min(backward[layer - 1]), (bucket, layer)
+    # Every layer's backward pass issues at least one bucket.
+    assert sorted(started_in) == list(range(layers))
+    if not check_vma:
+        # The gradients are first used by the optimizer: every bucket is
+        # waited for after the whole backward pass. (Under check_vma, AD sums
+        # some values where they are needed mid-backward, and their buckets
+        # are waited for right there.)
+        for bucket, pos in dones.items():
+            assert pos > last_backward, bucket
+
+
+def test_flax_cnn_with_batchnorm_and_train_state():
+    """The flax-style step of the README, unchanged but for the decorator."""
+    import flax.linen as nn
+    from flax.training import train_state
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            for features in (8, 16):
+                x = nn.Conv(features, (3, 3))(x)
+                x = nn.BatchNorm(use_running_average=not train, axis_name="batch")(x)
+                x = nn.relu(x)
+            return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+    class State(train_state.TrainState):
+        batch_stats: dict
+
+    model = CNN()
+    rng = np.random.default_rng(0)
+    images = jnp.asarray(rng.normal(size=(N, 4, 8, 8, 3)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 10, (N, 4)))
+    variables = model.init(jax.random.key(0), images[0], train=False)
+    state = State.create(apply_fn=model.apply, params=variables["params"],
+                         batch_stats=variables["batch_stats"],
+                         # Not adam: a conv bias before BatchNorm has a zero
+                         # gradient up to rounding, which adam would scale up
+                         # to full steps of either sign.
+                         tx=optax.sgd(0.1, momentum=0.9))
+
+    def train_step(state, images, labels):
+        def loss_fn(params):
+            logits, updates = state.apply_fn(
+                {"params": params, "batch_stats": state.batch_stats}, images,
+                train=True, mutable=["batch_stats"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            return loss, updates
+        (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        grads = jax.lax.pmean(grads, "batch")
+        state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+        return state, jax.lax.pmean(loss, "batch")
+
+    def run(step):
+        f = jax.pmap(step, axis_name="batch", in_axes=(None, 0, 0))
+        s, losses = state, []
+        for _ in range(3):
+            s, loss = f(s, images, labels)
+            s = jax.tree.map(lambda a: a[0], s)
+            losses.append(float(loss[0]))
+        return s.params, s.batch_stats, losses
+
+    ref = run(train_step)
+    got = run(jaxring.overlap(axis_name="batch", bucket_mb=0.002,
+                              first_bucket_mb=0.001)(train_step))
+    assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
