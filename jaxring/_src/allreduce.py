@@ -31,7 +31,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
 from jaxring._src import runtime
-from jaxring._src.config import config, validate
+from jaxring._src.config import config, parse_link, validate
 
 _OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
 _PUBLIC_OPS = ("sum", "mean", "max", "min", "prod")
@@ -96,8 +96,9 @@ def with_varying(aval, varying: frozenset):
 allreduce_p = core.Primitive("jaxring_allreduce")
 
 
-def _abstract_eval(aval, *, axes, op, rings, chunk_bytes, timeout_s, invariant):
-    del op, rings, chunk_bytes, timeout_s
+def _abstract_eval(aval, *, axes, op, rings, chunk_bytes, timeout_s, link,
+                   invariant):
+    del op, rings, chunk_bytes, timeout_s, link
     _check_bound(axes)
     if invariant:
         out = with_varying(aval, varying(aval) - frozenset(axes))
@@ -227,24 +228,34 @@ def ring_coordinates(ctx, axes: tuple):
     return world, _lookup(rank_table, pid), _lookup(group_table, pid)
 
 
-def ring_attributes(world, op, rings, chunk_bytes, timeout_s) -> dict:
+def link_param() -> tuple[float, float]:
+    """The emulated CPU link from jaxring.config, as (bytes/s, latency s);
+    (0, 0) when off. Read at trace time, like every setting."""
+    spec = config.cpu_link
+    return (0.0, 0.0) if spec is None else parse_link(spec)
+
+
+def ring_attributes(world, op, rings, chunk_bytes, timeout_s, link) -> dict:
     """The custom-call attributes every ring operation carries, with a fresh op id."""
     return dict(op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
-                chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s))
+                chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s),
+                link_bytes_per_s=np.float64(link[0]),
+                link_latency_s=np.float64(link[1]))
 
 
 SCALAR_I32 = core.ShapedArray((), np.int32)
 
 
-def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, invariant):
+def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
+              invariant):
     del invariant
     world, rank, group = ring_coordinates(ctx, axes)
     (aval,) = ctx.avals_in
     call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
     sub_ctx = ctx.replace(avals_in=[aval, SCALAR_I32, SCALAR_I32])
     return call(sub_ctx, x, rank, group,
-                **ring_attributes(world, op, rings, chunk_bytes, timeout_s))
+                **ring_attributes(world, op, rings, chunk_bytes, timeout_s, link))
 
 
 mlir.register_lowering(allreduce_p, _lowering, platform="cpu")
@@ -280,7 +291,7 @@ def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s):
             fixed.append(leaf)
         leaves = fixed
     params = dict(axes=axes, op=op, rings=rings, chunk_bytes=chunk_bytes,
-                  timeout_s=timeout_s, invariant=invariant)
+                  timeout_s=timeout_s, link=link_param(), invariant=invariant)
     if len(leaves) == 1:
         return [allreduce_p.bind(leaves[0], **params)]
     flat = jax.numpy.concatenate([jax.numpy.ravel(l) for l in leaves])

@@ -32,6 +32,52 @@ def _positive_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
+_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8,
+               "tbit": 1e12 / 8, "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9,
+               "tb": 1e12}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
+def _number_with_unit(text: str, units: dict) -> float:
+    t = text.strip().lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if t.endswith(unit):
+            value = float(t[: -len(unit)])
+            if value < 0:
+                raise ValueError(text)
+            return value * units[unit]
+    raise ValueError(text)
+
+
+def parse_link(spec: str) -> tuple[float, float]:
+    """``"10Gbit,20us"`` -> (bytes per second, latency in seconds).
+
+    Bandwidth units: bit, Kbit, Mbit, Gbit, Tbit (bits per second) or B, KB,
+    MB, GB, TB (bytes per second, powers of 1000). Latency units: s, ms, us,
+    ns; the latency may be omitted (``"10Gbit"``).
+    """
+    parts = [p for p in spec.split(",")]
+    if not 1 <= len(parts) <= 2:
+        raise ValueError(spec)
+    rate = _number_with_unit(parts[0], _RATE_UNITS)
+    latency = _number_with_unit(parts[1], _TIME_UNITS) if len(parts) == 2 else 0.0
+    if rate <= 0:
+        raise ValueError(spec)
+    return rate, latency
+
+
+def _link_spec(v: Any) -> bool:
+    if v is None:
+        return True
+    if not isinstance(v, str):
+        return False
+    try:
+        parse_link(v)
+    except ValueError:
+        return False
+    return True
+
+
 _OPTIONS = {
     o.name: o
     for o in [
@@ -47,6 +93,14 @@ _OPTIONS = {
                 _positive_number, "a positive number",
                 "Seconds an allreduce waits for its peers before it fails "
                 "with an error that names the missing ranks."),
+        _Option("cpu_link", "JAXRING_CPU_LINK", None, lambda s: s or None,
+                _link_spec, 'None or a link such as "10Gbit,20us"',
+                "Link emulation for the in-process CPU transport: every "
+                "device's outgoing transfers share one link of this bandwidth "
+                "and arrive this much later. Waiting costs wall time, not CPU, "
+                "so compute and communication compete as on a real network. "
+                "An emulation for measuring overlap on one machine; None "
+                "(default) moves data at memory speed."),
     ]
 }
 

@@ -52,9 +52,9 @@ def new_op_id() -> int:
 start_p = core.Primitive("jaxring_allreduce_start")
 
 
-def _start_abstract_eval(*avals, axes, op, rings, chunk_bytes, timeout_s, op_id,
-                         num_deps):
-    del op, rings, chunk_bytes, timeout_s, op_id
+def _start_abstract_eval(*avals, axes, op, rings, chunk_bytes, timeout_s, link,
+                         op_id, num_deps):
+    del op, rings, chunk_bytes, timeout_s, link, op_id
     _ar._check_bound(axes)
     avals = avals[num_deps:]
     dtypes = {a.dtype for a in avals}
@@ -74,10 +74,10 @@ def _start_abstract_eval(*avals, axes, op, rings, chunk_bytes, timeout_s, op_id,
 start_p.def_effectful_abstract_eval(_start_abstract_eval)
 
 
-def _start_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s, op_id,
-                    num_deps):
+def _start_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s, link,
+                    op_id, num_deps):
     world, rank, group = _ar.ring_coordinates(ctx, axes)
-    attrs = _ar.ring_attributes(world, op, rings, chunk_bytes, timeout_s)
+    attrs = _ar.ring_attributes(world, op, rings, chunk_bytes, timeout_s, link)
     attrs["op_id"] = np.int64(op_id)
     attrs["num_deps"] = np.int64(num_deps)
     call = jax.ffi.ffi_lowering("jaxring_allreduce_start_cpu")
@@ -123,7 +123,7 @@ def start(xs, *, deps=(), axes, op, rings, chunk_bytes, timeout_s):
     deps = list(deps)
     handle = start_p.bind(*deps, *xs, axes=tuple(axes), op=op, rings=rings,
                           chunk_bytes=chunk_bytes, timeout_s=timeout_s,
-                          op_id=op_id, num_deps=len(deps))
+                          link=_ar.link_param(), op_id=op_id, num_deps=len(deps))
     return handle, op_id
 
 

@@ -48,12 +48,17 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
                                        int rank, int64_t world_size,
                                        int64_t reduce_op, int64_t num_rings,
                                        int64_t chunk_bytes, double timeout_s,
-                                       OpDesc* desc) {
+                                       double link_bytes_per_s,
+                                       double link_latency_s, OpDesc* desc) {
   const std::optional<ElemType> type = to_elem_type(dtype);
   if (!type) return "jaxring allreduce: unsupported dtype";
   ReduceOp op;
   if (!reduce_op_from_int(reduce_op, &op)) {
     return "jaxring allreduce: unknown reduction op";
+  }
+  if (link_bytes_per_s < 0 || link_latency_s < 0) {
+    return "jaxring allreduce: the emulated link's bandwidth and latency "
+           "must not be negative";
   }
   if (world_size < 1 || num_rings < 1 || chunk_bytes < 1 || timeout_s <= 0) {
     return "jaxring allreduce: world_size, rings, chunk_bytes and timeout "
@@ -71,6 +76,8 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
   desc->world_size = static_cast<int>(world_size);
   desc->num_rings = static_cast<int>(num_rings);
   desc->chunk_bytes = chunk_bytes;
+  desc->link_bytes_per_s = link_bytes_per_s;
+  desc->link_latency_s = link_latency_s;
   return std::nullopt;
 }
 
@@ -94,14 +101,15 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                              ffi::Result<ffi::AnyBuffer> out, int64_t op_id,
                              int64_t world_size, int64_t reduce_op,
                              int64_t num_rings, int64_t chunk_bytes,
-                             double timeout_s) {
+                             double timeout_s, double link_bytes_per_s,
+                             double link_latency_s) {
   const int rank = rank_buf.typed_data()[0];
   const int64_t group = group_buf.typed_data()[0];
   const int64_t count = static_cast<int64_t>(x.element_count());
   OpDesc desc;
   if (auto error = describe_op(x.element_type(), count, rank, world_size,
                                reduce_op, num_rings, chunk_bytes, timeout_s,
-                               &desc)) {
+                               link_bytes_per_s, link_latency_s, &desc)) {
     return failed_future(*error);
   }
   if (world_size == 1) {
@@ -133,7 +141,8 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                  int64_t op_id, int64_t world_size,
                                  int64_t reduce_op, int64_t num_rings,
                                  int64_t chunk_bytes, double timeout_s,
-                                 int64_t num_deps) {
+                                 double link_bytes_per_s,
+                                 double link_latency_s, int64_t num_deps) {
   handle->typed_data()[0] = 0;
   std::vector<ConstBytes> inputs;
   int64_t count = 0;
@@ -160,7 +169,8 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
   OpDesc desc;
   if (auto error = describe_op(dtype, count, rank_buf.typed_data()[0],
                                world_size, reduce_op, num_rings, chunk_bytes,
-                               timeout_s, &desc)) {
+                               timeout_s, link_bytes_per_s, link_latency_s,
+                               &desc)) {
     return ffi::Error::InvalidArgument(*error);
   }
   const OpKey key{run_id.run_id, op_id, group_buf.typed_data()[0]};
@@ -209,7 +219,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("reduce_op")
         .Attr<int64_t>("num_rings")
         .Attr<int64_t>("chunk_bytes")
-        .Attr<double>("timeout_s"));
+        .Attr<double>("timeout_s")
+        .Attr<double>("link_bytes_per_s")  // emulated link, 0 = off
+        .Attr<double>("link_latency_s"));
 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -227,6 +239,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("num_rings")
         .Attr<int64_t>("chunk_bytes")
         .Attr<double>("timeout_s")
+        .Attr<double>("link_bytes_per_s")
+        .Attr<double>("link_latency_s")
         .Attr<int64_t>("num_deps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -22,6 +22,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             Clock::now().time_since_epoch())
+      .count();
+}
+
 // How long an idle worker sleeps before it rechecks deadlines.
 constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
 constexpr int kYieldsBeforeSleep = 64;
@@ -40,6 +46,10 @@ struct RankSlot {
   // progress[r]: units (chunk, step) of ring r this rank has completed, in
   // the plan's chunk-major order.
   std::unique_ptr<std::atomic<int64_t>[]> progress;
+  // With link emulation: when this rank joined, and when it completed each
+  // unit (ring-major), which is when that unit's data could leave it.
+  int64_t joined_ns = 0;
+  std::unique_ptr<int64_t[]> unit_done_ns;
 };
 
 struct Op {
@@ -52,15 +62,24 @@ struct Op {
         deadline(Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                     std::chrono::duration<double>(timeout_s))),
         timeout_s(timeout_s) {
+    int64_t units = 0;
+    for (int r = 0; r < d.num_rings; ++r) {
+      unit_base.push_back(units);
+      units += plan.num_chunks(r) * plan.num_steps();
+    }
     for (auto& s : slots) {
       s.progress.reset(new std::atomic<int64_t>[d.num_rings]);
       for (int r = 0; r < d.num_rings; ++r) s.progress[r].store(0);
+      if (emulated()) s.unit_done_ns.reset(new int64_t[units > 0 ? units : 1]);
     }
   }
+
+  bool emulated() const { return desc.link_bytes_per_s > 0; }
 
   const OpKey key;
   const OpDesc desc;
   const RingPlan plan;
+  std::vector<int64_t> unit_base;  // index of ring r's first unit
   std::vector<RankSlot> slots;
   const Clock::time_point deadline;
   const double timeout_s;
@@ -110,6 +129,11 @@ struct Task {
   int rank;
   Completion done;
   std::vector<int64_t> cursor;  // per ring: next unit to run
+  // Link emulation, per ring: when the cursor unit's data arrives (-1: its
+  // transfer is not booked yet).
+  std::vector<int64_t> arrival_ns;
+  // Earliest booked arrival still in the future (advance() sets it).
+  int64_t wake_ns = -1;
 };
 
 // A thread per device that advances its tasks.
@@ -139,6 +163,16 @@ class Worker {
     cv_.notify_one();
   }
 
+  // Books a transfer of `bytes` leaving this device once its data is ready
+  // at ready_ns, on the device's one emulated link; returns its arrival.
+  int64_t book_transfer(int64_t ready_ns, int64_t bytes, const OpDesc& d) {
+    std::lock_guard<std::mutex> lock(egress_mu_);
+    const int64_t start = std::max(ready_ns, egress_free_ns_);
+    const int64_t busy = static_cast<int64_t>(1e9 * bytes / d.link_bytes_per_s);
+    egress_free_ns_ = start + busy;
+    return start + busy + static_cast<int64_t>(1e9 * d.link_latency_s);
+  }
+
  private:
   void loop() {
     std::list<Task> active;
@@ -156,24 +190,35 @@ class Worker {
         }
       }
       bool progressed = false;
+      int64_t wake_ns = -1;  // earliest emulated arrival still pending
       for (auto it = active.begin(); it != active.end();) {
         bool finished = false;
         progressed |= advance(*it, &finished);
         if (finished) {
           it = active.erase(it);
         } else {
+          if (it->wake_ns >= 0 && (wake_ns < 0 || it->wake_ns < wake_ns)) {
+            wake_ns = it->wake_ns;
+          }
           ++it;
         }
       }
       if (!progressed && !active.empty()) {
-        // A peer is usually a few microseconds from its next chunk: yield a
-        // little before paying for a sleep and a wake-up.
-        for (int i = 0; i < kYieldsBeforeSleep && !changed(seen); ++i) {
-          std::this_thread::yield();
+        auto until = Clock::now() + kDeadlinePoll;
+        if (wake_ns >= 0) {
+          // Waiting on the emulated link: sleep, do not spin, so that the
+          // wait costs wall time but no CPU.
+          until = std::min(until, Clock::time_point(std::chrono::nanoseconds(wake_ns)));
+        } else {
+          // A peer is usually a few microseconds from its next chunk: yield
+          // a little before paying for a sleep and a wake-up.
+          for (int i = 0; i < kYieldsBeforeSleep && !changed(seen); ++i) {
+            std::this_thread::yield();
+          }
         }
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait_for(lock, kDeadlinePoll,
-                     [&] { return epoch_ != seen || !incoming_.empty(); });
+        cv_.wait_until(lock, until,
+                       [&] { return epoch_ != seen || !incoming_.empty(); });
       }
     }
   }
@@ -192,6 +237,8 @@ class Worker {
   std::condition_variable cv_;
   std::deque<Task> incoming_;
   uint64_t epoch_ = 0;
+  std::mutex egress_mu_;
+  int64_t egress_free_ns_ = 0;  // when this device's emulated link is free
 };
 
 void Op::wake_all() {
@@ -221,6 +268,7 @@ bool Worker::advance(Task& task, bool* finished) {
   }
 
   bool progressed = false;
+  task.wake_ns = -1;
   if (!me.finished.load(std::memory_order_relaxed)) {
     bool all_rings_done = true;
     for (int r = 0; r < plan.num_rings(); ++r) {
@@ -239,6 +287,23 @@ bool Worker::advance(Task& task, bool* finished) {
           break;
         }
         const Span span = plan.chunk(r, plan.recv_segment(pos, t), c);
+        if (op.emulated()) {
+          int64_t& arrival = task.arrival_ns[r];
+          if (arrival < 0) {
+            // The data left the neighbour when it joined (step 0 sends its
+            // input) or when it completed the unit before.
+            const int64_t ready =
+                t == 0 ? from.joined_ns
+                       : from.unit_done_ns[op.unit_base[r] + c * steps + t - 1];
+            arrival = from.worker->book_transfer(ready, span.count * esize,
+                                                 op.desc);
+          }
+          if (arrival > now_ns()) {
+            if (task.wake_ns < 0 || arrival < task.wake_ns) task.wake_ns = arrival;
+            break;
+          }
+          arrival = -1;
+        }
         if (span.count > 0) {
           char* dst = static_cast<char*>(me.out) + span.offset * esize;
           if (plan.is_reduce_step(t)) {
@@ -256,6 +321,7 @@ bool Worker::advance(Task& task, bool* finished) {
             std::memcpy(dst, src, span.count * esize);
           }
         }
+        if (op.emulated()) me.unit_done_ns[op.unit_base[r] + cur] = now_ns();
         ++cur;
         me.progress[r].store(cur, std::memory_order_release);
         progressed = true;
@@ -342,6 +408,7 @@ class Registry {
     s.in = in;
     s.out = out;
     s.worker = worker;
+    s.joined_ns = now_ns();
     s.joined.store(true, std::memory_order_release);
     if (op->joined_count.fetch_add(1) + 1 == desc.world_size) {
       ops_.erase(key);  // everyone is here; the key is free again
@@ -383,6 +450,10 @@ std::string OpDesc::describe() const {
   os << count << " x " << elem_type_name(type) << ", op=" << reduce_op_name(op)
      << ", world=" << world_size << ", rings=" << num_rings
      << ", chunk_bytes=" << chunk_bytes;
+  if (link_bytes_per_s > 0) {
+    os << ", emulated link " << link_bytes_per_s << " B/s + "
+       << link_latency_s << " s";
+  }
   return os.str();
 }
 
@@ -399,7 +470,8 @@ void inprocess_allreduce(const OpKey& key, const OpDesc& desc, int rank,
     return;
   }
   Task task{std::move(op), rank, std::move(done),
-            std::vector<int64_t>(desc.num_rings, 0)};
+            std::vector<int64_t>(desc.num_rings, 0),
+            std::vector<int64_t>(desc.num_rings, -1)};
   worker->submit(std::move(task));
 }
 

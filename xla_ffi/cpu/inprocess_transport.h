@@ -53,10 +53,17 @@ struct OpDesc {
   int world_size = 1;
   int num_rings = 1;
   int64_t chunk_bytes = 1 << 20;
+  // Link emulation (0 = off): each device's outgoing transfers share one
+  // link of this bandwidth, and each transfer arrives this much later. The
+  // receiver sleeps until then, so emulated time costs wall time, not CPU.
+  double link_bytes_per_s = 0;
+  double link_latency_s = 0;
   bool operator==(const OpDesc& o) const {
     return type == o.type && op == o.op && count == o.count &&
            world_size == o.world_size && num_rings == o.num_rings &&
-           chunk_bytes == o.chunk_bytes;
+           chunk_bytes == o.chunk_bytes &&
+           link_bytes_per_s == o.link_bytes_per_s &&
+           link_latency_s == o.link_latency_s;
   }
   std::string describe() const;
 };
