@@ -22,6 +22,10 @@ from jaxring._src.build_info import build_info  # noqa: E402
 from jaxring._src.config import config  # noqa: E402
 from jaxring._src.overlap import (  # noqa: E402
     OverlapReport, OverlapWarning, explain, overlap)
+from jaxring._src.timeline import timeline  # noqa: E402
+from jaxring._src import timeline as _timeline  # noqa: E402
+
+_timeline.start_from_environment()
 
 __version__ = _bc.VERSION
 
@@ -36,4 +40,5 @@ __all__ = [
     "overlap",
     "pmean",
     "psum",
+    "timeline",
 ]

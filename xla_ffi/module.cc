@@ -2,6 +2,7 @@
 // backend and the ring plan, exposed for inspection and tests.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
@@ -9,6 +10,7 @@
 #include "cpu/allreduce_handler.h"
 #include "cpu/inprocess_transport.h"
 #include "cpu/split_phase.h"
+#include "cpu/timeline.h"
 #include "plan.h"
 #include "reduce.h"
 
@@ -87,6 +89,19 @@ NB_MODULE(_jaxring, m) {
 
   m.def("inprocess_pending_ops", &jaxring::inprocess_pending_ops,
         "Operations the in-process transport still holds.");
+  m.def("timeline_enable", &jaxring::timeline_enable, nb::arg("on"),
+        "Starts or stops recording the transport's timeline.");
+  m.def("timeline_now_ns", &jaxring::timeline_now_ns,
+        "The timeline's clock (steady, ns).");
+  m.def("timeline_take", []() {
+    // (device, run_id, op_id, bytes, rings, begin_ns, end_ns) per event.
+    std::vector<std::tuple<int, int64_t, int64_t, int64_t, int, int64_t, int64_t>> out;
+    for (const auto& e : jaxring::timeline_take()) {
+      out.emplace_back(e.device, e.run_id, e.op_id, e.bytes, e.rings,
+                       e.begin_ns, e.end_ns);
+    }
+    return out;
+  }, "Events recorded since the last call, as tuples.");
   m.def("inprocess_unfinished_starts", &jaxring::inprocess_unfinished_starts,
         "Split-phase allreduces started and not yet finished.");
 

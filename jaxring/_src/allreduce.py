@@ -30,7 +30,7 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
-from jaxring._src import runtime
+from jaxring._src import runtime, timeline
 from jaxring._src.config import config, parse_link, validate
 
 _OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
@@ -254,8 +254,9 @@ def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
     (aval,) = ctx.avals_in
     call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
     sub_ctx = ctx.replace(avals_in=[aval, SCALAR_I32, SCALAR_I32])
-    return call(sub_ctx, x, rank, group,
-                **ring_attributes(world, op, rings, chunk_bytes, timeout_s, link))
+    attrs = ring_attributes(world, op, rings, chunk_bytes, timeout_s, link)
+    timeline.name_op(attrs["op_id"], f"allreduce {op} over {','.join(map(str, axes))}")
+    return call(sub_ctx, x, rank, group, **attrs)
 
 
 mlir.register_lowering(allreduce_p, _lowering, platform="cpu")

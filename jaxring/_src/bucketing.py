@@ -100,7 +100,8 @@ def plan_buckets(items: list[Item], *, first_bucket_bytes: int,
         current.append(it)
         start = max(start, it.ready)
         done = min(done, it.needed)
-        cap = first_bucket_bytes if not buckets else bucket_bytes
+        # The first bucket is the smaller of the two caps.
+        cap = min(first_bucket_bytes, bucket_bytes) if not buckets else bucket_bytes
         if sum(x.nbytes for x in current) >= cap:
             close()
     if current:

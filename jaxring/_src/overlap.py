@@ -36,7 +36,7 @@ from jax._src import core, source_info_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxring._src import allreduce as _ar
-from jaxring._src import bucketing, runtime, split_phase
+from jaxring._src import bucketing, runtime, split_phase, timeline
 from jaxring._src.config import config, validate
 
 MiB = 1 << 20
@@ -490,6 +490,8 @@ class _Emitter:
                 list(operands), deps=waited, axes=axes, op="sum",
                 rings=self.opts.rings,
                 chunk_bytes=self.opts.chunk_bytes, timeout_s=self.opts.timeout_s)
+            timeline.name_op(op_id, f"bucket {b}",
+                             values=len(items), dtype=str(items[0].dtype))
             started.append((handle, op_id, items, avals))
         for it in bucket.items:
             v = self.jaxpr.eqns[it.key[0]].invars[it.key[1]]
@@ -568,8 +570,8 @@ def _options(axis_name, bucket_mb, first_bucket_mb, partition_mb,
                            config.timeout_s if timeout_s is None else timeout_s, where))
 
 
-DEFAULT_BUCKET_MB = 25.0
-DEFAULT_FIRST_BUCKET_MB = 1.0
+DEFAULT_BUCKET_MB = 1.0
+DEFAULT_FIRST_BUCKET_MB = 0.25
 DEFAULT_MAX_INFLIGHT_MB = 256.0
 
 

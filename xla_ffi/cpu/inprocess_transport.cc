@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../plan.h"
+#include "timeline.h"
 
 namespace jaxring {
 
@@ -339,6 +340,11 @@ bool Worker::advance(Task& task, bool* finished) {
   }
 
   if (op.finished_count.load() == op.desc.world_size) {
+    if (timeline_enabled()) {
+      timeline_record({device_, op.key.run_id, op.key.op_id,
+                       op.desc.count * esize, op.desc.num_rings, me.joined_ns,
+                       now_ns()});
+    }
     task.done(std::nullopt);
     *finished = true;
     return true;

@@ -1,0 +1,172 @@
+"""Overlap benchmark: a CNN train step on virtual CPU devices, emulated link.
+
+Measures, side by side in one run (alternating variants each round, median):
+
+* compute: the step with its gradient pmean removed (no communication);
+* comm: the allreduce of the step's gradients alone, over the emulated link;
+* serialized: the step with ``jaxring.pmean`` of the gradients at the end;
+* overlap: the same step written with ``lax.pmean`` under ``jaxring.overlap``;
+
+and prints overlap/serialized and overlap/max(compute, comm). The link
+(``--link``, default: calibrated) is set so that communication takes about as
+long as the backward pass, the regime where overlap matters most.
+
+    python benchmarks/overlap_cnn.py               # 8 devices, calibrated link
+    python benchmarks/overlap_cnn.py --link 2Gbit,20us --sweep 1,4,16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--per-device-batch", type=int, default=16)
+    p.add_argument("--width", type=int, default=128, help="channels of the widest conv")
+    p.add_argument("--image", type=int, default=32, help="image side in pixels")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--link", default=None,
+                   help='emulated link, e.g. "2Gbit,20us" (default: calibrated '
+                        "so that comm takes about as long as the backward pass)")
+    p.add_argument("--latency-us", type=float, default=20.0,
+                   help="latency of the calibrated link")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="bucket size for the headline figures (default: jaxring's)")
+    p.add_argument("--timeline", default=None,
+                   help="write a Perfetto trace of one serialized and one "
+                        "overlapped step to this path")
+    p.add_argument("--sweep", default="0.0625,0.25,1,4",
+                   help="comma-separated bucket_mb values to sweep ('' to skip)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.devices}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jaxring  # sizes the CPU pool before JAX starts
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxring.demo import calibrated_link, cnn_apply, cnn_init, make_train_step
+
+    n = args.devices
+    mesh = jax.make_mesh((n,), ("batch",))
+    rng = np.random.default_rng(0)
+    params, strides = cnn_init(args.layers, args.width)
+    grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+
+    def model(p, x):
+        return cnn_apply(p, strides, x)
+
+    def make_step(reduce_grads):
+        return make_train_step(strides, reduce_grads)
+
+    def sharded(fn, out_specs=(P(), P())):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("batch"), P("batch")),
+                                     out_specs=out_specs, check_vma=False))
+
+    b = args.per_device_batch * n
+    x = jax.device_put(jnp.asarray(rng.normal(size=(b, args.image, args.image, 3)), jnp.float32),
+                       NamedSharding(mesh, P("batch")))
+    y = jax.device_put(jnp.asarray(rng.integers(0, 10, b)), NamedSharding(mesh, P("batch")))
+    grads_like = jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), params)
+    grads_like = jax.device_put(grads_like, NamedSharding(mesh, P("batch")))
+
+    def forward(p, x, y):
+        return p, jax.lax.pmean(model(p, x).sum(), "batch")[None]
+
+    def comm_only(p, x, g):
+        del x
+        g = jaxring.pmean(jax.tree.map(lambda a: a[0], g), "batch")
+        return p, jax.tree.leaves(g)[0].sum()[None]
+
+    def timed(f, *a):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        return time.perf_counter() - t0
+
+    def build(link, bucket_mb):
+        jaxring.config.update("cpu_link", link)
+        kw = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+        variants = {
+            "compute": (sharded(make_step(lambda g: g)), (params, x, y)),
+            "forward": (sharded(forward), (params, x, y)),
+            "comm": (sharded(comm_only), (params, x, grads_like)),
+            "serialized": (sharded(make_step(lambda g: jaxring.pmean(g, "batch"))), (params, x, y)),
+            "overlap": (sharded(jaxring.overlap(make_step(lambda g: jax.lax.pmean(g, "batch")),
+                                                axis_name="batch", **kw)), (params, x, y)),
+        }
+        for f, a in variants.values():  # compile and warm up, link fixed at trace time
+            timed(f, *a)
+            timed(f, *a)
+        return variants
+
+    def measure(variants, names, rounds):
+        samples = {k: [] for k in names}
+        for _ in range(rounds):
+            for k in names:
+                f, a = variants[k]
+                samples[k].append(timed(f, *a))
+        return {k: statistics.median(v) for k, v in samples.items()}
+
+    link = args.link
+    if link is None:
+        # Calibrate: time the backward pass, then pick the bandwidth at which
+        # the ring's 2(p-1)/p of the gradient bytes take that long.
+        base = build(None, None)
+        t = measure(base, ["compute", "forward"], 3)
+        backward = max(t["compute"] - t["forward"], 1e-3)
+        link = calibrated_link(backward, grad_bytes, n, args.latency_us)
+        print(f"calibrated link: {link} (backward pass {backward * 1e3:.1f} ms)")
+
+    variants = build(link, args.bucket_mb)
+    names = ["compute", "comm", "serialized", "overlap"]
+    t = measure(variants, names, args.rounds)
+    print(f"\njaxring overlap benchmark: {args.layers}-layer CNN, {n} devices, "
+          f"{grad_bytes / 2**20:.2f} MiB of gradients, link {link}, "
+          f"bucket_mb={args.bucket_mb or 'default'}, median of {args.rounds} rounds")
+    for k in names:
+        print(f"  {k:>10}: {t[k] * 1e3:8.1f} ms")
+    print(f"  overlap / serialized          = {t['overlap'] / t['serialized']:.3f}  (goal <= 0.65)")
+    bound = max(t["compute"], t["comm"])
+    print(f"  overlap / max(compute, comm)  = {t['overlap'] / bound:.3f}  (goal <= 1.15)")
+
+    if args.timeline:
+        from jaxring._src.timeline import host_span
+        with jaxring.timeline(args.timeline):
+            for k in ("serialized", "overlap"):
+                f, a = variants[k]
+                with host_span(f"{k} step"):
+                    jax.block_until_ready(f(*a))
+        print(f"  timeline: {args.timeline}")
+
+    sweep = [float(s) for s in args.sweep.split(",") if s.strip()]
+    if sweep:
+        print("\nbucket_mb sweep (overlap step, same link):")
+        results = {}
+        for mb in sweep:
+            v = build(link, mb)
+            r = measure(v, ["serialized", "overlap"], max(3, args.rounds // 2))
+            results[mb] = r["overlap"]
+            print(f"  bucket_mb={mb:<6g} overlap {r['overlap'] * 1e3:8.1f} ms   "
+                  f"serialized {r['serialized'] * 1e3:8.1f} ms   "
+                  f"ratio {r['overlap'] / r['serialized']:.3f}")
+        best = min(results, key=results.get)
+        print(f"  best: bucket_mb={best:g}")
+    jaxring.config.reset("cpu_link")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Timeline: every transfer of the CPU transport as a Chrome/Perfetto trace.
+
+One track per device; each allreduce (each bucket of ``jaxring.overlap``) is
+a span from the moment that device started it to the moment its part
+completed, named by its bucket and annotated with bytes and rings. Open the
+file in https://ui.perfetto.dev or chrome://tracing.
+
+    with jaxring.timeline("trace.json"):
+        for _ in range(3):
+            state = train_step(state, batch)
+
+or set ``JAXRING_TIMELINE=trace.json`` to record the whole process and write
+the file at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import threading
+
+_lock = threading.Lock()
+_names: dict[int, tuple[str, dict]] = {}  # op id -> (span name, extra args)
+_events: list[tuple] = []
+_host_spans: list[tuple[str, int, int]] = []  # (name, begin ns, end ns)
+_recording = False
+HOST_TRACK = -1
+
+
+def name_op(op_id: int, name: str, **args) -> None:
+    """Names the spans of op_id (called at trace or lowering time)."""
+    with _lock:
+        _names[int(op_id)] = (name, args)
+
+
+def _collect() -> None:
+    from jaxring import _jaxring
+    got = _jaxring.timeline_take()
+    with _lock:
+        _events.extend(got)
+
+
+@contextlib.contextmanager
+def host_span(name: str):
+    """Marks a span of host time (e.g. one step, dispatch to results) on the
+    trace's host track, to compare with the transfers."""
+    from jaxring import _jaxring
+    begin = _jaxring.timeline_now_ns()
+    try:
+        yield
+    finally:
+        if _recording:
+            with _lock:
+                _host_spans.append((name, begin, _jaxring.timeline_now_ns()))
+
+
+def start() -> None:
+    """Starts recording (events before this call are dropped)."""
+    global _recording
+    from jaxring import _jaxring
+    _jaxring.timeline_take()
+    with _lock:
+        _events.clear()
+        _host_spans.clear()
+        _recording = True
+    _jaxring.timeline_enable(True)
+
+
+def stop(path: str | os.PathLike) -> str:
+    """Stops recording and writes the trace to path; returns path."""
+    global _recording
+    from jaxring import _jaxring
+    _jaxring.timeline_enable(False)
+    _collect()
+    with _lock:
+        _recording = False
+        events = list(_events)
+        names = dict(_names)
+        spans = list(_host_spans)
+    write(path, events, names, spans)
+    return str(path)
+
+
+def write(path, events, names, host_spans=()) -> None:
+    trace = []
+    devices = sorted({e[0] for e in events})
+    for d in devices:
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d,
+                      "args": {"name": f"device {d}"}})
+    origin = min([e[5] for e in events] + [s[1] for s in host_spans], default=0)
+    if host_spans:
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0,
+                      "tid": HOST_TRACK, "args": {"name": "host"}})
+    for name, begin, end in host_spans:
+        trace.append({"name": name, "ph": "X", "pid": 0, "tid": HOST_TRACK,
+                      "ts": (begin - origin) / 1e3, "dur": (end - begin) / 1e3})
+    for device, run_id, op_id, nbytes, rings, begin, end in events:
+        name, extra = names.get(op_id, (f"allreduce op {op_id}", {}))
+        trace.append({
+            "name": name, "ph": "X", "pid": 0, "tid": device,
+            "ts": (begin - origin) / 1e3, "dur": max(end - begin, 0) / 1e3,
+            "args": {"bytes": nbytes, "rings": rings, "op_id": op_id,
+                     "run_id": run_id, **extra}})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+
+
+@contextlib.contextmanager
+def timeline(path: str | os.PathLike):
+    """Records the transfers made inside the block and writes them to path.
+
+    Results must be ready when the block ends (``jax.block_until_ready``) for
+    their transfers to be in the file.
+    """
+    start()
+    try:
+        yield
+    finally:
+        stop(path)
+
+
+def start_from_environment() -> None:
+    path = os.environ.get("JAXRING_TIMELINE")
+    if not path:
+        return
+    start()
+    atexit.register(stop, path)

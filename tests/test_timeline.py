@@ -1,0 +1,95 @@
+"""The timeline trace and the demo trainer that writes one."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxring
+
+N = 8
+
+
+def overlapped_step():
+    def step(params, x):
+        grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"]))(params)
+        return jax.lax.pmean(grads, "batch")
+    mesh = jax.make_mesh((N,), ("batch",))
+    f = jax.jit(jax.shard_map(
+        jaxring.overlap(step, axis_name="batch", bucket_mb=32 * 8 * 4 / 2**20,
+                        first_bucket_mb=32 * 8 * 4 / 2**20),
+        mesh=mesh, in_specs=(P(), P("batch")), out_specs=P(), check_vma=False))
+    params = {"w1": jnp.ones((16, 32), jnp.float32), "w2": jnp.ones((32, 8), jnp.float32)}
+    x = jax.device_put(jnp.ones((N * 2, 16), jnp.float32), NamedSharding(mesh, P("batch")))
+    return f, params, x
+
+
+def test_timeline_has_a_span_per_bucket_and_device(tmp_path):
+    f, params, x = overlapped_step()
+    jax.block_until_ready(f(params, x))  # compile outside the recording
+    path = tmp_path / "trace.json"
+    with jaxring.timeline(path):
+        jax.block_until_ready(f(params, x))
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert tracks == {f"device {d}" for d in range(N)}
+    buckets = {e["name"] for e in spans}
+    assert len(buckets) >= 2 and all(b.startswith("bucket ") for b in buckets)
+    for b in buckets:
+        per_device = [e for e in spans if e["name"] == b]
+        assert sorted(e["tid"] for e in per_device) == list(range(N))
+        assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in per_device)
+    # Every gradient byte travels in exactly one bucket.
+    grad_bytes = sum(np.asarray(v).nbytes for v in jax.tree.leaves(params))
+    device0 = [e for e in spans if e["tid"] == 0]
+    assert sum(e["args"]["bytes"] for e in device0) == grad_bytes
+
+
+def test_nothing_is_recorded_outside_the_block(tmp_path):
+    f, params, x = overlapped_step()
+    jax.block_until_ready(f(params, x))
+    with jaxring.timeline(tmp_path / "a.json"):
+        pass
+    events = json.loads((tmp_path / "a.json").read_text())["traceEvents"]
+    assert events == []
+
+
+def test_environment_variable_writes_the_trace_at_exit(script, tmp_path):
+    path = tmp_path / "env.json"
+    res = script("""
+        import jaxring, jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = jax.make_mesh((4,), ("i",))
+        f = jax.jit(jax.shard_map(lambda v: jaxring.psum(v, "i"), mesh=mesh,
+                                  in_specs=P("i"), out_specs=P("i")))
+        x = jax.device_put(jnp.ones((4, 1000)), NamedSharding(mesh, P("i")))
+        jax.block_until_ready(f(x))
+    """, devices=4, env={"JAXRING_TIMELINE": str(path)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert sorted(e["tid"] for e in spans) == [0, 1, 2, 3]
+    assert all(e["name"] == "allreduce sum over i" for e in spans)
+
+
+def test_demo_trainer_runs_and_losses_agree(script, tmp_path):
+    path = tmp_path / "demo.json"
+    res = script(f"""
+        import sys
+        from jaxring import demo
+        sys.exit(demo.main(["--devices", "4", "--steps", "2", "--per-device-batch", "4",
+                            "--timeline", {str(path)!r}]))
+    """, devices=4, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert "overlap chose" in out and "median step" in out, out
+    rows = [line.split() for line in out.splitlines()
+            if line.strip()[:1].isdigit() and "ms" in line]
+    assert len(rows) == 2, out
+    for row in rows:  # step, loss (pmean at end), loss (overlap), ...
+        assert abs(float(row[1]) - float(row[2])) < 1e-4, row
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert any(e["name"].startswith("bucket") for e in spans)
+    assert any(e["name"].startswith("step, overlap") for e in spans)
