@@ -91,6 +91,15 @@ def train(step_fn, params, optimizer, data, steps=3):
     return params, history
 
 
+def train_noting_warnings(step_fn, params, optimizer, data):
+    """train(), and the OverlapWarning messages it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", jaxring.OverlapWarning)
+        out = train(step_fn, params, optimizer, data)
+    return out, [str(w.message) for w in caught
+                 if issubclass(w.category, jaxring.OverlapWarning)]
+
+
 def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
     jax.tree.map(lambda u, v: np.testing.assert_allclose(
         np.asarray(u), np.asarray(v), rtol=rtol, atol=atol), a, b)
@@ -197,12 +206,8 @@ def test_nested_jit_remat_and_custom_vjp(check_vma):
     ref = train(sharded(make_step(jax.lax.pmean, opt, model), check_vma),
                 params, opt, data)
     ov = jaxring.overlap(make_step(reduce_in_jit, opt, model), **small_buckets())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", jaxring.OverlapWarning)
-        got = train(sharded(ov, check_vma), params, opt, data)
+    got, messages = train_noting_warnings(sharded(ov, check_vma), params, opt, data)
     assert_trees_close(got, ref)
-    messages = [str(w.message) for w in caught
-                if issubclass(w.category, jaxring.OverlapWarning)]
     if check_vma:
         # Under check_vma, AD itself sums the gradient of a replicated
         # parameter where the parameter is used: inside the remat body.
@@ -226,12 +231,8 @@ def test_scan_over_layers(check_vma):
     ref = train(sharded(make_step(jax.lax.pmean, opt, scan_model), check_vma),
                 params, opt, data)
     ov = jaxring.overlap(make_step(jax.lax.pmean, opt, scan_model), axis_name="batch")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", jaxring.OverlapWarning)
-        got = train(sharded(ov, check_vma), params, opt, data)
+    got, messages = train_noting_warnings(sharded(ov, check_vma), params, opt, data)
     assert_trees_close(got, ref)
-    messages = [str(w.message) for w in caught
-                if issubclass(w.category, jaxring.OverlapWarning)]
     if check_vma:
         # AD sums the replicated stacked parameters' gradients inside the
         # backward scan, one layer per iteration: left there, and said so.
