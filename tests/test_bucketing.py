@@ -125,3 +125,14 @@ def test_every_plan_is_a_valid_schedule(raw, first, cap, window):
         biggest = max((b.nbytes for b in plan.buckets), default=0)
         assert max(_in_flight_profile(plan), default=0) <= max(window, biggest)
 
+
+
+def test_window_makes_a_start_depend_on_dones_placed_before_it():
+    # A is done at slot 3 (a statistic needed early), B starts at 5. The
+    # executor runs by dataflow, so B's start must take A's results as
+    # dependencies for the window to hold.
+    items = [item("A", 2, ready=1, needed=3), item("B", 2, ready=5, needed=9)]
+    plan = plan_buckets(items, first_bucket_bytes=2 * MiB, bucket_bytes=2 * MiB,
+                        max_inflight_bytes=3 * MiB)
+    a, b = plan.buckets
+    assert b.waits_for == [] and b.depends_on == [a.index]

@@ -27,7 +27,8 @@ def test_parse_link_units():
     assert parse_link("100Mbit") == pytest.approx((12.5e6, 0.0))
     assert parse_link("2GB, 1ms") == pytest.approx((2e9, 1e-3))
     assert parse_link("800kbit,0s") == pytest.approx((1e5, 0.0))
-    for bad in ("fast", "10Gbit,20", "0Gbit", "-1MB", "1MB,2ms,3"):
+    # "Gb" could mean bits or bytes: refused.
+    for bad in ("fast", "10Gbit,20", "0Gbit", "-1MB", "1MB,2ms,3", "1Gb", "5mb"):
         with pytest.raises(ValueError):
             parse_link(bad)
 

@@ -469,3 +469,50 @@ def test_flax_cnn_with_batchnorm_and_train_state():
     got = run(jaxring.overlap(axis_name="batch", bucket_mb=0.002,
                               first_bucket_mb=0.001)(train_step))
     assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_psum_of_a_psum_result():
+    def step(x):
+        once = jax.lax.psum(x, "batch")
+        return jax.lax.psum(once * 2, "batch"), jax.lax.psum(jax.lax.psum(x, "batch"), "batch")
+
+    m = mesh()
+    x = jax.device_put(jnp.arange(N * 4, dtype=jnp.float32), NamedSharding(m, P("batch")))
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
+                                          out_specs=P(), check_vma=False))(x)
+    assert_trees_close(run(jaxring.overlap(step, axis_name="batch")), run(step))
+
+
+def test_overlapped_step_inside_an_unrolled_scan():
+    """JAX evaluates an unrolled scan body twice: each copy's allreduces must
+    be told apart."""
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+
+    def scanned(step):
+        def run(p, s, d):
+            def body(carry, _):
+                p, s = carry
+                p, s, loss, _ = step(p, s, d)
+                return (p, s), loss
+            (p, s), losses = jax.lax.scan(body, (p, s), None, length=4, unroll=2)
+            return p, s, losses[-1], {"pred_mean": losses[0]}
+        return run
+
+    ref = train(sharded(scanned(make_step(jax.lax.pmean, opt)), check_vma=False),
+                params, opt, data, steps=1)
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt), **small_buckets())
+    got = train(sharded(scanned(ov), check_vma=False), params, opt, data, steps=1)
+    assert_trees_close(got, ref)
+
+
+def test_python_scalar_arguments_stay_static():
+    def step(x, train):
+        y = x * 2 if train else x
+        return jax.lax.psum(y, "batch")
+
+    m = mesh()
+    x = jax.device_put(jnp.arange(N, dtype=jnp.float32), NamedSharding(m, P("batch")))
+    f = jax.jit(jax.shard_map(lambda v: jaxring.overlap(step, axis_name="batch")(v, True),
+                              mesh=m, in_specs=P("batch"), out_specs=P()))
+    np.testing.assert_allclose(np.asarray(f(x)), 2 * np.arange(N).sum())

@@ -49,6 +49,10 @@ class Bucket:
     done_slot: int
     # Buckets the credit window finishes right before this one starts.
     waits_for: list[int] = dataclasses.field(default_factory=list)
+    # Buckets whose dones must precede this start for the credit window:
+    # waits_for, and those whose done already comes earlier in the program.
+    # The start takes their results as dependencies.
+    depends_on: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -112,19 +116,31 @@ def plan_buckets(items: list[Item], *, first_bucket_bytes: int,
 
 
 def _apply_credit_window(buckets: list[Bucket], limit: int | None) -> None:
+    """Before each start, finishes the oldest buckets until the bytes in
+    flight fit the limit.
+
+    The executor runs by dataflow, not in program order: a bucket whose done
+    comes earlier in the program may not have finished when a later start
+    runs, unless that start depends on its results. So every bucket counts
+    as in flight until a start takes it as a dependency; one whose done comes
+    later than the start is moved before it (waits_for)."""
     if limit is None:
         return
-    in_flight: list[Bucket] = []  # started, oldest first
+    in_flight: list[Bucket] = []  # oldest first
+    retired: list[int] = []       # taken out of flight, for all later starts
     for b in buckets:  # buckets are in start order
-        # Buckets done before b's slot, or at it but started earlier (their
-        # dones are emitted before the slot's starts), no longer count.
-        in_flight = [o for o in in_flight
-                     if o.done_slot > b.start_slot
-                     or (o.done_slot == b.start_slot and o.start_slot == b.start_slot)]
         while in_flight and sum(o.nbytes for o in in_flight) + b.nbytes > limit:
             oldest = in_flight.pop(0)
-            oldest.done_slot = b.start_slot
-            b.waits_for.append(oldest.index)
+            done_after_start = (oldest.done_slot > b.start_slot or
+                                (oldest.done_slot == b.start_slot
+                                 and oldest.start_slot == b.start_slot))
+            if done_after_start:
+                oldest.done_slot = b.start_slot
+                b.waits_for.append(oldest.index)
+            retired.append(oldest.index)
+        # Starts are not ordered among themselves, so each depends on every
+        # bucket retired so far, not only on those it retired.
+        b.depends_on = list(retired)
         in_flight.append(b)
 
 

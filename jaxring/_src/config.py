@@ -32,16 +32,18 @@ def _positive_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
 
 
-_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8,
-               "tbit": 1e12 / 8, "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9,
-               "tb": 1e12}
+# Bits are spelled out ("Gbit"); bytes are a capital B ("GB"). "Gb" is
+# refused rather than guessed.
+_RATE_UNITS = {"bit": 1 / 8, "Kbit": 1e3 / 8, "Mbit": 1e6 / 8, "Gbit": 1e9 / 8,
+               "Tbit": 1e12 / 8, "B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9,
+               "TB": 1e12}
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
 def _number_with_unit(text: str, units: dict) -> float:
-    t = text.strip().lower()
+    t = text.strip()
     for unit in sorted(units, key=len, reverse=True):
-        if t.endswith(unit):
+        if t.endswith(unit) or (unit.endswith("bit") and t.lower().endswith(unit.lower())):
             value = float(t[: -len(unit)])
             if value < 0:
                 raise ValueError(text)
@@ -52,9 +54,9 @@ def _number_with_unit(text: str, units: dict) -> float:
 def parse_link(spec: str) -> tuple[float, float]:
     """``"10Gbit,20us"`` -> (bytes per second, latency in seconds).
 
-    Bandwidth units: bit, Kbit, Mbit, Gbit, Tbit (bits per second) or B, KB,
-    MB, GB, TB (bytes per second, powers of 1000). Latency units: s, ms, us,
-    ns; the latency may be omitted (``"10Gbit"``).
+    Bandwidth units: bit, Kbit, Mbit, Gbit, Tbit (bits per second, any case)
+    or B, KB, MB, GB, TB (bytes per second, powers of 1000; capital B).
+    Latency units: s, ms, us, ns; the latency may be omitted (``"10Gbit"``).
     """
     parts = [p for p in spec.split(",")]
     if not 1 <= len(parts) <= 2:

@@ -6,8 +6,8 @@ top-level ``psum``/``pmean`` (and ``jaxring.allreduce`` with ``op="sum"`` or
 ``"mean"``) over ``axis_name`` is rewritten, gradients and metrics alike: an
 elementwise sum gives the same result whichever bucket carries it, and a value
 needed early (a BatchNorm statistic) gets a bucket that is done before its
-first use. Reductions it cannot rewrite stay as they are and are reported once
-by a :class:`OverlapWarning` that says why: those inside ``scan``, ``cond``,
+first use. Reductions it cannot rewrite stay as they are and are reported, each
+time the step is traced, by an :class:`OverlapWarning` that says why: those inside ``scan``, ``cond``,
 ``while``, ``remat`` or custom-derivative bodies, those with
 ``axis_index_groups``, over other axes, or of dtypes jaxring does not reduce.
 
@@ -36,7 +36,7 @@ from jax._src import core, source_info_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxring._src import allreduce as _ar
-from jaxring._src import bucketing, runtime, split_phase, timeline
+from jaxring._src import bucketing, runtime, split_phase
 from jaxring._src.config import config, validate
 
 MiB = 1 << 20
@@ -108,14 +108,16 @@ class OverlapReport:
 # ---- tracing ----------------------------------------------------------------
 
 def _is_array_like(x) -> bool:
-    return isinstance(x, (jax.Array, core.Tracer, np.ndarray, np.generic,
-                          int, float, bool, complex))
+    # Python scalars stay static, as under jit's static arguments: a flag
+    # such as train=True must stay usable in Python control flow.
+    return isinstance(x, (jax.Array, core.Tracer, np.ndarray, np.generic))
 
 
 def _trace(fn, args, kwargs):
     """Closed jaxpr of fn over the array leaves of (args, kwargs).
 
-    Leaves that are not arrays (strings, callables) are kept static.
+    Leaves that are not arrays (Python scalars, strings, callables) are kept
+    static.
     """
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array_like(leaf)]
@@ -325,13 +327,20 @@ def _uses(jaxpr):
 
 def _plan(jaxpr, reductions, opts):
     producer_index = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    rewritten = {r.eqn for r in reductions}
     first_use, _ = _uses(jaxpr)
     n = len(jaxpr.eqns)
     items = []
     for r in reductions:
         eqn = jaxpr.eqns[r.eqn]
         var_in, var_out = eqn.invars[r.operand], eqn.outvars[r.operand]
-        ready = producer_index.get(var_in, -1) + 1
+        producer = producer_index.get(var_in, -1)
+        if producer in rewritten:
+            # The result of another rewritten psum exists only once its
+            # bucket is done, which is by that value's first use.
+            ready = first_use[var_in] + 1
+        else:
+            ready = producer + 1
         needed = first_use.get(var_out, n)
         whole = bucketing.Item(key=(r.eqn, r.operand), dtype=r.dtype,
                                nbytes=math.prod(r.shape) * r.dtype.itemsize,
@@ -409,7 +418,7 @@ class _Emitter:
         for r in reductions:
             v = jaxpr.eqns[r.eqn].invars[r.operand]
             self.unstarted_uses[v] = self.unstarted_uses.get(v, 0) + self.parts_total[(r.eqn, r.operand)]
-        self.started: dict[int, list] = {}   # bucket -> [(handle, op_id, items, avals)]
+        self.started: dict[int, list] = {}   # bucket -> [(handle, pair, items, avals)]
         self.results: dict[int, list] = {}   # bucket -> done outputs (for the window)
 
     def run(self):
@@ -419,17 +428,19 @@ class _Emitter:
             if s == n:
                 break
             eqn = self.jaxpr.eqns[s]
-            if s in self.rewritten:
-                continue  # its outputs come from dones
-            outs = _bind(eqn, [_read(self.env, v) for v in eqn.invars])
-            self.env.update(zip(eqn.outvars, outs))
-            for v in eqn.outvars:
-                self.produced_at[v] = s
+            if s not in self.rewritten:  # a rewritten one's outputs come from dones
+                outs = _bind(eqn, [_read(self.env, v) for v in eqn.invars])
+                self.env.update(zip(eqn.outvars, outs))
+                for v in eqn.outvars:
+                    self.produced_at[v] = s
             self._drop_dead(s)
         return [_read(self.env, v) for v in self.jaxpr.outvars]
 
     def _drop_dead(self, s):
-        for v in self.jaxpr.eqns[s].invars:
+        """Forgets values no later equation uses (outputs nobody reads too),
+        so that dones do not take them as dependencies."""
+        eqn = self.jaxpr.eqns[s]
+        for v in list(eqn.invars) + list(eqn.outvars):
             if (isinstance(v, core.Var) and self.last_use.get(v, -1) <= s
                     and not self._pending_operand(v)):
                 self.env.pop(v, None)
@@ -481,18 +492,16 @@ class _Emitter:
             r = self.red[it.key]
             groups.setdefault((r.axes, r.dtype), []).append(it)
         # The credit window: this start may only run once the buckets it
-        # waits for are done.
-        waited = [v for w in bucket.waits_for for v in self.results.get(w, [])]
+        # depends on are done.
+        waited = [v for w in bucket.depends_on for v in self.results[w]]
         started = []
         for (axes, _), items in groups.items():
             operands, avals = zip(*(self._operand(it) for it in items))
-            handle, op_id = split_phase.start(
+            handle, pair = split_phase.start(
                 list(operands), deps=waited, axes=axes, op="sum",
-                rings=self.opts.rings,
+                label=f"bucket {b}", rings=self.opts.rings,
                 chunk_bytes=self.opts.chunk_bytes, timeout_s=self.opts.timeout_s)
-            timeline.name_op(op_id, f"bucket {b}",
-                             values=len(items), dtype=str(items[0].dtype))
-            started.append((handle, op_id, items, avals))
+            started.append((handle, pair, items, avals))
         for it in bucket.items:
             v = self.jaxpr.eqns[it.key[0]].invars[it.key[1]]
             self.unstarted_uses[v] -= 1
@@ -501,8 +510,8 @@ class _Emitter:
     def _done(self, b):
         deps = self._frontier(self.plan.buckets[b])
         outs_all = []
-        for handle, op_id, items, avals in self.started[b]:
-            outs = split_phase.done(handle, op_id, avals, deps=deps)
+        for handle, pair, items, avals in self.started[b]:
+            outs = split_phase.done(handle, pair, avals, deps=deps)
             outs_all += outs
             for it, out in zip(items, outs):
                 self._deliver(it, out)

@@ -33,18 +33,20 @@ from jax._src import core
 from jax._src.interpreters import mlir
 
 from jaxring._src import allreduce as _ar
+from jaxring._src import timeline
 
-# Op ids of split-phase pairs are taken at trace time, so that a start and its
-# done agree; they come from the same counter as the lowering-time ids of
-# jaxring.allreduce, so the two kinds never collide in one module.
-_op_ids = _ar._op_ids
+# A start and its done share a *pair* number, taken at trace time. The op id
+# the transport matches ranks by is taken when the start is lowered, from the
+# counter jaxring.allreduce uses, and the done lowered after it looks it up.
+# So a traced step that is lowered twice into one module (a scan unrolled by
+# JAX, the same jaxpr evaluated twice) gets a fresh op id per copy.
+_pairs = itertools.count(1)
+_op_id_of_pair: dict[int, int] = {}
 
 
 HANDLE_DTYPE = np.int32
 
 
-def new_op_id() -> int:
-    return next(_op_ids)
 
 
 # ---- start ------------------------------------------------------------------
@@ -53,8 +55,8 @@ start_p = core.Primitive("jaxring_allreduce_start")
 
 
 def _start_abstract_eval(*avals, axes, op, rings, chunk_bytes, timeout_s, link,
-                         op_id, num_deps):
-    del op, rings, chunk_bytes, timeout_s, link, op_id
+                         pair, label, num_deps):
+    del op, rings, chunk_bytes, timeout_s, link, pair, label
     _ar._check_bound(axes)
     avals = avals[num_deps:]
     dtypes = {a.dtype for a in avals}
@@ -75,10 +77,11 @@ start_p.def_effectful_abstract_eval(_start_abstract_eval)
 
 
 def _start_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s, link,
-                    op_id, num_deps):
+                    pair, label, num_deps):
     world, rank, group = _ar.ring_coordinates(ctx, axes)
     attrs = _ar.ring_attributes(world, op, rings, chunk_bytes, timeout_s, link)
-    attrs["op_id"] = np.int64(op_id)
+    _op_id_of_pair[pair] = int(attrs["op_id"])
+    timeline.name_op(attrs["op_id"], label)
     attrs["num_deps"] = np.int64(num_deps)
     call = jax.ffi.ffi_lowering("jaxring_allreduce_start_cpu")
     sub_ctx = ctx.replace(avals_in=[_ar.SCALAR_I32, _ar.SCALAR_I32, *ctx.avals_in])
@@ -94,18 +97,22 @@ done_p = core.Primitive("jaxring_allreduce_done")
 done_p.multiple_results = True
 
 
-def _done_abstract_eval(handle, *deps, op_id, out_avals):
+def _done_abstract_eval(handle, *deps, pair, out_avals):
     # No effect and no side effect: a start's only user is its done, so when
     # a done's results are unused the compiler drops both together.
-    del handle, deps, op_id
+    del handle, deps, pair
     return list(out_avals)
 
 
 done_p.def_abstract_eval(_done_abstract_eval)
 
 
-def _done_lowering(ctx, handle, *deps, op_id, out_avals):
+def _done_lowering(ctx, handle, *deps, pair, out_avals):
     del out_avals
+    op_id = _op_id_of_pair.get(pair)
+    if op_id is None:  # a done is lowered after its start: its operand
+        raise RuntimeError(f"jaxring: allreduce done of pair {pair} lowered "
+                           "before its start")
     call = jax.ffi.ffi_lowering("jaxring_allreduce_done_cpu")
     return call(ctx, handle, *deps, op_id=np.int64(op_id))
 
@@ -115,19 +122,20 @@ mlir.register_lowering(done_p, _done_lowering, platform="cpu")
 
 # ---- helpers used by overlap ------------------------------------------------
 
-def start(xs, *, deps=(), axes, op, rings, chunk_bytes, timeout_s):
+def start(xs, *, deps=(), axes, op, rings, chunk_bytes, timeout_s, label):
     """Starts one allreduce over xs (one dtype) once deps exist.
 
-    Returns (handle, op_id)."""
-    op_id = new_op_id()
+    Returns (handle, pair); label names its spans in the timeline."""
+    pair = next(_pairs)
     deps = list(deps)
     handle = start_p.bind(*deps, *xs, axes=tuple(axes), op=op, rings=rings,
                           chunk_bytes=chunk_bytes, timeout_s=timeout_s,
-                          link=_ar.link_param(), op_id=op_id, num_deps=len(deps))
-    return handle, op_id
+                          link=_ar.link_param(), pair=pair, label=str(label),
+                          num_deps=len(deps))
+    return handle, pair
 
 
-def done(handle, op_id, out_avals, *, deps=()):
-    """Waits for the allreduce of op_id, not before deps exist; returns values
-    typed like out_avals."""
-    return done_p.bind(handle, *deps, op_id=op_id, out_avals=tuple(out_avals))
+def done(handle, pair, out_avals, *, deps=()):
+    """Waits for the allreduce started as pair, not before deps exist;
+    returns values typed like out_avals."""
+    return done_p.bind(handle, *deps, pair=pair, out_avals=tuple(out_avals))

@@ -254,6 +254,7 @@ bool Worker::advance(Task& task, bool* finished) {
   const RingPlan& plan = op.plan;
   const int steps = plan.num_steps();
   const int64_t esize = plan.elem_bytes();
+  task.wake_ns = -1;
 
   if (op.failed.load(std::memory_order_acquire)) {
     if (!me.stopped.exchange(true)) op.wake_all();
@@ -269,7 +270,6 @@ bool Worker::advance(Task& task, bool* finished) {
   }
 
   bool progressed = false;
-  task.wake_ns = -1;
   if (!me.finished.load(std::memory_order_relaxed)) {
     bool all_rings_done = true;
     for (int r = 0; r < plan.num_rings(); ++r) {

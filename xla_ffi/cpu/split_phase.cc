@@ -152,8 +152,8 @@ void inprocess_finish(int64_t run_id, int device, int64_t op_id,
     std::ostringstream os;
     os << "jaxring allreduce done (op " << op_id << "): outputs hold " << total
        << " bytes but the start was given " << s->bytes;
-    // Still wait for completion: peers may be reading our buffers, and the
-    // entry (held by the transport's completion) keeps them alive.
+    // Fail at once. The operation itself runs on: the transport's
+    // completion holds the entry, so peers can still read its buffers.
     done(os.str());
     return;
   }
