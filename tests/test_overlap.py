@@ -222,15 +222,31 @@ def scan_model(params, x):
     return jax.lax.scan(body, x, params)[0]
 
 
+def transformer_scan_model(params, x):
+    """Pre-norm transformer blocks (attention over the batch rows, then an
+    MLP), one scan step per block; x is [tokens, width]."""
+    def norm(h):
+        return (h - h.mean(-1, keepdims=True)) / jnp.sqrt(h.var(-1, keepdims=True) + 1e-5)
+
+    def block(h, p):
+        q = norm(h) @ p["w"]
+        attn = jax.nn.softmax(q @ q.T / q.shape[-1] ** 0.5, axis=-1) @ q
+        h = h + attn
+        return h + jnp.tanh(norm(h) @ p["w"].T + p["b"]), None
+    return jax.lax.scan(block, x, params)[0]
+
+
+@pytest.mark.parametrize("model", [scan_model, transformer_scan_model],
+                         ids=["mlp", "transformer"])
 @pytest.mark.parametrize("check_vma", [False, True])
-def test_scan_over_layers(check_vma):
+def test_scan_over_layers(check_vma, model):
     opt = optax.adam(1e-2)
     layers = init_mlp()
     params = jax.tree.map(lambda *a: jnp.stack(a), *layers.values())
     data = batch()
-    ref = train(sharded(make_step(jax.lax.pmean, opt, scan_model), check_vma),
+    ref = train(sharded(make_step(jax.lax.pmean, opt, model), check_vma),
                 params, opt, data)
-    ov = jaxring.overlap(make_step(jax.lax.pmean, opt, scan_model), axis_name="batch")
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt, model), axis_name="batch")
     got, messages = train_noting_warnings(sharded(ov, check_vma), params, opt, data)
     assert_trees_close(got, ref)
     if check_vma:
