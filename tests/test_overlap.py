@@ -532,3 +532,38 @@ def test_python_scalar_arguments_stay_static():
     f = jax.jit(jax.shard_map(lambda v: jaxring.overlap(step, axis_name="batch")(v, True),
                               mesh=m, in_specs=P("batch"), out_specs=P()))
     np.testing.assert_allclose(np.asarray(f(x)), 2 * np.arange(N).sum())
+
+
+def test_a_start_no_peer_joins_fails_after_the_timeout(script):
+    """A split-phase allreduce that only one device starts ends in an error
+    that names the missing ranks, not a hang."""
+    res = script("""
+        import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        import jaxring
+        from jaxring._src import runtime, split_phase
+        runtime.register_ffi_targets()
+        mesh = jax.make_mesh((4,), ("batch",))
+
+        def reduce_alone(v):
+            h, pair = split_phase.start([v], axes=("batch",), op="sum", rings=1,
+                                        chunk_bytes=1 << 20, timeout_s=1.0, label="lonely")
+            return split_phase.done(h, pair, [jax.typeof(v)])[0]
+
+        def body(v):
+            first = jax.lax.axis_index("batch") == 0
+            return jax.lax.cond(first, reduce_alone, lambda u: u, v)
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("batch"),
+                                  out_specs=P("batch"), check_vma=False))
+        x = jax.device_put(jnp.ones((4, 8)), NamedSharding(mesh, P("batch")))
+        try:
+            jax.block_until_ready(f(x))
+        except Exception as e:
+            print("ERROR:", e)
+        else:
+            print("NO ERROR")
+    """, devices=4, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ERROR:" in res.stdout, res.stdout
+    assert "timed out after 1 s" in res.stdout and "rank(s) 1, 2, 3 of 4 never arrived" in res.stdout, res.stdout
