@@ -1,0 +1,141 @@
+"""What jaxring.overlap found and chose: the reductions, their names, and
+the report that explain() returns."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax._src import source_info_util
+
+from jaxring._src.step_trace import where
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """One operand of one rewritten psum equation."""
+    eqn: int
+    operand: int
+    axes: tuple
+    shape: tuple
+    dtype: np.dtype
+    label: str
+
+
+@dataclasses.dataclass
+class BucketReport:
+    index: int
+    nbytes: int
+    leaves: list[str]
+    issued_after: str
+    waited_before: str
+
+
+@dataclasses.dataclass
+class OverlapReport:
+    """The buckets jaxring.overlap chose for one trace of a step."""
+    buckets: list[BucketReport]
+    left_alone: list[str]
+
+    def __str__(self):
+        lines = [f"jaxring.overlap: {len(self.buckets)} bucket(s), "
+                 f"{sum(b.nbytes for b in self.buckets) / MiB:.2f} MiB in all"]
+        for b in self.buckets:
+            lines.append(f"  bucket {b.index}: {b.nbytes / MiB:.3f} MiB, "
+                         f"{len(b.leaves)} value(s)")
+            lines.append(f"    issued after  {b.issued_after}")
+            lines.append(f"    waited before {b.waited_before}")
+            for leaf in b.leaves:
+                lines.append(f"      {leaf}")
+        for why in self.left_alone:
+            lines.append(f"  left as is: {why}")
+        return "\n".join(lines)
+
+
+def label_reductions(jaxpr, reductions, args, kwargs) -> list[Reduction]:
+    """Names each reduced value by the pytree path of the argument leaf it
+    matches. The psums of one ``pmean(grads)`` call share a source line; when
+    their operand shapes equal, in order, the leaves of an argument subtree
+    (``state.params``), they get that subtree's paths. Otherwise a value is
+    named by its type and producer."""
+    subtrees: list[tuple[list[str], list[tuple]]] = []
+
+    def walk(prefix, tree):
+        with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
+        if not with_path:
+            return
+        paths = [prefix + jax.tree_util.keystr(p) for p, _ in with_path]
+        sigs = [(tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__)))
+                for _, x in with_path]
+        subtrees.append((paths, sigs))
+        for key, child in _children_with_keys(tree):
+            walk(prefix + key, child)
+
+    walk("args", tuple(args))
+    if kwargs:
+        walk("kwargs", dict(kwargs))
+    subtrees.sort(key=lambda t: -len(t[0]))
+
+    calls: dict[tuple, list[int]] = {}
+    for k, r in enumerate(reductions):
+        src = source_info_util.summarize(jaxpr.eqns[r.eqn].source_info)
+        calls.setdefault((src, r.axes), []).append(k)
+    labels: dict[int, str] = {}
+    for members in calls.values():
+        sigs = [(reductions[k].shape, str(reductions[k].dtype)) for k in members]
+        paths = next((p for p, sg in subtrees if sg == sigs), None)
+        if paths is not None:
+            labels.update(zip(members, paths))
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    out = []
+    for k, r in enumerate(reductions):
+        if k not in labels:
+            v = jaxpr.eqns[r.eqn].invars[r.operand]
+            prod = producers.get(v)
+            origin = where(prod) if prod is not None else "an input"
+            labels[k] = f"value from {origin}"
+        out.append(dataclasses.replace(r, label=labels[k]))
+    return out
+
+
+def _children_with_keys(tree):
+    try:
+        children, _ = jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda t: t is not tree)
+    except Exception:  # noqa: BLE001 (a leaf with odd flattening)
+        return []
+    return [(jax.tree_util.keystr(p), c) for p, c in children if c is not tree]
+
+
+def slot_text(jaxpr, slot: int, after: bool) -> str:
+    n = len(jaxpr.eqns)
+    if after:
+        if slot == 0:
+            return "the start of the step (its values are inputs)"
+        eqn = jaxpr.eqns[slot - 1]
+        return f"eqn {slot - 1}/{n}: {eqn.primitive.name} in {where(eqn)}"
+    if slot >= n:
+        return "the end of the step (its values are outputs)"
+    eqn = jaxpr.eqns[slot]
+    return f"eqn {slot}/{n}: {eqn.primitive.name} in {where(eqn)}"
+
+
+def build_report(jaxpr, plan, reductions, left) -> OverlapReport:
+    by_key = {(r.eqn, r.operand): r for r in reductions}
+    buckets = []
+    for b in plan.buckets:
+        leaves = []
+        for it in b.items:
+            r = by_key[it.key]
+            part = (f" [elements {it.offset}:{it.offset + it.count}]"
+                    if it.count != math.prod(r.shape) else "")
+            leaves.append(f"{r.label}: {r.dtype}{list(r.shape)}{part}")
+        buckets.append(BucketReport(
+            b.index, b.nbytes, leaves,
+            issued_after=slot_text(jaxpr, b.start_slot, after=True),
+            waited_before=slot_text(jaxpr, b.done_slot, after=False)))
+    return OverlapReport(buckets, list(left))
