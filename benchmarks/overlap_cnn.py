@@ -18,7 +18,6 @@ long as the backward pass, the regime where overlap matters most.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -49,10 +48,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.devices}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jaxring  # sizes the CPU pool before JAX starts
+    import jaxring
+    jaxring.use_cpu_devices(args.devices)  # before JAX starts its backend
     import jax
     import jax.numpy as jnp
     import numpy as np

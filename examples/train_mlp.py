@@ -15,7 +15,6 @@ For one seed the three give the same loss curve, up to float rounding.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -38,12 +37,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.devices}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jaxring  # before JAX starts: sizes the CPU thread pool
-    from jaxring._src import runtime
-    runtime.size_cpu_pool(args.devices)
+    import jaxring
+    jaxring.use_cpu_devices(args.devices)  # before JAX starts its backend
     import contextlib
 
     import jax

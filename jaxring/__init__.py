@@ -22,6 +22,7 @@ from jaxring._src.build_info import build_info  # noqa: E402
 from jaxring._src.config import config  # noqa: E402
 from jaxring._src.overlap import (  # noqa: E402
     OverlapReport, OverlapWarning, explain, overlap)
+from jaxring._src.runtime import use_cpu_devices  # noqa: E402
 from jaxring._src.timeline import timeline  # noqa: E402
 from jaxring._src import timeline as _timeline  # noqa: E402
 
@@ -41,4 +42,5 @@ __all__ = [
     "pmean",
     "psum",
     "timeline",
+    "use_cpu_devices",
 ]

@@ -138,11 +138,8 @@ def main(argv=None) -> int:
                     help="alternating timing rounds per size (median reported)")
     args = ap.parse_args(argv)
     # The device count must be fixed before JAX starts its CPU backend.
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                   os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
     from jaxring._src import runtime
-    runtime.size_cpu_pool(devices=args.devices)
+    runtime.use_cpu_devices(args.devices)
     run(args.devices, args.min_bytes, args.max_bytes, args.dtype, args.rings,
         args.chunk_bytes, args.min_time, args.rounds)
     return 0

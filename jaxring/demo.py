@@ -19,7 +19,6 @@ allreduce takes about as long as the backward pass.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -99,11 +98,8 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.devices}")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jaxring._src import runtime
-    runtime.size_cpu_pool(args.devices)
+    runtime.use_cpu_devices(args.devices)
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -65,6 +65,23 @@ def size_cpu_pool(devices: int | None = None) -> None:
     _pool_set_by_jaxring = True
 
 
+def use_cpu_devices(n: int) -> None:
+    """Asks JAX for n virtual CPU devices and sizes the CPU pool for them.
+
+    Sets ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS``
+    (replacing an earlier count) and, unless set, ``JAX_PLATFORMS=cpu``. Call
+    it before JAX starts its backend (before the first ``jax.devices()`` or
+    computation); the example trainers and the benchmarks call it first.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"jaxring.use_cpu_devices: n must be a positive int, got {n!r}")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    size_cpu_pool(n)
+
+
 def register_ffi_targets() -> None:
     global _registered
     if _registered:
