@@ -53,3 +53,19 @@ def test_cnn_modes_agree_on_the_first_steps():
         assert len(losses) == 3
         for a, b in zip(losses, curves["psum"]):
             assert abs(a - b) <= 1e-3 * abs(b), (mode, curves)
+
+
+def test_lm_learns_the_standard_library_with_overlap():
+    fields, losses = run_example("train_lm.py", "--mode", "overlap", "--devices", "8")
+    # A uniform guess over bytes is 8 bits/char; 300 steps reach about 2.5.
+    assert float(fields["bits/char"]) < 3.0, fields
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "psum"])
+def test_lm_modes_give_the_same_loss_curve(mode):
+    common = ("--devices", "4", "--steps", "5", "--layers", "1", "--width", "64")
+    _, overlap = run_example("train_lm.py", "--mode", "overlap", *common)
+    _, other = run_example("train_lm.py", "--mode", mode, *common)
+    assert len(overlap) == len(other) == 5
+    for a, b in zip(overlap, other):
+        assert abs(a - b) <= 1e-4 * abs(b), (overlap, other)
