@@ -27,10 +27,10 @@ def no_state_left_behind():
     # Reading one replicated result does not wait for the other devices, so
     # give the last step a moment to finish everywhere.
     deadline = time.monotonic() + 30
-    while (_jaxring.inprocess_unfinished_starts() or _jaxring.inprocess_pending_ops()) \
+    while (_jaxring.split_phase_unfinished_starts() or _jaxring.inprocess_pending_ops()) \
             and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _jaxring.inprocess_unfinished_starts() == 0
+    assert _jaxring.split_phase_unfinished_starts() == 0
     assert _jaxring.inprocess_pending_ops() == 0
 
 

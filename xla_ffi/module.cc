@@ -10,6 +10,7 @@
 #include "cpu/allreduce_handler.h"
 #include "cpu/inprocess_transport.h"
 #include "cpu/split_phase.h"
+#include "cpu/tcp_transport.h"
 #include "cpu/timeline.h"
 #include "plan.h"
 #include "reduce.h"
@@ -102,8 +103,25 @@ NB_MODULE(_jaxring, m) {
     }
     return out;
   }, "Events recorded since the last call, as tuples.");
-  m.def("inprocess_unfinished_starts", &jaxring::inprocess_unfinished_starts,
+  m.def("split_phase_unfinished_starts",
+        &jaxring::split_phase_unfinished_starts,
         "Split-phase allreduces started and not yet finished.");
+
+  // The TCP transport between processes (set up by jaxring._src.distributed).
+  m.def("tcp_listen", [](const std::string& bind_host) {
+    std::string error;
+    const int port = jaxring::tcp_listen(bind_host, &error);
+    if (port < 0) throw std::runtime_error("jaxring TCP transport: " + error);
+    return port;
+  }, nb::arg("bind_host"),
+        "Opens this process's listening socket; returns its port.");
+  m.def("tcp_set_peers", &jaxring::tcp_set_peers, nb::arg("process_index"),
+        nb::arg("addresses"),
+        "Sets this process's index and every process's host:port.");
+  m.def("tcp_process_index", &jaxring::tcp_process_index,
+        "This process's index in the TCP transport (-1: not set up).");
+  m.def("tcp_pending_ops", &jaxring::tcp_pending_ops,
+        "Operations the TCP transport still holds.");
 
   // Reduction kernels on raw bytes, for tests of rounding and wrapping.
   m.def("reduce_bytes", [](int elem_type, int op, nb::bytes a, nb::bytes b) {

@@ -30,7 +30,7 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
-from jaxring._src import runtime, timeline
+from jaxring._src import distributed, runtime, timeline
 from jaxring._src.config import config, parse_link, validate
 
 _OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
@@ -202,11 +202,13 @@ def _lookup(table: np.ndarray, index):
                        sliced)
 
 
-def ring_coordinates(ctx, axes: tuple):
-    """(world size, rank value, group value) of this device for a ring over axes.
+def ring_coordinates(ctx, axes: tuple, timeout_s: float, link):
+    """(world size, rank, group, rank_process) of this device for a ring over axes.
 
     Rank and group are scalar int32 IR values computed from partition-id, so
-    one lowered module serves every device.
+    one lowered module serves every device. rank_process holds the process
+    of every (group, rank); when a ring spans processes this also sets up the
+    TCP transport.
     """
     axis_ctx = ctx.module_context.axis_context
     mesh = getattr(axis_ctx, "mesh", None)
@@ -223,9 +225,26 @@ def ring_coordinates(ctx, axes: tuple):
             "automatic is not supported; make every mesh axis manual.")
     world = math.prod(sizes[names.index(a)] for a in axes)
     rank_table, group_table = _rank_tables(names, sizes, axes)
+    devices = distributed.device_assignment(axis_ctx)
+    if devices is None:
+        if jax.process_count() > 1:
+            raise NotImplementedError(
+                "jaxring.allreduce: cannot tell which process runs each device "
+                "of this lowering (no device assignment).")
+        rank_process = np.zeros(world * (int(group_table.max()) + 1), np.int64)
+    else:
+        rank_process = distributed.process_table(devices, rank_table,
+                                                 group_table, world)
+    if distributed.spans_processes(rank_process):
+        if link != (0.0, 0.0):
+            raise NotImplementedError(
+                "jaxring: cpu_link emulates links between the devices of one "
+                "process; this ring spans processes, whose traffic crosses a "
+                "real network. Unset jaxring.config.cpu_link / JAXRING_CPU_LINK.")
+        distributed.ensure_tcp_transport(timeout_s)
     pid = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)),
                       hlo.partition_id())
-    return world, _lookup(rank_table, pid), _lookup(group_table, pid)
+    return world, _lookup(rank_table, pid), _lookup(group_table, pid), rank_process
 
 
 def link_param() -> tuple[float, float]:
@@ -235,9 +254,11 @@ def link_param() -> tuple[float, float]:
     return (0.0, 0.0) if spec is None else parse_link(spec)
 
 
-def ring_attributes(world, op, rings, chunk_bytes, timeout_s, link) -> dict:
+def ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
+                    rank_process) -> dict:
     """The custom-call attributes every ring operation carries, with a fresh op id."""
     return dict(op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
+                rank_process=np.asarray(rank_process, np.int64),
                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s),
                 link_bytes_per_s=np.float64(link[0]),
@@ -250,11 +271,12 @@ SCALAR_I32 = core.ShapedArray((), np.int32)
 def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
               invariant):
     del invariant
-    world, rank, group = ring_coordinates(ctx, axes)
+    world, rank, group, rank_process = ring_coordinates(ctx, axes, timeout_s, link)
     (aval,) = ctx.avals_in
     call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
     sub_ctx = ctx.replace(avals_in=[aval, SCALAR_I32, SCALAR_I32])
-    attrs = ring_attributes(world, op, rings, chunk_bytes, timeout_s, link)
+    attrs = ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
+                            rank_process)
     timeline.name_op(attrs["op_id"], f"allreduce {op} over {','.join(map(str, axes))}")
     return call(sub_ctx, x, rank, group, **attrs)
 

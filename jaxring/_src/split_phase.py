@@ -78,8 +78,10 @@ start_p.def_effectful_abstract_eval(_start_abstract_eval)
 
 def _start_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s, link,
                     pair, label, num_deps):
-    world, rank, group = _ar.ring_coordinates(ctx, axes)
-    attrs = _ar.ring_attributes(world, op, rings, chunk_bytes, timeout_s, link)
+    world, rank, group, rank_process = _ar.ring_coordinates(ctx, axes, timeout_s,
+                                                            link)
+    attrs = _ar.ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
+                                rank_process)
     _op_id_of_pair[pair] = int(attrs["op_id"])
     timeline.name_op(attrs["op_id"], label)
     attrs["num_deps"] = np.int64(num_deps)

@@ -9,6 +9,7 @@
 
 #include "../reduce.h"
 #include "inprocess_transport.h"
+#include "ring_transport.h"
 #include "split_phase.h"
 
 namespace ffi = xla::ffi;
@@ -81,6 +82,20 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
   return std::nullopt;
 }
 
+// The processes running the ranks of `group`: row `group` of the
+// rank_process table (groups x world, row-major), or an error.
+std::optional<std::string> processes_of_group(
+    ffi::Span<const int64_t> rank_process, int64_t group, int64_t world_size,
+    std::vector<int>* out) {
+  const int64_t begin = group * world_size;
+  if (group < 0 || begin + world_size > static_cast<int64_t>(rank_process.size())) {
+    return "jaxring allreduce: the rank_process table has no row for this group";
+  }
+  out->assign(rank_process.begin() + begin,
+              rank_process.begin() + begin + world_size);
+  return std::nullopt;
+}
+
 // A promise completed by the transport: errors are deadline or peer failures.
 ffi::Future future_for(std::function<void(Completion)> start) {
   ffi::Promise promise;
@@ -102,7 +117,8 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                              int64_t world_size, int64_t reduce_op,
                              int64_t num_rings, int64_t chunk_bytes,
                              double timeout_s, double link_bytes_per_s,
-                             double link_latency_s) {
+                             double link_latency_s,
+                             ffi::Span<const int64_t> rank_process) {
   const int rank = rank_buf.typed_data()[0];
   const int64_t group = group_buf.typed_data()[0];
   const int64_t count = static_cast<int64_t>(x.element_count());
@@ -121,10 +137,15 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
     promise.SetAvailable();
     return future;
   }
+  std::vector<int> processes;
+  if (auto error = processes_of_group(rank_process, group, world_size,
+                                      &processes)) {
+    return failed_future(*error);
+  }
   const OpKey key{run_id.run_id, op_id, group};
   return future_for([&](Completion done) {
-    inprocess_allreduce(key, desc, rank, device, x.untyped_data(),
-                        out->untyped_data(), timeout_s, std::move(done));
+    ring_allreduce(key, desc, rank, device, processes, x.untyped_data(),
+                   out->untyped_data(), timeout_s, std::move(done));
   });
 }
 
@@ -142,7 +163,8 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                  int64_t reduce_op, int64_t num_rings,
                                  int64_t chunk_bytes, double timeout_s,
                                  double link_bytes_per_s,
-                                 double link_latency_s, int64_t num_deps) {
+                                 double link_latency_s, int64_t num_deps,
+                                 ffi::Span<const int64_t> rank_process) {
   handle->typed_data()[0] = 0;
   std::vector<ConstBytes> inputs;
   int64_t count = 0;
@@ -173,9 +195,15 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                &desc)) {
     return ffi::Error::InvalidArgument(*error);
   }
-  const OpKey key{run_id.run_id, op_id, group_buf.typed_data()[0]};
-  if (auto error = inprocess_start(key, desc, rank_buf.typed_data()[0], device,
-                                   inputs, timeout_s)) {
+  const int64_t group = group_buf.typed_data()[0];
+  std::vector<int> processes;
+  if (auto error = processes_of_group(rank_process, group, world_size,
+                                      &processes)) {
+    return ffi::Error::InvalidArgument(*error);
+  }
+  const OpKey key{run_id.run_id, op_id, group};
+  if (auto error = split_phase_start(key, desc, rank_buf.typed_data()[0],
+                                     device, processes, inputs, timeout_s)) {
     return ffi::Error::Internal(*error);
   }
   return ffi::Error::Success();
@@ -198,7 +226,7 @@ ffi::Future AllreduceDoneCpuImpl(ffi::RunId run_id, int32_t device,
     outputs.push_back({(*out)->untyped_data(), (*out)->size_bytes()});
   }
   return future_for([&](Completion done) {
-    inprocess_finish(run_id.run_id, device, op_id, std::move(outputs),
+    split_phase_finish(run_id.run_id, device, op_id, std::move(outputs),
                      std::move(done));
   });
 }
@@ -221,7 +249,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("chunk_bytes")
         .Attr<double>("timeout_s")
         .Attr<double>("link_bytes_per_s")  // emulated link, 0 = off
-        .Attr<double>("link_latency_s"));
+        .Attr<double>("link_latency_s")
+        // process of each rank, one row of world_size per group
+        .Attr<ffi::Span<const int64_t>>("rank_process"));
 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -241,7 +271,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<double>("timeout_s")
         .Attr<double>("link_bytes_per_s")
         .Attr<double>("link_latency_s")
-        .Attr<int64_t>("num_deps"));
+        .Attr<int64_t>("num_deps")
+        .Attr<ffi::Span<const int64_t>>("rank_process"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllreduceDoneCpu, AllreduceDoneCpuImpl,

@@ -90,11 +90,10 @@ void copy_out(const Started& s, const std::vector<MutableBytes>& outputs) {
 
 }  // namespace
 
-std::optional<std::string> inprocess_start(const OpKey& key,
-                                           const OpDesc& desc, int rank,
-                                           int device,
-                                           const std::vector<ConstBytes>& inputs,
-                                           double timeout_s) {
+std::optional<std::string> split_phase_start(
+    const OpKey& key, const OpDesc& desc, int rank, int device,
+    const std::vector<int>& process_of_rank,
+    const std::vector<ConstBytes>& inputs, double timeout_s) {
   auto s = std::make_shared<Started>();
   for (const ConstBytes& b : inputs) s->bytes += b.size;
   const size_t expected =
@@ -127,15 +126,15 @@ std::optional<std::string> inprocess_start(const OpKey& key,
   s->out.reset(new char[s->bytes > 0 ? s->bytes : 1]);
   // The completion holds the entry, so the buffers outlive every peer read
   // even if finish never comes.
-  inprocess_allreduce(key, desc, rank, device, s->in.get(), s->out.get(),
-                      timeout_s,
+  ring_allreduce(key, desc, rank, device, process_of_rank, s->in.get(),
+                 s->out.get(), timeout_s,
                       [s](const std::optional<std::string>& error) {
                         mark_complete(*s, error);
                       });
   return std::nullopt;
 }
 
-void inprocess_finish(int64_t run_id, int device, int64_t op_id,
+void split_phase_finish(int64_t run_id, int device, int64_t op_id,
                       std::vector<MutableBytes> outputs, Completion done) {
   std::shared_ptr<Started> s = StartTable::get().take({run_id, device, op_id});
   if (!s) {
@@ -171,6 +170,6 @@ void inprocess_finish(int64_t run_id, int device, int64_t op_id,
   finish_now();
 }
 
-int64_t inprocess_unfinished_starts() { return StartTable::get().size(); }
+int64_t split_phase_unfinished_starts() { return StartTable::get().size(); }
 
 }  // namespace jaxring

@@ -1,5 +1,5 @@
-// Split-phase allreduce for the in-process transport: a start that returns
-// at once and a finish that completes when the result is ready.
+// Split-phase allreduce: a start that returns at once and a finish that
+// completes when the result is ready, over either transport.
 //
 // jaxring.overlap issues a bucket's allreduce as soon as its gradients exist
 // and waits for it only where the result is first used. XLA sees two custom
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "inprocess_transport.h"
+#include "ring_transport.h"
 
 namespace jaxring {
 
@@ -34,19 +34,18 @@ struct MutableBytes {
 // Copies `inputs` (concatenated, in order) into transport-owned memory and
 // starts rank's part of the allreduce described by key/desc. Returns an error
 // if it cannot start (the custom call then fails the execution).
-std::optional<std::string> inprocess_start(const OpKey& key,
-                                           const OpDesc& desc, int rank,
-                                           int device,
-                                           const std::vector<ConstBytes>& inputs,
-                                           double timeout_s);
+std::optional<std::string> split_phase_start(
+    const OpKey& key, const OpDesc& desc, int rank, int device,
+    const std::vector<int>& process_of_rank,
+    const std::vector<ConstBytes>& inputs, double timeout_s);
 
 // Completes the operation started on `device` in run `run_id` as op_id:
 // once the result is ready it is copied into `outputs` (split in order) and
 // `done` is called, from this device's worker or inline if it is ready now.
-void inprocess_finish(int64_t run_id, int device, int64_t op_id,
+void split_phase_finish(int64_t run_id, int device, int64_t op_id,
                       std::vector<MutableBytes> outputs, Completion done);
 
 // Started operations not yet finished (for tests: must drop to 0).
-int64_t inprocess_unfinished_starts();
+int64_t split_phase_unfinished_starts();
 
 }  // namespace jaxring

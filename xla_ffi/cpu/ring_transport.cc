@@ -1,0 +1,29 @@
+#include "ring_transport.h"
+
+#include <algorithm>
+
+#include "tcp_transport.h"
+
+namespace jaxring {
+
+void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
+                    const std::vector<int>& process_of_rank, const void* in,
+                    void* out, double timeout_s, Completion done) {
+  const bool one_process =
+      process_of_rank.empty() ||
+      std::all_of(process_of_rank.begin(), process_of_rank.end(),
+                  [&](int p) { return p == process_of_rank.front(); });
+  if (one_process) {
+    inprocess_allreduce(key, desc, rank, device, in, out, timeout_s,
+                        std::move(done));
+  } else if (desc.link_bytes_per_s > 0) {
+    // Python refuses this at trace time; this guards hand-written calls.
+    done("jaxring allreduce: link emulation applies to the in-process "
+         "transport only; across processes, shape the real network instead");
+  } else {
+    tcp_allreduce(key, desc, rank, device, process_of_rank, in, out, timeout_s,
+                  std::move(done));
+  }
+}
+
+}  // namespace jaxring

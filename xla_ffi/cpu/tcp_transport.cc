@@ -1,0 +1,1177 @@
+#include "tcp_transport.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "../plan.h"
+#include "timeline.h"
+
+namespace jaxring {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             Clock::now().time_since_epoch())
+      .count();
+}
+
+Clock::time_point after_seconds(double s) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(s));
+}
+
+constexpr uint32_t kMagic = 0x4a52494e;  // "JRIN"
+constexpr uint32_t kVersion = 1;
+constexpr int kPollSliceMs = 100;
+constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
+// How long a connection may take to open, and an abort frame to leave.
+constexpr double kConnectTimeoutS = 30.0;
+constexpr double kAbortSendTimeoutS = 10.0;
+// Payload is received in slices so a failed operation is noticed quickly.
+constexpr size_t kRecvSlice = 1 << 20;
+
+enum FrameKind : uint32_t { kData = 1, kAbort = 2 };
+
+// Sent once by the connecting side.
+struct Hello {
+  uint32_t magic;
+  uint32_t version;
+  int32_t process;  // the sender's process index
+  int32_t channel;  // which ring's connection this is
+};
+
+// Precedes every frame. Fixed layout, native byte order: every process of a
+// job runs the same build on the same kind of machine.
+struct FrameHeader {
+  uint32_t magic;
+  uint32_t kind;
+  int64_t run_id;
+  int64_t op_id;
+  int64_t group;
+  int32_t ring;
+  int32_t dst_rank;
+  int32_t src_rank;
+  int32_t elem_type;
+  int32_t reduce_op;
+  int32_t world_size;
+  int32_t num_rings;
+  int32_t reserved;
+  int64_t count;
+  int64_t chunk_bytes;
+  int64_t unit;           // chunk-major unit index (chunk * steps + step)
+  int64_t payload_bytes;  // data, or the abort message's length
+};
+static_assert(sizeof(FrameHeader) == 96, "FrameHeader layout");
+
+OpKey key_of(const FrameHeader& h) { return {h.run_id, h.op_id, h.group}; }
+
+OpDesc desc_of(const FrameHeader& h) {
+  OpDesc d;
+  d.type = static_cast<ElemType>(h.elem_type);
+  d.op = static_cast<ReduceOp>(h.reduce_op);
+  d.count = h.count;
+  d.world_size = h.world_size;
+  d.num_rings = h.num_rings;
+  d.chunk_bytes = h.chunk_bytes;
+  return d;
+}
+
+// What ranks must agree on (link emulation does not apply across processes).
+bool same_operation(const OpDesc& a, const OpDesc& b) {
+  return a.type == b.type && a.op == b.op && a.count == b.count &&
+         a.world_size == b.world_size && a.num_rings == b.num_rings &&
+         a.chunk_bytes == b.chunk_bytes;
+}
+
+std::string op_name(const OpKey& k, const OpDesc& d) {
+  std::ostringstream os;
+  os << "jaxring allreduce (op " << k.op_id << ", group " << k.group
+     << ", run " << k.run_id << ", " << d.describe() << ")";
+  return os.str();
+}
+
+// ---- socket I/O with deadlines -------------------------------------------
+
+// Waits up to kPollSliceMs for fd to be ready; returns false on error/hangup
+// with nothing left to read.
+int poll_once(int fd, short events) {
+  pollfd p{fd, events, 0};
+  return ::poll(&p, 1, kPollSliceMs);
+}
+
+// Writes all of [data, data+n). `stall_s` bounds the time without progress.
+// `on_slice` runs between writes (may redirect data to a private copy).
+bool write_all(int fd, const char*& data, size_t& n, double stall_s,
+               const std::function<void()>& on_slice, std::string* error) {
+  auto stall_deadline = after_seconds(stall_s);
+  while (n > 0) {
+    if (on_slice) on_slice();
+    const ssize_t w = ::send(fd, data, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      data += w;
+      n -= static_cast<size_t>(w);
+      stall_deadline = after_seconds(stall_s);
+      continue;
+    }
+    if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      *error = std::string("send failed: ") + std::strerror(errno);
+      return false;
+    }
+    if (Clock::now() > stall_deadline) {
+      std::ostringstream os;
+      os << "the peer accepted no data for " << stall_s << " s";
+      *error = os.str();
+      return false;
+    }
+    poll_once(fd, POLLOUT);
+  }
+  return true;
+}
+
+enum class ReadResult { kOk, kClosed, kError, kStalled };
+
+// Reads exactly n bytes. idle_ok: waiting for the first byte has no limit
+// (an idle connection between operations); after it, stall_s applies.
+ReadResult read_exact(int fd, char* data, size_t n, bool idle_ok,
+                      double stall_s, std::string* error) {
+  auto stall_deadline = after_seconds(stall_s);
+  bool started = !idle_ok;
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, data, n, MSG_DONTWAIT);
+    if (r > 0) {
+      data += r;
+      n -= static_cast<size_t>(r);
+      started = true;
+      stall_deadline = after_seconds(stall_s);
+      continue;
+    }
+    if (r == 0) {
+      *error = "the connection was closed (did the process exit?)";
+      return ReadResult::kClosed;
+    }
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      *error = std::string("recv failed: ") + std::strerror(errno);
+      return ReadResult::kError;
+    }
+    if (started && Clock::now() > stall_deadline) {
+      std::ostringstream os;
+      os << "the peer sent nothing for " << stall_s << " s in mid-frame";
+      *error = os.str();
+      return ReadResult::kStalled;
+    }
+    poll_once(fd, POLLIN);
+  }
+  return ReadResult::kOk;
+}
+
+void tune_socket(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+}
+
+bool split_address(const std::string& addr, std::string* host,
+                   std::string* port) {
+  const size_t colon = addr.rfind(':');
+  if (colon == std::string::npos) return false;
+  *host = addr.substr(0, colon);
+  *port = addr.substr(colon + 1);
+  if (host->size() > 2 && host->front() == '[' && host->back() == ']') {
+    *host = host->substr(1, host->size() - 2);
+  }
+  return !host->empty() && !port->empty();
+}
+
+// Connects to "host:port", retrying until timeout_s (the peer may still be
+// starting its listener).
+int connect_to(const std::string& addr, double timeout_s, std::string* error) {
+  std::string host, port;
+  if (!split_address(addr, &host, &port)) {
+    *error = "bad address '" + addr + "' (want host:port)";
+    return -1;
+  }
+  const auto deadline = after_seconds(timeout_s);
+  for (;;) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
+    if (rc == 0) {
+      for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+        const int fd = ::socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+        if (fd < 0) continue;
+        if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+          ::freeaddrinfo(res);
+          tune_socket(fd);
+          return fd;
+        }
+        *error = std::string("connect to ") + addr + ": " + std::strerror(errno);
+        ::close(fd);
+      }
+      ::freeaddrinfo(res);
+    } else {
+      *error = std::string("resolve ") + addr + ": " + ::gai_strerror(rc);
+    }
+    if (Clock::now() > deadline) return -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// ---- operations ------------------------------------------------------------
+
+class TcpWorker;
+
+// Units of one (local rank, ring) received from the previous rank.
+struct Inbox {
+  std::vector<char> arrived;  // per unit
+  // Units that came before the rank joined (no destination buffer yet).
+  std::map<int64_t, std::vector<char>> staged;
+};
+
+// A rank of the operation that runs in this process.
+struct LocalRank {
+  const void* in = nullptr;
+  void* out = nullptr;
+  TcpWorker* worker = nullptr;
+  int device = 0;
+  int64_t joined_ns = 0;
+  int outstanding_sends = 0;  // frames queued that still read our buffers
+};
+
+struct TcpOp {
+  explicit TcpOp(const OpKey& k) : key(k) {}
+
+  const OpKey key;
+  std::mutex mu;  // guards everything below
+  bool has_desc = false;
+  OpDesc desc;
+  std::unique_ptr<RingPlan> plan;
+  std::vector<int> process_of_rank;  // set by the first local rank to join
+  int expected_locals = 0;
+  int completed_locals = 0;
+  std::map<int, LocalRank> locals;
+  std::map<std::pair<int, int>, Inbox> inboxes;  // (rank, ring)
+  Clock::time_point deadline = after_seconds(3600);
+  double timeout_s = 3600;
+  bool failed = false;
+  std::atomic<bool> failed_flag{false};  // readable without mu by the I/O
+  std::string error;
+  int writers = 0;  // readers currently receiving into a local buffer
+
+  // Requires mu.
+  void set_desc(const OpDesc& d) {
+    desc = d;
+    has_desc = true;
+    plan.reset(new RingPlan(d.world_size, d.num_rings, d.count,
+                            elem_bytes(d.type), d.chunk_bytes));
+  }
+  int64_t units(int ring) const {
+    return plan->num_chunks(ring) * plan->num_steps();
+  }
+  // Requires mu.
+  Inbox& inbox(int rank, int ring) {
+    Inbox& ib = inboxes[{rank, ring}];
+    if (ib.arrived.empty()) ib.arrived.assign(units(ring) + 1, 0);
+    return ib;
+  }
+  // The element range unit u of `ring` carries into the rank at `pos`.
+  Span unit_span(int ring, int pos, int64_t u) const {
+    const int steps = plan->num_steps();
+    return plan->chunk(ring, plan->recv_segment(pos, static_cast<int>(u % steps)),
+                       u / steps);
+  }
+  std::string name() const {
+    if (has_desc) return op_name(key, desc);
+    std::ostringstream os;
+    os << "jaxring allreduce (op " << key.op_id << ", group " << key.group
+       << ", run " << key.run_id << ")";
+    return os.str();
+  }
+};
+
+struct Task {
+  std::shared_ptr<TcpOp> op;
+  int rank;
+  Completion done;
+  std::vector<int64_t> cursor;  // per ring: next unit to reduce or store
+  bool sent_inputs = false;     // step 0's chunks handed to the next rank
+};
+
+class TcpWorker {
+ public:
+  explicit TcpWorker(int device) : device_(device) {
+    // Lives for the whole process, like the in-process workers.
+    std::thread([this] { loop(); }).detach();
+  }
+  void submit(Task t) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      incoming_.push_back(std::move(t));
+      ++epoch_;
+    }
+    cv_.notify_one();
+  }
+  void wake() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++epoch_;
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop();
+  bool advance(Task& task, bool* finished);
+
+  const int device_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> incoming_;
+  uint64_t epoch_ = 0;
+};
+
+// A frame waiting to be written to one connection.
+struct OutFrame {
+  FrameHeader header;
+  const char* data = nullptr;  // points into a local rank's buffer
+  std::shared_ptr<TcpOp> op;   // null for abort frames
+  int rank = -1;               // whose outstanding_sends this holds
+  std::string message;         // an abort frame's payload
+  double stall_s = kAbortSendTimeoutS;
+};
+
+void release_send(const OutFrame& f);
+
+// The connection to one process for one ring, with its sender thread.
+class OutLink {
+ public:
+  OutLink(int process, int channel, std::string address)
+      : process_(process), channel_(channel), address_(std::move(address)) {
+    std::thread([this] { loop(); }).detach();
+  }
+  // Returns false if the link is already dead (the frame is not taken).
+  bool enqueue(OutFrame f) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (dead_) return false;
+      queue_.push_back(std::move(f));
+    }
+    cv_.notify_one();
+    return true;
+  }
+
+ private:
+  void loop();
+  void die(const std::string& why);
+
+  const int process_;
+  const int channel_;
+  const std::string address_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<OutFrame> queue_;
+  bool dead_ = false;
+};
+
+class Transport {
+ public:
+  static Transport& get() {
+    // Leaked on purpose: threads may use it during interpreter shutdown.
+    static Transport* t = new Transport();
+    return *t;
+  }
+
+  int listen(const std::string& bind_host, std::string* error);
+  void set_peers(int me, const std::vector<std::string>& addresses) {
+    std::lock_guard<std::mutex> lock(links_mu_);
+    addresses_ = addresses;
+    me_.store(me);
+  }
+  int me() const { return me_.load(); }
+
+  TcpWorker* worker(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& w = workers_[device];
+    if (!w) w.reset(new TcpWorker(device));
+    return w.get();
+  }
+
+  // The operation for key, created if new.
+  std::shared_ptr<TcpOp> op(const OpKey& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    collect_garbage();
+    auto& slot = ops_[key];
+    if (!slot) slot = std::make_shared<TcpOp>(key);
+    return slot;
+  }
+  void forget(const std::shared_ptr<TcpOp>& op) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ops_.find(op->key);
+    if (it != ops_.end() && it->second == op) ops_.erase(it);
+  }
+  int64_t pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(ops_.size());
+  }
+  // Why process p can no longer be reached, or "" if it can.
+  std::string dead_reason(int p) {
+    std::lock_guard<std::mutex> lock(links_mu_);
+    auto it = dead_.find(p);
+    return it == dead_.end() ? std::string() : it->second;
+  }
+
+  // Queues a frame to process p on ring channel; false if p is unreachable.
+  bool send(int p, int channel, OutFrame f) {
+    OutLink* link;
+    {
+      std::lock_guard<std::mutex> lock(links_mu_);
+      if (dead_.count(p) || p < 0 ||
+          p >= static_cast<int>(addresses_.size())) {
+        return false;
+      }
+      auto& l = links_[{p, channel}];
+      if (!l) l.reset(new OutLink(p, channel, addresses_[p]));
+      link = l.get();
+    }
+    return link->enqueue(std::move(f));
+  }
+
+  void peer_lost(int p, const std::string& why);
+  // Fails op and tells every other process of its group. Requires op.mu not
+  // held. Returns whether this call failed it (false: it already was).
+  bool fail(const std::shared_ptr<TcpOp>& op, const std::string& why,
+            bool tell_peers);
+
+ private:
+  void accept_loop(int listen_fd);
+  void read_loop(int fd);
+  void collect_garbage();  // requires mu_
+
+  // Lock order: mu_ may be held while taking an operation's mu (garbage
+  // collection); an operation's mu may be held while taking links_mu_
+  // (sending). Nothing takes mu_ while holding an operation's mu.
+  std::mutex mu_;  // ops_, workers_, the listener
+  int listen_fd_ = -1;
+  int port_ = -1;
+  std::map<int, std::unique_ptr<TcpWorker>> workers_;
+  std::map<OpKey, std::shared_ptr<TcpOp>> ops_;
+  std::mutex links_mu_;  // addresses_, links_, dead_
+  std::atomic<int> me_{-1};
+  std::vector<std::string> addresses_;
+  std::map<std::pair<int, int>, std::unique_ptr<OutLink>> links_;
+  std::map<int, std::string> dead_;
+};
+
+// Marks op failed under its lock; returns the workers to wake, or nothing if
+// it had failed already.
+bool mark_failed(TcpOp& op, const std::string& why,
+                 std::vector<TcpWorker*>* wake) {
+  std::lock_guard<std::mutex> lock(op.mu);
+  if (op.failed) return false;
+  op.failed = true;
+  op.failed_flag.store(true);
+  op.error = why;
+  for (auto& [rank, l] : op.locals) wake->push_back(l.worker);
+  return true;
+}
+
+bool Transport::fail(const std::shared_ptr<TcpOp>& op, const std::string& why,
+                     bool tell_peers) {
+  std::vector<TcpWorker*> wake;
+  if (!mark_failed(*op, why, &wake)) return false;
+  for (TcpWorker* w : wake) w->wake();
+  if (!tell_peers) return true;
+  std::set<int> peers;
+  FrameHeader h{};
+  {
+    std::lock_guard<std::mutex> lock(op->mu);
+    const int me = this->me();
+    for (int p : op->process_of_rank) {
+      if (p != me) peers.insert(p);
+    }
+    h.magic = kMagic;
+    h.kind = kAbort;
+    h.run_id = op->key.run_id;
+    h.op_id = op->key.op_id;
+    h.group = op->key.group;
+    h.payload_bytes = static_cast<int64_t>(why.size());
+  }
+  for (int p : peers) {
+    OutFrame f;
+    f.header = h;
+    f.message = why;
+    send(p, 0, std::move(f));
+  }
+  return true;
+}
+
+void Transport::peer_lost(int p, const std::string& why) {
+  std::vector<std::shared_ptr<TcpOp>> affected;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(links_mu_);
+    if (dead_.count(p)) return;
+    std::ostringstream os;
+    os << "process " << p << " (" << (p < static_cast<int>(addresses_.size())
+                                          ? addresses_[p]
+                                          : std::string("?"))
+       << ") is unreachable: " << why;
+    reason = os.str();
+    dead_[p] = reason;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, op] : ops_) affected.push_back(op);
+  }
+  for (auto& op : affected) {
+    bool involved;
+    std::string name;
+    {
+      std::lock_guard<std::mutex> lock(op->mu);
+      involved = std::find(op->process_of_rank.begin(),
+                           op->process_of_rank.end(),
+                           p) != op->process_of_rank.end();
+      name = op->name();
+    }
+    if (involved) fail(op, name + ": " + reason, /*tell_peers=*/true);
+  }
+}
+
+void Transport::collect_garbage() {
+  const auto now = Clock::now();
+  for (auto it = ops_.begin(); it != ops_.end();) {
+    TcpOp& op = *it->second;
+    bool drop;
+    {
+      std::lock_guard<std::mutex> lock(op.mu);
+      // A failed operation stays so that latecomers fail fast with its
+      // error; it goes a timeout after its deadline.
+      const auto grace = std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(op.timeout_s));
+      drop = now > op.deadline + grace;
+    }
+    it = drop ? ops_.erase(it) : std::next(it);
+  }
+}
+
+int Transport::listen(const std::string& bind_host, std::string* error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (listen_fd_ >= 0) return port_;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  const int rc = ::getaddrinfo(bind_host.empty() ? nullptr : bind_host.c_str(),
+                               "0", &hints, &res);
+  if (rc != 0) {
+    *error = std::string("resolve ") + bind_host + ": " + ::gai_strerror(rc);
+    return -1;
+  }
+  int fd = -1;
+  for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+    fd = ::socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
+      break;
+    }
+    *error = std::string("bind/listen on ") + bind_host + ": " + std::strerror(errno);
+    ::close(fd);
+    fd = -1;
+  }
+  ::freeaddrinfo(res);
+  if (fd < 0) return -1;
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+  port_ = ntohs(ss.ss_family == AF_INET6
+                    ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                    : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  listen_fd_ = fd;
+  std::thread([this, fd] { accept_loop(fd); }).detach();
+  return port_;
+}
+
+void Transport::accept_loop(int listen_fd) {
+  for (;;) {
+    const int fd = ::accept(listen_fd, nullptr, nullptr);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
+    tune_socket(fd);
+    std::thread([this, fd] { read_loop(fd); }).detach();
+  }
+}
+
+// Receives the payload of a data frame into dest (a local buffer or a staged
+// copy), switching to a scratch buffer if the operation fails meanwhile so
+// that a failed rank can complete without waiting for the wire.
+ReadResult receive_payload(int fd, TcpOp& op, char* dest, size_t n,
+                           double stall_s, bool* released, std::string* error) {
+  std::vector<char> scratch;
+  while (n > 0) {
+    if (!*released && op.failed_flag.load()) {
+      std::lock_guard<std::mutex> lock(op.mu);
+      --op.writers;
+      *released = true;
+    }
+    const size_t piece = std::min(n, kRecvSlice);
+    char* into = dest;
+    if (*released) {
+      scratch.resize(piece);
+      into = scratch.data();
+    }
+    const ReadResult r = read_exact(fd, into, piece, false, stall_s, error);
+    if (r != ReadResult::kOk) return r;
+    dest += piece;
+    n -= piece;
+  }
+  return ReadResult::kOk;
+}
+
+void Transport::read_loop(int fd) {
+  std::string error;
+  Hello hello{};
+  if (read_exact(fd, reinterpret_cast<char*>(&hello), sizeof(hello), false,
+                 kConnectTimeoutS, &error) != ReadResult::kOk ||
+      hello.magic != kMagic || hello.version != kVersion) {
+    ::close(fd);  // not a jaxring peer, or another version
+    return;
+  }
+  const int peer = hello.process;
+  std::vector<char> drain;
+  for (;;) {
+    FrameHeader h{};
+    ReadResult r = read_exact(fd, reinterpret_cast<char*>(&h), sizeof(h),
+                              /*idle_ok=*/true, kConnectTimeoutS, &error);
+    if (r == ReadResult::kOk && h.magic != kMagic) {
+      error = "protocol error: bad frame magic";
+      r = ReadResult::kError;
+    }
+    if (r != ReadResult::kOk) {
+      ::close(fd);
+      peer_lost(peer, error);
+      return;
+    }
+    std::shared_ptr<TcpOp> op_ptr = op(key_of(h));
+    TcpOp& o = *op_ptr;
+    if (h.kind != kAbort && h.kind != kData) {
+      ::close(fd);
+      peer_lost(peer, "protocol error: unknown frame kind");
+      return;
+    }
+    if (h.kind == kAbort) {
+      std::string message(static_cast<size_t>(h.payload_bytes), '\0');
+      if (read_exact(fd, message.data(), message.size(), false,
+                     kConnectTimeoutS, &error) != ReadResult::kOk) {
+        ::close(fd);
+        peer_lost(peer, error);
+        return;
+      }
+      std::ostringstream os;
+      os << message << " [reported by process " << peer << "]";
+      fail(op_ptr, os.str(), /*tell_peers=*/false);
+      continue;
+    }
+    // A data frame: find where its bytes go.
+    std::string mismatch;
+    char* dest = nullptr;
+    bool discard = false;
+    int64_t unit = h.unit;
+    {
+      std::lock_guard<std::mutex> lock(o.mu);
+      const OpDesc theirs = desc_of(h);
+      if (o.failed) {
+        discard = true;
+      } else if (!o.has_desc) {
+        o.set_desc(theirs);  // first word of an operation we have not reached
+      } else if (!same_operation(o.desc, theirs)) {
+        std::ostringstream os;
+        os << o.name() << ": rank " << h.src_rank << " (process " << peer
+           << ") called it with " << theirs.describe()
+           << ". Every rank must pass the same shape, dtype and op.";
+        mismatch = os.str();
+        discard = true;
+      }
+      if (!discard) {
+        const bool in_plan = h.ring >= 0 && h.ring < o.desc.num_rings &&
+                             h.dst_rank >= 0 && h.dst_rank < o.desc.world_size &&
+                             unit >= 0 && unit < o.units(h.ring);
+        const int64_t esize = o.plan->elem_bytes();
+        const Span span =
+            in_plan ? o.unit_span(h.ring, o.plan->position(h.ring, h.dst_rank), unit)
+                    : Span{0, -1};
+        if (!in_plan || span.count * esize != h.payload_bytes) {
+          mismatch = o.name() + ": protocol error: a frame does not fit the plan";
+          discard = true;
+        } else {
+          Inbox& ib = o.inbox(h.dst_rank, h.ring);
+          auto local = o.locals.find(h.dst_rank);
+          if (local != o.locals.end()) {
+            dest = static_cast<char*>(local->second.out) + span.offset * esize;
+          } else {
+            std::vector<char>& st = ib.staged[unit];
+            st.resize(static_cast<size_t>(h.payload_bytes));
+            dest = st.data();
+          }
+          ++o.writers;
+        }
+      }
+    }
+    if (!mismatch.empty()) fail(op_ptr, mismatch, /*tell_peers=*/true);
+    bool released = discard;
+    if (discard) {
+      drain.resize(static_cast<size_t>(std::max<int64_t>(h.payload_bytes, 0)));
+      r = read_exact(fd, drain.data(), drain.size(), false, o.timeout_s, &error);
+    } else {
+      r = receive_payload(fd, o, dest, static_cast<size_t>(h.payload_bytes),
+                          o.timeout_s, &released, &error);
+    }
+    TcpWorker* wake = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(o.mu);
+      if (!released) {
+        --o.writers;
+        if (r == ReadResult::kOk && !o.failed) {
+          o.inbox(h.dst_rank, h.ring).arrived[unit] = 1;
+          auto local = o.locals.find(h.dst_rank);
+          if (local != o.locals.end()) wake = local->second.worker;
+        }
+      }
+      if (o.failed) {
+        for (auto& [rank, l] : o.locals) l.worker->wake();
+      }
+    }
+    if (wake) wake->wake();
+    if (r != ReadResult::kOk) {
+      ::close(fd);
+      peer_lost(peer, error);
+      return;
+    }
+  }
+}
+
+void release_send(const OutFrame& f) {
+  if (!f.op) return;
+  TcpWorker* w = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(f.op->mu);
+    auto it = f.op->locals.find(f.rank);
+    if (it != f.op->locals.end()) {
+      --it->second.outstanding_sends;
+      w = it->second.worker;
+    }
+  }
+  if (w) w->wake();
+}
+
+void OutLink::die(const std::string& why) {
+  std::deque<OutFrame> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dead_ = true;
+    dropped.swap(queue_);
+  }
+  Transport::get().peer_lost(process_, why);
+  for (const OutFrame& f : dropped) release_send(f);
+}
+
+void OutLink::loop() {
+  std::string error;
+  const int fd = connect_to(address_, kConnectTimeoutS, &error);
+  if (fd < 0) {
+    die(error);
+    return;
+  }
+  Hello hello{kMagic, kVersion, Transport::get().me(), channel_};
+  const char* hp = reinterpret_cast<const char*>(&hello);
+  size_t hn = sizeof(hello);
+  if (!write_all(fd, hp, hn, kConnectTimeoutS, nullptr, &error)) {
+    ::close(fd);
+    die(error);
+    return;
+  }
+  for (;;) {
+    OutFrame f;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return !queue_.empty(); });
+      f = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    if (f.op && f.op->failed_flag.load()) {  // nobody waits for it any more
+      release_send(f);
+      continue;
+    }
+    const char* p = reinterpret_cast<const char*>(&f.header);
+    size_t n = sizeof(f.header);
+    bool ok = write_all(fd, p, n, f.stall_s, nullptr, &error);
+    if (ok) {
+      const char* data = f.op ? f.data : f.message.data();
+      size_t left = static_cast<size_t>(f.header.payload_bytes);
+      // If the operation fails mid-frame, its rank must be free to complete:
+      // finish the frame (the stream must stay whole) from a private copy.
+      std::vector<char> copy;
+      bool released = !f.op;
+      auto on_slice = [&] {
+        if (!released && f.op->failed_flag.load()) {
+          copy.assign(data, data + left);
+          data = copy.data();
+          released = true;
+          release_send(f);
+        }
+      };
+      ok = write_all(fd, data, left, f.stall_s, on_slice, &error);
+      if (!released) release_send(f);
+    } else {
+      release_send(f);
+    }
+    if (!ok) {
+      ::close(fd);
+      die(error);
+      return;
+    }
+  }
+}
+
+// ---- the worker --------------------------------------------------------------
+
+void TcpWorker::loop() {
+  std::list<Task> active;
+  for (;;) {
+    uint64_t seen;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (active.empty()) {
+        cv_.wait(lock, [&] { return !incoming_.empty(); });
+      }
+      seen = epoch_;
+      while (!incoming_.empty()) {
+        active.push_back(std::move(incoming_.front()));
+        incoming_.pop_front();
+      }
+    }
+    bool progressed = false;
+    for (auto it = active.begin(); it != active.end();) {
+      bool finished = false;
+      progressed |= advance(*it, &finished);
+      it = finished ? active.erase(it) : std::next(it);
+    }
+    if (!progressed && !active.empty()) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait_for(lock, kDeadlinePoll,
+                   [&] { return epoch_ != seen || !incoming_.empty(); });
+    }
+  }
+}
+
+// Hands unit u of `ring` (data at `data`, `bytes` long) to the next rank:
+// over TCP, or straight into its buffer when it lives in this process.
+// Requires op.mu; returns an error message if the next rank is unreachable.
+std::string send_unit(const std::shared_ptr<TcpOp>& op_ptr, int rank, int ring,
+                      int64_t u, const char* data, int64_t bytes,
+                      std::vector<TcpWorker*>* wake) {
+  TcpOp& op = *op_ptr;
+  const int next = op.plan->next_rank(ring, rank);
+  const int proc = op.process_of_rank[next];
+  Transport& tr = Transport::get();
+  if (proc == tr.me()) {
+    Inbox& ib = op.inbox(next, ring);
+    auto local = op.locals.find(next);
+    if (local != op.locals.end()) {
+      const Span span = op.unit_span(ring, op.plan->position(ring, next), u);
+      std::memcpy(static_cast<char*>(local->second.out) +
+                      span.offset * op.plan->elem_bytes(),
+                  data, static_cast<size_t>(bytes));
+      wake->push_back(local->second.worker);
+    } else {
+      ib.staged[u].assign(data, data + bytes);
+    }
+    ib.arrived[u] = 1;
+    return std::string();
+  }
+  OutFrame f;
+  FrameHeader& h = f.header;
+  h.magic = kMagic;
+  h.kind = kData;
+  h.run_id = op.key.run_id;
+  h.op_id = op.key.op_id;
+  h.group = op.key.group;
+  h.ring = ring;
+  h.dst_rank = next;
+  h.src_rank = rank;
+  h.elem_type = static_cast<int32_t>(op.desc.type);
+  h.reduce_op = static_cast<int32_t>(op.desc.op);
+  h.world_size = op.desc.world_size;
+  h.num_rings = op.desc.num_rings;
+  h.count = op.desc.count;
+  h.chunk_bytes = op.desc.chunk_bytes;
+  h.unit = u;
+  h.payload_bytes = bytes;
+  f.data = data;
+  f.op = op_ptr;
+  f.rank = rank;
+  f.stall_s = op.timeout_s;
+  ++op.locals[rank].outstanding_sends;
+  if (!tr.send(proc, ring, std::move(f))) {
+    --op.locals[rank].outstanding_sends;
+    std::ostringstream os;
+    os << op.name() << ": cannot send to rank " << next << " (process " << proc
+       << "): " << tr.dead_reason(proc);
+    return os.str();
+  }
+  return std::string();
+}
+
+bool TcpWorker::advance(Task& task, bool* finished) {
+  TcpOp& op = *task.op;
+  std::vector<TcpWorker*> wake;
+  std::string error;
+  bool progressed = false;
+  std::unique_lock<std::mutex> lock(op.mu);
+  LocalRank& me = op.locals[task.rank];
+  const RingPlan& plan = *op.plan;
+  const int steps = plan.num_steps();
+  const int64_t esize = plan.elem_bytes();
+
+  auto complete = [&](const std::optional<std::string>& result) {
+    if (!result && timeline_enabled()) {
+      timeline_record({device_, op.key.run_id, op.key.op_id,
+                       op.desc.count * esize, op.desc.num_rings, me.joined_ns,
+                       now_ns()});
+    }
+    const bool last = ++op.completed_locals == op.expected_locals;
+    lock.unlock();
+    for (TcpWorker* w : wake) w->wake();
+    if (last) Transport::get().forget(task.op);
+    task.done(result);
+    *finished = true;
+    return true;
+  };
+
+  if (op.failed) {
+    // Complete once no I/O thread still touches this rank's buffers.
+    if (op.writers > 0 || me.outstanding_sends > 0) return false;
+    return complete(op.error);
+  }
+
+  if (!task.sent_inputs) {
+    // Step 0: every chunk of the input segment the next rank reduces first.
+    task.sent_inputs = true;
+    progressed = true;
+    for (int r = 0; r < plan.num_rings() && error.empty(); ++r) {
+      const int next_pos = plan.position(r, plan.next_rank(r, task.rank));
+      for (int64_t c = 0; c < plan.num_chunks(r) && error.empty(); ++c) {
+        const Span s = op.unit_span(r, next_pos, c * steps);
+        if (s.count == 0) continue;
+        error = send_unit(task.op, task.rank, r, c * steps,
+                          static_cast<const char*>(me.in) + s.offset * esize,
+                          s.count * esize, &wake);
+      }
+    }
+  }
+
+  bool all_done = true;
+  for (int r = 0; r < plan.num_rings() && error.empty(); ++r) {
+    const int64_t total = op.units(r);
+    const int pos = plan.position(r, task.rank);
+    const int next_pos = plan.position(r, plan.next_rank(r, task.rank));
+    int64_t& cur = task.cursor[r];
+    while (cur < total && error.empty()) {
+      Inbox& ib = op.inbox(task.rank, r);
+      const int t = static_cast<int>(cur % steps);
+      const Span span = op.unit_span(r, pos, cur);
+      if (span.count > 0 && !ib.arrived[cur]) break;
+      char* dst = static_cast<char*>(me.out) + span.offset * esize;
+      if (span.count > 0) {
+        auto staged = ib.staged.find(cur);
+        const char* src = staged != ib.staged.end() ? staged->second.data() : dst;
+        lock.unlock();
+        if (plan.is_reduce_step(t)) {
+          // Same operand order as the in-process transport: the neighbour's
+          // partial first, so both transports give the same bits.
+          reduce(op.desc.type, op.desc.op, dst, src,
+                 static_cast<const char*>(me.in) + span.offset * esize,
+                 span.count);
+        } else if (src != dst) {
+          std::memcpy(dst, src, static_cast<size_t>(span.count * esize));
+        }
+        lock.lock();
+        if (staged != ib.staged.end()) ib.staged.erase(staged);
+      }
+      ++cur;
+      progressed = true;
+      if (t + 1 < steps) {
+        const Span fwd = op.unit_span(r, next_pos, cur);
+        if (fwd.count > 0) {
+          error = send_unit(task.op, task.rank, r, cur,
+                            static_cast<const char*>(me.out) + fwd.offset * esize,
+                            fwd.count * esize, &wake);
+        }
+      }
+    }
+    if (cur < total) all_done = false;
+  }
+  if (!error.empty()) {
+    lock.unlock();
+    for (TcpWorker* w : wake) w->wake();
+    Transport::get().fail(task.op, error, /*tell_peers=*/true);
+    return true;
+  }
+  if (all_done && me.outstanding_sends == 0) return complete(std::nullopt);
+
+  if (!progressed && Clock::now() > op.deadline) {
+    std::ostringstream os;
+    os << op.name() << " timed out after " << op.timeout_s << " s on rank "
+       << task.rank << ": ";
+    const char* sep = "";
+    for (int r = 0; r < plan.num_rings(); ++r) {
+      const int64_t cur = task.cursor[r];
+      if (cur >= op.units(r)) continue;
+      const int prev = plan.prev_rank(r, task.rank);
+      os << sep << "ring " << r << " waits for rank " << prev << " (process "
+         << op.process_of_rank[prev] << "), unit " << cur << " of "
+         << op.units(r);
+      sep = "; ";
+    }
+    if (all_done) {
+      os << me.outstanding_sends << " frame(s) to the next rank not yet sent";
+    }
+    os << ". Every process must run the same allreduces; a peer that stopped "
+          "responding or took a different branch never sends.";
+    lock.unlock();
+    for (TcpWorker* w : wake) w->wake();
+    Transport::get().fail(task.op, os.str(), /*tell_peers=*/true);
+    return true;
+  }
+  lock.unlock();
+  for (TcpWorker* w : wake) w->wake();
+  return progressed;
+}
+
+}  // namespace
+
+int tcp_listen(const std::string& bind_host, std::string* error) {
+  return Transport::get().listen(bind_host, error);
+}
+
+void tcp_set_peers(int process_index, const std::vector<std::string>& addresses) {
+  Transport::get().set_peers(process_index, addresses);
+}
+
+int tcp_process_index() { return Transport::get().me(); }
+
+int64_t tcp_pending_ops() { return Transport::get().pending(); }
+
+void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
+                   const std::vector<int>& process_of_rank, const void* in,
+                   void* out, double timeout_s, Completion done) {
+  Transport& tr = Transport::get();
+  const int me = tr.me();
+  if (me < 0) {
+    done(op_name(key, desc) +
+         ": the TCP transport is not set up (jaxring sets it up when it "
+         "lowers a cross-process allreduce after jax.distributed.initialize)");
+    return;
+  }
+  if (static_cast<int>(process_of_rank.size()) != desc.world_size) {
+    done(op_name(key, desc) + ": the process table does not match the world size");
+    return;
+  }
+  for (int p : process_of_rank) {
+    const std::string dead = tr.dead_reason(p);
+    if (!dead.empty()) {
+      done(op_name(key, desc) + ": " + dead);
+      return;
+    }
+  }
+  TcpWorker* worker = tr.worker(device);  // before op->mu: see lock order
+  std::shared_ptr<TcpOp> op = tr.op(key);
+  std::string error;     // this call cannot join; others may still run
+  bool tell = false;     // and the operation fails for every rank
+  {
+    std::lock_guard<std::mutex> lock(op->mu);
+    if (op->process_of_rank.empty()) {
+      // The first local rank: now the peers to tell about a failure are known.
+      op->process_of_rank = process_of_rank;
+      op->expected_locals = static_cast<int>(
+          std::count(process_of_rank.begin(), process_of_rank.end(), me));
+      op->timeout_s = timeout_s;
+      op->deadline = after_seconds(timeout_s);
+    }
+    if (op->failed) {
+      error = op->error;
+    } else if (op->has_desc && !same_operation(op->desc, desc)) {
+      std::ostringstream os;
+      os << op_name(key, desc) << ": rank " << rank
+         << " (process " << me << ") called it with " << desc.describe()
+         << " but rank(s) elsewhere with " << op->desc.describe()
+         << ". Every rank must pass the same shape, dtype and op.";
+      error = os.str();
+      tell = true;
+    } else if (op->process_of_rank != process_of_rank) {
+      error = op_name(key, desc) +
+              ": ranks of this process disagree on where the ranks run";
+      tell = true;
+    } else if (op->locals.count(rank)) {
+      std::ostringstream os;
+      os << op_name(key, desc) << ": rank " << rank
+         << " joined twice (two devices computed the same rank)";
+      error = os.str();
+      tell = true;
+    }
+    if (error.empty()) {
+      if (!op->has_desc) op->set_desc(desc);
+      LocalRank& l = op->locals[rank];
+      l.in = in;
+      l.out = out;
+      l.device = device;
+      l.worker = worker;
+      l.joined_ns = now_ns();
+      // Units that arrived before this rank joined stay staged; the worker
+      // consumes them from there.
+      for (int r = 0; r < desc.num_rings; ++r) op->inbox(rank, r);
+    }
+  }
+  if (!error.empty()) {
+    // Local ranks that did join complete through the failure; this call was
+    // never registered, so it completes here.
+    if (tell) tr.fail(op, error, /*tell_peers=*/true);
+    done(error);
+    return;
+  }
+  Task task{op, rank, std::move(done), std::vector<int64_t>(desc.num_rings, 0)};
+  worker->submit(std::move(task));
+}
+
+}  // namespace jaxring

@@ -1,0 +1,59 @@
+// TCP transport: executes a RingPlan among ranks that live in different
+// processes (multi-controller JAX, jax.distributed), for the CPU backend.
+//
+// Why it looks the way it does:
+//  * One TCP connection per (destination process, ring), opened on first use
+//    and kept for the life of the process. Rings get their own connections so
+//    several rings are on the wire at once, and odd rings run the other way
+//    round, so both directions of a full-duplex link carry data.
+//  * Every frame carries the operation's identity and description (dtype,
+//    count, op, world size, rings, chunk size). A receiver checks it against
+//    its own call, so ranks that disagree get an error naming both versions,
+//    on every rank (the detecting rank tells the others with an abort frame),
+//    instead of garbage.
+//  * Independent allreduces may start in different orders on different
+//    processes, so frames are matched to operations by identity (run id, op
+//    id, group), never by arrival order. Data for an operation this process
+//    has not reached yet is held until it does; once it has, frames are
+//    received straight into the destination buffer.
+//  * As in the in-process transport, the FFI handler returns an ffi::Future;
+//    a worker thread per device reduces each chunk while the next is on the
+//    wire, and each device's future is completed by its own worker.
+//  * A peer that dies closes its sockets: every operation that needs it fails
+//    at once, naming it. A peer that stops responding is caught by the
+//    operation's deadline. No wait is unbounded.
+//  * Ranks of the same group inside one process (several virtual devices per
+//    process) hand chunks to each other in memory through the same path, so a
+//    ring may cross both kinds of link.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "inprocess_transport.h"
+
+namespace jaxring {
+
+// Opens this process's listening socket on bind_host (a free port). Returns
+// the port, or -1 with *error set. Calling it again returns the same port.
+int tcp_listen(const std::string& bind_host, std::string* error);
+
+// Tells the transport which process this is and where every process
+// listens ("host:port", indexed by process). Call once after tcp_listen.
+void tcp_set_peers(int process_index, const std::vector<std::string>& addresses);
+
+// This process's index once tcp_set_peers ran, else -1.
+int tcp_process_index();
+
+// Starts `rank`'s part of an allreduce whose ranks run in the processes
+// process_of_rank[0..world). Same contract as inprocess_allreduce: `in` and
+// `out` stay valid until `done` is called, exactly once.
+void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
+                   const std::vector<int>& process_of_rank, const void* in,
+                   void* out, double timeout_s, Completion done);
+
+// Operations currently held by the transport (for tests: must drop to 0).
+int64_t tcp_pending_ops();
+
+}  // namespace jaxring
