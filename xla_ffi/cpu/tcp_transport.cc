@@ -283,6 +283,7 @@ struct TcpOp {
   std::atomic<bool> failed_flag{false};  // readable without mu by the I/O
   std::string error;
   int writers = 0;  // readers currently receiving into a local buffer
+  int first_sender = -1;  // process whose frame created it, if one did
 
   // Requires mu.
   void set_desc(const OpDesc& d) {
@@ -463,6 +464,10 @@ class Transport {
   }
 
   void peer_lost(int p, const std::string& why);
+  // Fails op and any operation of the same call site (op id, group) in
+  // another run whose description differs while exactly one of the two has
+  // ranks in this process: the processes compiled different programs.
+  void check_programs_agree(const std::shared_ptr<TcpOp>& op);
   // Fails op and tells every other process of its group. Requires op.mu not
   // held. Returns whether this call failed it (false: it already was).
   bool fail(const std::shared_ptr<TcpOp>& op, const std::string& why,
@@ -560,6 +565,45 @@ void Transport::peer_lost(int p, const std::string& why) {
       name = op->name();
     }
     if (involved) fail(op, name + ": " + reason, /*tell_peers=*/true);
+  }
+}
+
+void Transport::check_programs_agree(const std::shared_ptr<TcpOp>& op) {
+  std::vector<std::shared_ptr<TcpOp>> same_site;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [k, other] : ops_) {
+      if (k.op_id == op->key.op_id && k.group == op->key.group &&
+          k.run_id != op->key.run_id) {
+        same_site.push_back(other);
+      }
+    }
+  }
+  for (auto& other : same_site) {
+    std::shared_ptr<TcpOp> local = op, remote = other;
+    std::string message;
+    {
+      std::scoped_lock lock(op->mu, other->mu);
+      if (op->locals.empty()) std::swap(local, remote);
+      if (local->locals.empty() || !remote->locals.empty() ||
+          local->failed || remote->failed || !local->has_desc ||
+          !remote->has_desc || same_operation(local->desc, remote->desc)) {
+        continue;
+      }
+      std::ostringstream os;
+      os << "jaxring allreduce (op " << local->key.op_id << ", group "
+         << local->key.group << "): the processes run different programs: "
+         << "this process calls it with " << local->desc.describe()
+         << " but process " << remote->first_sender << " with "
+         << remote->desc.describe()
+         << ". Every process must run the same program with the same shapes, "
+            "dtypes and ops.";
+      message = os.str();
+      // The remote run's abort must reach its ranks: they run elsewhere.
+      remote->process_of_rank = local->process_of_rank;
+    }
+    fail(local, message, /*tell_peers=*/true);
+    fail(remote, message, /*tell_peers=*/true);
   }
 }
 
@@ -705,6 +749,7 @@ void Transport::read_loop(int fd) {
     }
     // A data frame: find where its bytes go.
     std::string mismatch;
+    bool check_agreement = false;
     char* dest = nullptr;
     bool discard = false;
     int64_t unit = h.unit;
@@ -715,6 +760,8 @@ void Transport::read_loop(int fd) {
         discard = true;
       } else if (!o.has_desc) {
         o.set_desc(theirs);  // first word of an operation we have not reached
+        o.first_sender = peer;
+        check_agreement = true;
       } else if (!same_operation(o.desc, theirs)) {
         std::ostringstream os;
         os << o.name() << ": rank " << h.src_rank << " (process " << peer
@@ -749,6 +796,7 @@ void Transport::read_loop(int fd) {
       }
     }
     if (!mismatch.empty()) fail(op_ptr, mismatch, /*tell_peers=*/true);
+    if (check_agreement) check_programs_agree(op_ptr);
     bool released = discard;
     if (discard) {
       drain.resize(static_cast<size_t>(std::max<int64_t>(h.payload_bytes, 0)));
@@ -1172,6 +1220,7 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
   }
   Task task{op, rank, std::move(done), std::vector<int64_t>(desc.num_rings, 0)};
   worker->submit(std::move(task));
+  tr.check_programs_agree(op);
 }
 
 }  // namespace jaxring

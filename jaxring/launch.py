@@ -1,0 +1,158 @@
+"""Starts N local processes of one multi-controller JAX job, like torchrun.
+
+    python -m jaxring.launch -n 4 train.py --steps 100
+
+Each process gets the coordinator's address, the number of processes and its
+own index, initializes ``jax.distributed`` and runs the script. Every output
+line is prefixed with the process's rank. If one process exits with an
+error, the launcher stops the others and exits with that status; Ctrl-C
+stops them all. On a cluster, skip the launcher: call
+``jax.distributed.initialize()`` in the script, and JAX picks up SLURM or
+Open MPI by itself; jaxring then needs nothing more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+# How long processes get to exit after SIGTERM before SIGKILL.
+_GRACE_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pump(stream, rank: int, out, lock: threading.Lock) -> None:
+    prefix = f"[{rank}] ".encode()
+    for line in iter(stream.readline, b""):
+        with lock:
+            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.flush()
+    stream.close()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every live process group, then SIGKILL after a grace."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxring.launch",
+        description="Run a JAX script as N local processes of one job.")
+    ap.add_argument("-n", "--nproc", type=int, required=True,
+                    help="number of processes")
+    ap.add_argument("--devices-per-process", type=int, default=None,
+                    help="virtual CPU devices in each process "
+                         "(sets --xla_force_host_platform_device_count)")
+    ap.add_argument("--coordinator", default=None,
+                    help="host:port for jax.distributed's coordinator "
+                         "(default: 127.0.0.1 and a free port)")
+    ap.add_argument("script", help="the Python script to run")
+    ap.add_argument("args", nargs=argparse.REMAINDER,
+                    help="arguments passed to the script")
+    args = ap.parse_args(argv)
+    if args.nproc < 1:
+        ap.error("-n must be at least 1")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+        ap.error("--devices-per-process must be at least 1")
+    return args
+
+
+def child_env(base: dict, rank: int, nproc: int, coordinator: str,
+              devices_per_process: int | None) -> dict:
+    env = dict(base)
+    env.update(JAXRING_COORDINATOR=coordinator,
+               JAXRING_NUM_PROCESSES=str(nproc),
+               JAXRING_PROCESS_ID=str(rank),
+               PYTHONUNBUFFERED="1")
+    if devices_per_process is not None:
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+        env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    coordinator = args.coordinator or f"127.0.0.1:{_free_port()}"
+    out = sys.stdout.buffer
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    for rank in range(args.nproc):
+        p = subprocess.Popen(
+            [sys.executable, "-m", "jaxring._src.launched", args.script, *args.args],
+            env=child_env(os.environ, rank, args.nproc, coordinator,
+                          args.devices_per_process),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True)  # its own group: stopped with its children
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(p.stdout, rank, out, lock),
+                             daemon=True)
+        t.start()
+        pumps.append(t)
+
+    def on_signal(signum, frame):
+        _stop(procs)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    status = 0
+    try:
+        live = set(range(args.nproc))
+        while live:
+            for rank in sorted(live):
+                code = procs[rank].poll()
+                if code is None:
+                    continue
+                live.discard(rank)
+                if code != 0:
+                    status = code if code > 0 else 128 - code
+                    with lock:
+                        sys.stderr.write(
+                            f"jaxring.launch: process {rank} exited with status "
+                            f"{code}; stopping the other processes\n")
+                    _stop(procs)
+                    live.clear()
+                    break
+            time.sleep(0.05)
+    finally:
+        _stop(procs)
+        for t in pumps:
+            t.join(timeout=2.0)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Run by tests/test_multiprocess.py under `python -m jaxring.launch`.
+
+Every process builds every rank's inputs from one seed, so it can compute the
+numpy reference for the whole job itself, and compares jaxring.allreduce
+(over TCP between processes, in memory inside one) against it for every
+dtype and op at random sizes. Prints one CHECK line per case with a digest
+of the local results, so the test can also check that every rank got the
+same bits, then DONE.
+"""
+
+import hashlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxring
+
+jax.config.update("jax_enable_x64", True)
+
+DTYPES = [np.float32, np.float64, jnp.bfloat16, np.float16, np.int8, np.int16,
+          np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+OPS = ["sum", "prod", "min", "max"]
+
+
+def inputs(rng, world, count, dtype):
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        lo, hi = max(info.min, -100), min(info.max, 100)
+        return rng.integers(lo, hi, size=(world, count)).astype(dtype)
+    return rng.uniform(0.5, 1.5, size=(world, count)).astype(dtype)
+
+
+def reference(x, op):
+    if np.issubdtype(x.dtype, np.integer):
+        f = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op]
+        return f(x, axis=0, dtype=x.dtype) if op in ("sum", "prod") else f(x, axis=0)
+    wide = x.astype(np.float64)
+    return {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}[op](wide, axis=0)
+
+
+def main():
+    seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    cases = int(sys.argv[2]) if len(sys.argv) > 2 else 24
+    devices = np.array(jax.devices())
+    world = devices.size
+    mesh = Mesh(devices, ("x",))
+    rng = np.random.default_rng(seed)
+    fns = {}
+    for case in range(cases):
+        dtype = np.dtype(DTYPES[case % len(DTYPES)])
+        op = OPS[(case // len(DTYPES)) % len(OPS)]
+        count = int(rng.choice([0, 1, 7, world * 2 + 1, 1000, 65537,
+                                int(rng.integers(1, 300_000))]))
+        rings = int(rng.integers(1, 4))
+        chunk = int(rng.choice([256, 4096, 1 << 20]))
+        x = inputs(rng, world, count, dtype)
+        key = (op, rings, chunk)
+        if key not in fns:
+            fns[key] = jax.jit(jax.shard_map(
+                lambda v, op=op, rings=rings, chunk=chunk: jaxring.allreduce(
+                    v, "x", op=op, rings=rings, chunk_bytes=chunk),
+                mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+        arr = jax.make_array_from_callback(
+            x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
+        out = fns[key](arr)
+        want = reference(x, op)
+        digest = hashlib.sha256()
+        for shard in out.addressable_shards:
+            got = np.asarray(shard.data)[0]
+            if np.issubdtype(dtype, np.integer):
+                ok = np.array_equal(got, want)
+            else:
+                # Reduction order and per-hop rounding: a few ulps per hop.
+                eps = float(np.finfo(dtype).eps) * (world + 2) * 4
+                scale = np.maximum(np.abs(want), 1.0) if op != "prod" else np.abs(want) + 1e-30
+                ok = bool(np.all(np.abs(got.astype(np.float64) - want) <= eps * scale))
+            if not ok:
+                bad = np.nonzero(got != want)[0]
+                raise SystemExit(f"MISMATCH case {case}: {op} {dtype} n={count} "
+                                 f"rings={rings} chunk={chunk} shard {shard.index}: "
+                                 f"{len(bad)} elements differ, first at {bad[:3]}: "
+                                 f"{got[bad[:3]]} != {want[bad[:3]]}")
+            digest.update(got.tobytes())
+        print(f"CHECK {case} {op} {dtype} {count} {digest.hexdigest()[:16]}", flush=True)
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()
