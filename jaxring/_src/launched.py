@@ -8,15 +8,33 @@ unchanged as one process of N. The script must not call
 
 from __future__ import annotations
 
+import ctypes
 import os
 import runpy
+import signal
 import sys
+import traceback
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher() -> None:
+    """Linux: the kernel kills this process if the launcher dies, so a
+    launcher killed with SIGKILL leaves nothing behind."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os._exit(1)
 
 
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m jaxring._src.launched script.py [args]")
     script, args = sys.argv[1], sys.argv[2:]
+    _die_with_launcher()
     import jax
 
     # JAX's own collectives across processes (lax.psum on CPU) need Gloo;
@@ -28,7 +46,26 @@ def main() -> None:
         process_id=int(os.environ["JAXRING_PROCESS_ID"]))
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            _exit_now(e.code if isinstance(e.code, int) else 1,
+                      None if isinstance(e.code, int) else str(e.code))
+        raise
+    except BaseException:
+        _exit_now(1, traceback.format_exc())
+
+
+def _exit_now(code: int, message: str | None) -> None:
+    """Exits at once. A normal exit would run jax.distributed's shutdown,
+    which waits at a barrier for every other process: a failed process would
+    hang there instead of letting the launcher stop the job."""
+    if message:
+        sys.stderr.write(message if message.endswith("\n") else message + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -52,10 +52,18 @@ constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
 // How long a connection may take to open, and an abort frame to leave.
 constexpr double kConnectTimeoutS = 30.0;
 constexpr double kAbortSendTimeoutS = 10.0;
+// How long a failed rank waits for its abort frames to leave.
+constexpr auto kAbortFlush = std::chrono::seconds(1);
+// After one connection of a peer closes, how long before the peer is
+// declared lost: its other connections may still hold an abort frame that
+// names the real cause (a process exits right after its allreduce failed).
+constexpr auto kLostPeerGrace = std::chrono::milliseconds(100);
 // Payload is received in slices so a failed operation is noticed quickly.
 constexpr size_t kRecvSlice = 1 << 20;
 
-enum FrameKind : uint32_t { kData = 1, kAbort = 2 };
+// kData: a chunk; kAbort: an operation failed (payload: why); kPeerLost: the
+// process in `group` is unreachable (payload: why), sent to every process.
+enum FrameKind : uint32_t { kData = 1, kAbort = 2, kPeerLost = 3 };
 
 // Sent once by the connecting side.
 struct Hello {
@@ -284,6 +292,11 @@ struct TcpOp {
   std::string error;
   int writers = 0;  // readers currently receiving into a local buffer
   int first_sender = -1;  // process whose frame created it, if one did
+  // Abort frames this process queued for the operation and not yet written;
+  // a failed rank completes once they are out (or kAbortFlushS passed), so
+  // peers learn the cause even if this process exits right after.
+  std::atomic<int> aborts_in_flight{0};
+  Clock::time_point failed_at;
 
   // Requires mu.
   void set_desc(const OpDesc& d) {
@@ -362,6 +375,7 @@ struct OutFrame {
   FrameHeader header;
   const char* data = nullptr;  // points into a local rank's buffer
   std::shared_ptr<TcpOp> op;   // null for abort frames
+  std::shared_ptr<TcpOp> abort_of;  // an abort frame's operation
   int rank = -1;               // whose outstanding_sends this holds
   std::string message;         // an abort frame's payload
   double stall_s = kAbortSendTimeoutS;
@@ -463,7 +477,10 @@ class Transport {
     return link->enqueue(std::move(f));
   }
 
-  void peer_lost(int p, const std::string& why);
+  // Process p cannot be reached: every operation that needs it fails, and
+  // (tell_others) every other process hears so, including those that never
+  // talk to p directly.
+  void peer_lost(int p, const std::string& why, bool tell_others = true);
   // Fails op and any operation of the same call site (op id, group) in
   // another run whose description differs while exactly one of the two has
   // ranks in this process: the processes compiled different programs.
@@ -501,6 +518,7 @@ bool mark_failed(TcpOp& op, const std::string& why,
   if (op.failed) return false;
   op.failed = true;
   op.failed_flag.store(true);
+  op.failed_at = Clock::now();
   op.error = why;
   for (auto& [rank, l] : op.locals) wake->push_back(l.worker);
   return true;
@@ -531,24 +549,45 @@ bool Transport::fail(const std::shared_ptr<TcpOp>& op, const std::string& why,
     OutFrame f;
     f.header = h;
     f.message = why;
-    send(p, 0, std::move(f));
+    f.abort_of = op;
+    op->aborts_in_flight.fetch_add(1);
+    if (!send(p, 0, std::move(f))) op->aborts_in_flight.fetch_sub(1);
   }
   return true;
 }
 
-void Transport::peer_lost(int p, const std::string& why) {
+void Transport::peer_lost(int p, const std::string& why, bool tell_others) {
   std::vector<std::shared_ptr<TcpOp>> affected;
   std::string reason;
+  int processes;
   {
     std::lock_guard<std::mutex> lock(links_mu_);
     if (dead_.count(p)) return;
-    std::ostringstream os;
-    os << "process " << p << " (" << (p < static_cast<int>(addresses_.size())
-                                          ? addresses_[p]
-                                          : std::string("?"))
-       << ") is unreachable: " << why;
-    reason = os.str();
+    processes = static_cast<int>(addresses_.size());
+    if (tell_others) {
+      std::ostringstream os;
+      os << "process " << p << " ("
+         << (p < processes ? addresses_[p] : std::string("?"))
+         << ") is unreachable: " << why;
+      reason = os.str();
+    } else {
+      reason = why;  // already phrased by the process that saw it
+    }
     dead_[p] = reason;
+  }
+  if (tell_others) {
+    // Sent before the operations' aborts on the same connections, so a
+    // failed rank that waits for its aborts to leave also flushes these.
+    for (int q = 0; q < processes; ++q) {
+      if (q == p || q == me()) continue;
+      OutFrame f;
+      f.header.magic = kMagic;
+      f.header.kind = kPeerLost;
+      f.header.group = p;
+      f.header.payload_bytes = static_cast<int64_t>(reason.size());
+      f.message = reason;
+      send(q, 0, std::move(f));
+    }
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -724,17 +763,16 @@ void Transport::read_loop(int fd) {
     }
     if (r != ReadResult::kOk) {
       ::close(fd);
+      std::this_thread::sleep_for(kLostPeerGrace);
       peer_lost(peer, error);
       return;
     }
-    std::shared_ptr<TcpOp> op_ptr = op(key_of(h));
-    TcpOp& o = *op_ptr;
-    if (h.kind != kAbort && h.kind != kData) {
+    if (h.kind != kAbort && h.kind != kData && h.kind != kPeerLost) {
       ::close(fd);
       peer_lost(peer, "protocol error: unknown frame kind");
       return;
     }
-    if (h.kind == kAbort) {
+    if (h.kind == kAbort || h.kind == kPeerLost) {
       std::string message(static_cast<size_t>(h.payload_bytes), '\0');
       if (read_exact(fd, message.data(), message.size(), false,
                      kConnectTimeoutS, &error) != ReadResult::kOk) {
@@ -744,9 +782,15 @@ void Transport::read_loop(int fd) {
       }
       std::ostringstream os;
       os << message << " [reported by process " << peer << "]";
-      fail(op_ptr, os.str(), /*tell_peers=*/false);
+      if (h.kind == kPeerLost) {
+        peer_lost(static_cast<int>(h.group), os.str(), /*tell_others=*/false);
+      } else {
+        fail(op(key_of(h)), os.str(), /*tell_peers=*/false);
+      }
       continue;
     }
+    std::shared_ptr<TcpOp> op_ptr = op(key_of(h));
+    TcpOp& o = *op_ptr;
     // A data frame: find where its bytes go.
     std::string mismatch;
     bool check_agreement = false;
@@ -830,6 +874,7 @@ void Transport::read_loop(int fd) {
 }
 
 void release_send(const OutFrame& f) {
+  if (f.abort_of) f.abort_of->aborts_in_flight.fetch_sub(1);
   if (!f.op) return;
   TcpWorker* w = nullptr;
   {
@@ -900,7 +945,7 @@ void OutLink::loop() {
         }
       };
       ok = write_all(fd, data, left, f.stall_s, on_slice, &error);
-      if (!released) release_send(f);
+      if (!released || !f.op) release_send(f);
     } else {
       release_send(f);
     }
@@ -1030,6 +1075,10 @@ bool TcpWorker::advance(Task& task, bool* finished) {
   if (op.failed) {
     // Complete once no I/O thread still touches this rank's buffers.
     if (op.writers > 0 || me.outstanding_sends > 0) return false;
+    if (op.aborts_in_flight.load() > 0 &&
+        Clock::now() < op.failed_at + kAbortFlush) {
+      return false;
+    }
     return complete(op.error);
   }
 

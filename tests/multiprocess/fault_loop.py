@@ -1,0 +1,40 @@
+"""Run by tests/test_multiprocess.py: a long sequence of allreduces that the
+test interrupts by killing one process. Each survivor must raise; it prints
+RAISED with the wall-clock time and the error, then exits without waiting
+for jax.distributed's shutdown (the job is broken)."""
+
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxring
+
+timeout_s = float(sys.argv[1])
+devices = np.array(jax.devices())
+mesh = Mesh(devices, ("x",))
+f = jax.jit(jax.shard_map(
+    lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s),
+    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+x = np.ones((devices.size, 1 << 16), np.float32)
+arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
+                                   lambda idx: x[idx])
+steps = 0
+try:
+    while True:
+        out = f(arr)
+        out.block_until_ready()
+        steps += 1
+        if steps == 20:
+            print(f"READY {os.getpid()}", flush=True)
+except Exception as e:  # what a training loop would see
+    message = " ".join(str(e).split())
+    print(f"RAISED {time.time():.3f} {type(e).__name__}: {message[:400]}", flush=True)
+    if jax.process_index() == 0:
+        # Process 0 hosts jax.distributed's coordination service; if it left
+        # now, JAX would terminate the survivors that have not raised yet.
+        time.sleep(5.0)
+    os._exit(3)

@@ -1,0 +1,32 @@
+"""Run by tests/test_multiprocess.py: process 1 reduces a longer vector than
+the others, as if its program were built from different shapes. Every
+process must raise a clear error well before the timeout."""
+
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxring
+
+timeout_s = float(sys.argv[1])
+devices = np.array(jax.devices())
+mesh = Mesh(devices, ("x",))
+n = 1024 * (2 if jax.process_index() == 1 else 1)
+f = jax.jit(jax.shard_map(
+    lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s),
+    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+x = np.ones((devices.size, n), np.float32)
+arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
+                                   lambda idx: x[idx])
+start = time.time()
+try:
+    f(arr).block_until_ready()
+    print("NO ERROR", flush=True)
+except Exception as e:
+    message = " ".join(str(e).split())
+    print(f"RAISED {time.time() - start:.3f} {message[:600]}", flush=True)
+os._exit(0)

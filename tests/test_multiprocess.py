@@ -1,0 +1,223 @@
+"""Several processes (jax.distributed) with jaxring's TCP transport.
+
+Each test starts real processes, through `python -m jaxring.launch` or, where
+the test kills one, directly with the launcher's environment. The scripts
+they run live in tests/multiprocess/ and compare against numpy in the same
+run. Coordinator ports come from the OS, so parallel runs cannot collide.
+"""
+
+import collections
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxring import launch
+
+SCRIPTS = Path(__file__).parent / "multiprocess"
+
+
+def run_launcher(nproc: int, script: str, *args, devices_per_process: int = 1,
+                 timeout: float = 240) -> subprocess.CompletedProcess:
+    # Outside the checkout, so the installed package is imported.
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run(
+            [sys.executable, "-m", "jaxring.launch", "-n", str(nproc),
+             "--devices-per-process", str(devices_per_process),
+             str(SCRIPTS / script), *map(str, args)],
+            capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def lines_by_rank(stdout: str) -> dict[int, list[str]]:
+    out = collections.defaultdict(list)
+    for line in stdout.splitlines():
+        if line.startswith("[") and "] " in line:
+            rank, text = line[1:].split("] ", 1)
+            if rank.isdigit():
+                out[int(rank)].append(text)
+    return out
+
+
+@pytest.mark.parametrize("nproc,devices,seed", [(2, 1, 0), (4, 1, 1), (2, 2, 2)],
+                         ids=["2-processes", "4-processes", "2x2-mixed"])
+def test_allreduce_across_processes_matches_numpy(nproc, devices, seed):
+    # 48 cases: every dtype under every op, random sizes, rings and chunks.
+    r = run_launcher(nproc, "allreduce_check.py", seed, 48,
+                     devices_per_process=devices)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    by_rank = lines_by_rank(r.stdout)
+    assert sorted(by_rank) == list(range(nproc))
+    digests = {}
+    for rank, lines in by_rank.items():
+        assert "DONE" in lines, lines[-5:]
+        digests[rank] = [l for l in lines if l.startswith("CHECK")]
+        assert len(digests[rank]) == 48
+    # Every rank got the same bits.
+    assert all(d == digests[0] for d in digests.values())
+
+
+def test_different_programs_fail_fast_on_every_rank():
+    timeout_s = 60
+    r = run_launcher(2, "mismatch.py", timeout_s)
+    by_rank = lines_by_rank(r.stdout)
+    for rank in (0, 1):
+        raised = [l for l in by_rank[rank] if l.startswith("RAISED")]
+        assert raised, r.stdout[-3000:]
+        elapsed = float(raised[0].split()[1])
+        assert elapsed < timeout_s / 2, raised[0]
+        assert "different programs" in raised[0]
+        assert "1024 x float32" in raised[0] and "2048 x float32" in raised[0]
+
+
+def test_launcher_stops_everyone_when_one_process_fails():
+    start = time.monotonic()
+    r = run_launcher(3, "exit_code.py", timeout=120)
+    assert r.returncode == 7, r.stdout + r.stderr
+    assert time.monotonic() - start < 60
+    by_rank = lines_by_rank(r.stdout)
+    assert "failing on purpose" in by_rank[1]
+    assert "process 1 exited with status 7" in r.stderr
+    pids = [int(l.split()[1]) for lines in by_rank.values() for l in lines
+            if l.startswith("PID")]
+    assert len(pids) == 3
+    for pid in pids:  # nobody left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_launcher_prefixes_output_and_passes_arguments(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text(
+        "import sys, jax\n"
+        "print('hello', jax.process_index(), jax.process_count(), sys.argv[1:])\n")
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run(
+            [sys.executable, "-m", "jaxring.launch", "-n", "2",
+             "--devices-per-process", "1", str(script), "a", "--flag"],
+            capture_output=True, text=True, timeout=120, cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    by_rank = lines_by_rank(r.stdout)
+    assert "hello 0 2 ['a', '--flag']" in by_rank[0]
+    assert "hello 1 2 ['a', '--flag']" in by_rank[1]
+
+
+def test_launcher_rejects_bad_arguments():
+    r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "0", "x.py"],
+                       capture_output=True, text=True, timeout=60,
+                       cwd=tempfile.gettempdir())
+    assert r.returncode != 0 and "-n must be at least 1" in r.stderr
+
+
+class Job:
+    """N processes of fault_loop.py started with the launcher's environment,
+    so the test itself can kill or stop one of them."""
+
+    def __init__(self, nproc: int, timeout_s: float):
+        coordinator = f"127.0.0.1:{launch._free_port()}"
+        self.cwd = tempfile.TemporaryDirectory()
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "jaxring._src.launched",
+                 str(SCRIPTS / "fault_loop.py"), str(timeout_s)],
+                env=launch.child_env(os.environ, rank, nproc, coordinator, 1),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                cwd=self.cwd.name)
+            for rank in range(nproc)]
+        self.lines = {rank: [] for rank in range(nproc)}
+        for rank, p in enumerate(self.procs):
+            threading.Thread(target=self._pump, args=(rank, p), daemon=True).start()
+
+    def _pump(self, rank, p):
+        for line in p.stdout:
+            self.lines[rank].append(line.rstrip())
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(any(l.startswith("READY") for l in ls)
+                      for ls in self.lines.values()):
+            assert time.monotonic() < deadline, self.lines
+            assert all(p.poll() is None for p in self.procs), self.lines
+            time.sleep(0.05)
+
+    def raised_at(self, rank: int, timeout: float) -> float:
+        """Wall time at which `rank` raised; fails if it hung or died otherwise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            raised = [l for l in self.lines[rank] if l.startswith("RAISED")]
+            if raised:
+                return float(raised[0].split()[1])
+            if self.procs[rank].poll() is not None:
+                time.sleep(0.2)  # let the pump read the last lines
+                if not any(l.startswith("RAISED") for l in self.lines[rank]):
+                    pytest.fail(f"rank {rank} exited with {self.procs[rank].returncode} "
+                                f"without raising: {self.lines[rank][-10:]}")
+            elif time.monotonic() > deadline:
+                self.kill_all()
+                pytest.fail(f"rank {rank} did not raise within {timeout} s: "
+                            f"{self.lines[rank][-5:]}")
+            time.sleep(0.02)
+
+    def kill_all(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.cwd.cleanup()
+
+
+def test_killed_peer_makes_every_survivor_raise_twenty_times():
+    """Kill one of 4 processes mid-sequence, 20 times: every survivor raises
+    within the timeout plus a few seconds, names the lost process, and no
+    process is left behind.
+
+    The victim is never process 0: it hosts jax.distributed's coordination
+    service, and when that dies JAX itself terminates every other process
+    (LOG(FATAL) "the JAX distributed service detected fatal errors") before
+    any Python code can run."""
+    timeout_s = 10.0
+    bound_s = timeout_s + 5.0
+    rng = random.Random(0)
+    for trial in range(20):
+        job = Job(4, timeout_s)
+        try:
+            job.wait_ready()
+            time.sleep(rng.uniform(0.0, 0.2))  # land anywhere in an allreduce
+            victim = rng.randrange(1, 4)
+            killed_at = time.time()
+            job.procs[victim].kill()
+            for rank in range(4):
+                if rank == victim:
+                    continue
+                raised = job.raised_at(rank, bound_s + 10)
+                assert raised - killed_at < bound_s, (trial, rank, raised - killed_at)
+                message = [l for l in job.lines[rank] if l.startswith("RAISED")][0]
+                assert "jaxring allreduce" in message, message
+                assert f"process {victim}" in message, message
+        finally:
+            job.kill_all()
+
+
+def test_stopped_peer_times_out_on_every_survivor():
+    """A peer that stops responding (SIGSTOP, sockets open) is caught by the
+    operation's deadline."""
+    timeout_s = 4.0
+    job = Job(3, timeout_s)
+    try:
+        job.wait_ready()
+        stopped_at = time.time()
+        job.procs[1].send_signal(signal.SIGSTOP)
+        for rank in (0, 2):
+            raised = job.raised_at(rank, timeout_s + 20)
+            assert raised - stopped_at < timeout_s + 5.0
+            message = [l for l in job.lines[rank] if l.startswith("RAISED")][0]
+            assert "timed out" in message or "process 1" in message, message
+    finally:
+        job.procs[1].send_signal(signal.SIGCONT)
+        job.kill_all()
