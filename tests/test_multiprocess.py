@@ -221,3 +221,15 @@ def test_stopped_peer_times_out_on_every_survivor():
     finally:
         job.procs[1].send_signal(signal.SIGCONT)
         job.kill_all()
+
+
+def test_overlap_across_processes_matches_gloo_pmean():
+    # 2 processes x 2 devices: buckets ride TCP between the processes and
+    # memory inside each; the reference is lax.pmean over JAX's Gloo.
+    r = run_launcher(2, "overlap_check.py", devices_per_process=2)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for rank, lines in lines_by_rank(r.stdout).items():
+        diff = [l for l in lines if l.startswith("DIFF")]
+        assert diff, lines[-5:]
+        loss_diff, param_diff = map(float, diff[0].split()[1:])
+        assert loss_diff < 1e-5 and param_diff < 1e-5, (rank, diff)
