@@ -233,3 +233,27 @@ def test_overlap_across_processes_matches_gloo_pmean():
         assert diff, lines[-5:]
         loss_diff, param_diff = map(float, diff[0].split()[1:])
         assert loss_diff < 1e-5 and param_diff < 1e-5, (rank, diff)
+
+
+def test_readme_script_gives_the_same_result_under_the_launcher(tmp_path):
+    import re
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+                 if "make_array_from_callback" in b)
+    script = tmp_path / "total.py"
+    script.write_text(block)
+    env = dict(os.environ,
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    single = subprocess.run([sys.executable, str(script)], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path, env=env)
+    assert single.returncode == 0, single.stderr[-2000:]
+    want = [l for l in single.stdout.splitlines() if l.startswith("total")]
+    assert want
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run(
+            [sys.executable, "-m", "jaxring.launch", "-n", "2",
+             "--devices-per-process", "4", str(script)],
+            capture_output=True, text=True, timeout=120, cwd=cwd)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for rank, lines in lines_by_rank(r.stdout).items():
+        assert [l for l in lines if l.startswith("total")] == want, (rank, lines)
