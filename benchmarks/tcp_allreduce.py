@@ -16,13 +16,16 @@ size.
 busbw = bytes * 2(n-1)/n / time: the rate each link must sustain for a ring
 allreduce to take that long, comparable with the link's own rate.
 
-To run over a rate-limited network instead of loopback, run this inside
-benchmarks/netns.py (see its docstring).
+With --netns-rate (as root), each job runs on a network of namespaces built
+by benchmarks/netns.py instead of loopback: one namespace and address per
+process, every link limited to that rate with tbf. The link's measured TCP
+rate is printed with the tables, to compare busbw against.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -30,6 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import netns  # noqa: E402  (benchmarks/netns.py)
 
 SIZES_DEFAULT = ("4K", "256M")
 
@@ -146,6 +152,16 @@ def plot(results: dict[int, list[dict]], path: str, title: str) -> None:
     print(f"plot written to {path}")
 
 
+@contextlib.contextmanager
+def network(rate: str | None, nodes: int):
+    """A namespace network from benchmarks/netns.py, or None for loopback."""
+    if rate is None:
+        yield None
+        return
+    with netns.Network(nodes, rate) as net:
+        yield net
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--processes", type=int, nargs="+", default=[2, 4])
@@ -155,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default="tcp_allreduce.png", help="PNG path ('' for none)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--title", default="allreduce over loopback TCP")
+    ap.add_argument("--netns-rate", default=None,
+                    help="run over namespaces linked at this tbf rate (e.g. 1gbit)")
     ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker_json:
@@ -162,12 +180,20 @@ def main(argv=None) -> int:
         return 0
     results = {}
     for n in args.processes:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, network(args.netns_rate, n) as net:
             out = os.path.join(tmp, "rows.json")
             cmd = [sys.executable, "-m", "jaxring.launch", "-n", str(n),
-                   "--devices-per-process", "1", os.path.abspath(__file__),
-                   "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
-                   "--rounds", str(args.rounds), "--worker-json", out]
+                   "--devices-per-process", "1"]
+            if net is not None:
+                cmd += ["--coordinator", f"{net.address(0)}:29500",
+                        "--prefix-command", net.exec_prefix()]
+                rate = netns.check_rate(net)
+                print(f"# network: {n} namespaces, tbf {args.netns_rate} per link; "
+                      f"one TCP stream measures {rate / 1e9:.3f} GB/s")
+            cmd += [os.path.abspath(__file__),
+                    "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
+                    "--rounds", str(args.rounds), "--worker-json", out]
+            os.chmod(tmp, 0o755)
             r = subprocess.run(cmd, cwd=tmp)
             if r.returncode != 0:
                 print(f"the {n}-process job failed with status {r.returncode}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -77,6 +78,9 @@ def parse_args(argv):
     ap.add_argument("--coordinator", default=None,
                     help="host:port for jax.distributed's coordinator "
                          "(default: 127.0.0.1 and a free port)")
+    ap.add_argument("--prefix-command", default=None, metavar="TEMPLATE",
+                    help="run each process under this command, with {rank} "
+                         "replaced, e.g. 'ip netns exec node{rank}'")
     ap.add_argument("script", help="the Python script to run")
     ap.add_argument("args", nargs=argparse.REMAINDER,
                     help="arguments passed to the script")
@@ -111,8 +115,11 @@ def main(argv=None) -> int:
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     for rank in range(args.nproc):
+        prefix = (shlex.split(args.prefix_command.format(rank=rank))
+                  if args.prefix_command else [])
         p = subprocess.Popen(
-            [sys.executable, "-m", "jaxring._src.launched", args.script, *args.args],
+            [*prefix, sys.executable, "-m", "jaxring._src.launched",
+             os.path.abspath(args.script), *args.args],
             env=child_env(os.environ, rank, args.nproc, coordinator,
                           args.devices_per_process),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
