@@ -43,27 +43,28 @@ def _pump(stream, rank: int, out, lock: threading.Lock) -> None:
     stream.close()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to every live process group, then SIGKILL after a grace."""
+def _signal_live(procs: list[subprocess.Popen], sig: int) -> None:
+    """Sends sig to the process group of every process still running."""
     for p in procs:
         if p.poll() is None:
             try:
-                os.killpg(p.pid, signal.SIGTERM)
+                os.killpg(p.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every live process group, then SIGKILL after a grace."""
+    _signal_live(procs, signal.SIGTERM)
     deadline = time.monotonic() + _GRACE_S
     for p in procs:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+    _signal_live(procs, signal.SIGKILL)
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        p.wait()
 
 
 def parse_args(argv):

@@ -3,7 +3,6 @@ every process, once with lax.pmean (JAX's Gloo collectives across processes)
 and once under jaxring.overlap (buckets over jaxring's TCP transport). Prints
 the largest difference of the losses and parameters after three steps."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../plan.h"
+#include "task_queue.h"
 #include "timeline.h"
 
 namespace jaxring {
@@ -147,22 +148,8 @@ class Worker {
     std::thread([this] { loop(); }).detach();
   }
 
-  void submit(Task task) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      incoming_.push_back(std::move(task));
-      ++epoch_;
-    }
-    cv_.notify_one();
-  }
-
-  void wake() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++epoch_;
-    }
-    cv_.notify_one();
-  }
+  void submit(Task task) { queue_.submit(std::move(task)); }
+  void wake() { queue_.wake(); }
 
   // Books a transfer of `bytes` leaving this device once its data is ready
   // at ready_ns, on the device's one emulated link; returns its arrival.
@@ -178,18 +165,7 @@ class Worker {
   void loop() {
     std::list<Task> active;
     for (;;) {
-      uint64_t seen;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        if (active.empty()) {
-          cv_.wait(lock, [&] { return !incoming_.empty(); });
-        }
-        seen = epoch_;
-        while (!incoming_.empty()) {
-          active.push_back(std::move(incoming_.front()));
-          incoming_.pop_front();
-        }
-      }
+      const uint64_t seen = queue_.collect(active);
       bool progressed = false;
       int64_t wake_ns = -1;  // earliest emulated arrival still pending
       for (auto it = active.begin(); it != active.end();) {
@@ -213,20 +189,13 @@ class Worker {
         } else {
           // A peer is usually a few microseconds from its next chunk: yield
           // a little before paying for a sleep and a wake-up.
-          for (int i = 0; i < kYieldsBeforeSleep && !changed(seen); ++i) {
+          for (int i = 0; i < kYieldsBeforeSleep && !queue_.changed(seen); ++i) {
             std::this_thread::yield();
           }
         }
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait_until(lock, until,
-                       [&] { return epoch_ != seen || !incoming_.empty(); });
+        queue_.wait_until(seen, until);
       }
     }
-  }
-
-  bool changed(uint64_t seen) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return epoch_ != seen || !incoming_.empty();
   }
 
   // Runs what the task can run now. Returns whether anything happened; sets
@@ -234,10 +203,7 @@ class Worker {
   bool advance(Task& task, bool* finished);
 
   const int device_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Task> incoming_;
-  uint64_t epoch_ = 0;
+  TaskQueue<Task> queue_;
   std::mutex egress_mu_;
   int64_t egress_free_ns_ = 0;  // when this device's emulated link is free
 };

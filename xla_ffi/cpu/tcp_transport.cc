@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "../plan.h"
+#include "task_queue.h"
 #include "timeline.h"
 
 namespace jaxring {
@@ -34,12 +35,6 @@ namespace jaxring {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             Clock::now().time_since_epoch())
-      .count();
-}
 
 Clock::time_point after_seconds(double s) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -422,31 +417,15 @@ class TcpWorker {
     // Lives for the whole process, like the in-process workers.
     std::thread([this] { loop(); }).detach();
   }
-  void submit(Task t) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      incoming_.push_back(std::move(t));
-      ++epoch_;
-    }
-    cv_.notify_one();
-  }
-  void wake() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++epoch_;
-    }
-    cv_.notify_one();
-  }
+  void submit(Task t) { queue_.submit(std::move(t)); }
+  void wake() { queue_.wake(); }
 
  private:
   void loop();
   bool advance(Task& task, bool* finished);
 
   const int device_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Task> incoming_;
-  uint64_t epoch_ = 0;
+  TaskQueue<Task> queue_;
 };
 
 // A frame waiting to be written to one connection.
@@ -1043,28 +1022,16 @@ void OutLink::loop() {
 void TcpWorker::loop() {
   std::list<Task> active;
   for (;;) {
-    uint64_t seen;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (active.empty()) {
-        cv_.wait(lock, [&] { return !incoming_.empty(); });
-      }
-      seen = epoch_;
-      while (!incoming_.empty()) {
-        active.push_back(std::move(incoming_.front()));
-        incoming_.pop_front();
-      }
-    }
+    const uint64_t seen = queue_.collect(active);
     bool progressed = false;
     for (auto it = active.begin(); it != active.end();) {
       bool finished = false;
       progressed |= advance(*it, &finished);
       it = finished ? active.erase(it) : std::next(it);
     }
+    // The deadline poll bounds the sleep so timeouts are noticed.
     if (!progressed && !active.empty()) {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, kDeadlinePoll,
-                   [&] { return epoch_ != seen || !incoming_.empty(); });
+      queue_.wait_until(seen, Clock::now() + kDeadlinePoll);
     }
   }
 }
@@ -1145,7 +1112,7 @@ bool TcpWorker::advance(Task& task, bool* finished) {
     if (!result && timeline_enabled()) {
       timeline_record({device_, op.key.run_id, op.key.op_id,
                        op.desc.count * esize, op.desc.num_rings, me.joined_ns,
-                       now_ns()});
+                       timeline_now_ns()});
     }
     const bool last = ++op.completed_locals == op.expected_locals;
     lock.unlock();
@@ -1240,12 +1207,15 @@ bool TcpWorker::advance(Task& task, bool* finished) {
     }
     if (task.remaining[r] > 0) all_done = false;
   }
-  if (!error.empty()) {
+  // Fails the operation for every rank; this task completes on a later
+  // pass, once no I/O thread touches its buffers.
+  auto fail_all = [&](const std::string& why) {
     lock.unlock();
     for (TcpWorker* w : wake) w->wake();
-    Transport::get().fail(task.op, error, /*tell_peers=*/true);
+    Transport::get().fail(task.op, why, /*tell_peers=*/true);
     return true;
-  }
+  };
+  if (!error.empty()) return fail_all(error);
   if (all_done && me.outstanding_sends == 0) return complete(std::nullopt);
 
   if (!progressed && Clock::now() > op.deadline) {
@@ -1267,10 +1237,7 @@ bool TcpWorker::advance(Task& task, bool* finished) {
     }
     os << ". Every process must run the same allreduces; a peer that stopped "
           "responding or took a different branch never sends.";
-    lock.unlock();
-    for (TcpWorker* w : wake) w->wake();
-    Transport::get().fail(task.op, os.str(), /*tell_peers=*/true);
-    return true;
+    return fail_all(os.str());
   }
   lock.unlock();
   for (TcpWorker* w : wake) w->wake();
@@ -1356,7 +1323,7 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
       l.out = out;
       l.device = device;
       l.worker = worker;
-      l.joined_ns = now_ns();
+      l.joined_ns = timeline_now_ns();
       // Units that arrived before this rank joined stay staged; the worker
       // consumes them from there.
       for (int r = 0; r < desc.num_rings; ++r) op->inbox(rank, r);
