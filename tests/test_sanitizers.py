@@ -1,4 +1,4 @@
-"""The C++ core (plan, reductions, in-process transport) under sanitizers.
+"""The C++ core (plan, reductions, both transports) under sanitizers.
 
 Builds tests/cpp/core_tests.cc with AddressSanitizer + UndefinedBehavior-
 Sanitizer and with ThreadSanitizer, and runs it: each virtual device is a

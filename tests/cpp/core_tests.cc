@@ -1,5 +1,5 @@
-// Stand-alone tests of the ring plan, the reductions and the in-process
-// transport, without Python or XLA, so they can run under AddressSanitizer,
+// Stand-alone tests of the ring plan, the reductions and both transports,
+// without Python or XLA, so they can run under AddressSanitizer,
 // UndefinedBehaviorSanitizer and ThreadSanitizer:
 //
 //   cmake -S . -B build-san -DJAXRING_BUILD_PYTHON=OFF \
@@ -7,19 +7,25 @@
 //   cmake --build build-san && ./build-san/jaxring_core_tests
 //
 // (and the same with -DJAXRING_SANITIZE=thread). Each device is a thread,
-// as XLA's virtual CPU devices are.
+// as XLA's virtual CPU devices are. The TCP transport runs in two forked
+// processes first, while this process has no threads yet.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cpu/inprocess_transport.h"
+#include "cpu/tcp_transport.h"
 #include "plan.h"
 #include "reduce.h"
 
@@ -109,9 +115,113 @@ void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
       CHECK(out[r][i] == static_cast<int32_t>(expect[i]));
 }
 
+// One process of the TCP test: process `me` of 2 runs the ranks r with
+// process_of_rank[r] == me, all operations at once from their own threads.
+int tcp_process(int me, int port_out_fd, int ports_in_fd) {
+  std::string error;
+  const int port = jaxring::tcp_listen("127.0.0.1", &error);
+  if (port < 0) {
+    std::fprintf(stderr, "tcp_listen: %s\n", error.c_str());
+    return 1;
+  }
+  if (write(port_out_fd, &port, sizeof(port)) != sizeof(port)) return 1;
+  int ports[2];
+  if (read(ports_in_fd, ports, sizeof(ports)) != sizeof(ports)) return 1;
+  jaxring::tcp_set_peers(me, {"127.0.0.1:" + std::to_string(ports[0]),
+                              "127.0.0.1:" + std::to_string(ports[1])});
+  struct Case {
+    std::vector<int> procs;
+    int rings;
+    int64_t count, chunk;
+  };
+  const std::vector<Case> cases = {
+      {{0, 1}, 1, 1, 4},        {{0, 1}, 2, 1000, 256},
+      {{1, 0}, 3, 100003, 4096}, {{0, 0, 1, 1}, 2, 20000, 512},
+      {{0, 1, 0, 1}, 1, 777, 64}, {{0, 1, 1}, 2, 0, 64},
+  };
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  int ok = 0, expected = 0;
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const Case c = cases[k];
+    const int p = static_cast<int>(c.procs.size());
+    for (int r = 0; r < p; ++r) {
+      if (c.procs[r] != me) continue;
+      ++expected;
+      threads.emplace_back([&, c, k, r, p] {
+        std::vector<int32_t> in(c.count), out(c.count, -1);
+        for (int64_t i = 0; i < c.count; ++i) in[i] = (r + 1) * 3 + i % 11;
+        jaxring::OpDesc desc;
+        desc.type = jaxring::ElemType::kS32;
+        desc.count = c.count;
+        desc.world_size = p;
+        desc.num_rings = c.rings;
+        desc.chunk_bytes = c.chunk;
+        std::mutex dmu;
+        std::condition_variable cv;
+        bool finished = false;
+        std::optional<std::string> err;
+        jaxring::tcp_allreduce(
+            {7, static_cast<int64_t>(k), 0}, desc, r, /*device=*/r, c.procs,
+            in.data(), out.data(), 30.0,
+            [&](const std::optional<std::string>& e) {
+              std::lock_guard<std::mutex> lock(dmu);
+              err = e;
+              finished = true;
+              cv.notify_all();
+            });
+        std::unique_lock<std::mutex> lock(dmu);
+        cv.wait(lock, [&] { return finished; });
+        bool good = !err;
+        for (int64_t i = 0; good && i < c.count; ++i) {
+          int32_t want = 0;
+          for (int q = 0; q < p; ++q) want += (q + 1) * 3 + i % 11;
+          good = out[i] == want;
+        }
+        if (err) std::fprintf(stderr, "tcp case %zu: %s\n", k, err->c_str());
+        std::lock_guard<std::mutex> g(mu);
+        ok += good;
+      });
+    }
+  }
+  for (auto& t : threads) t.join();
+  while (jaxring::tcp_pending_ops() > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return ok == expected ? 0 : 1;
+}
+
+// Forks the two processes of the TCP test and relays their ports.
+void run_tcp_test() {
+  int to_parent[2][2], to_child[2][2];
+  pid_t pids[2];
+  for (int me = 0; me < 2; ++me) {
+    CHECK(pipe(to_parent[me]) == 0 && pipe(to_child[me]) == 0);
+    pids[me] = fork();
+    if (pids[me] == 0) {
+      std::fflush(stdout);
+      _exit(tcp_process(me, to_parent[me][1], to_child[me][0]));
+    }
+  }
+  int ports[2];
+  for (int me = 0; me < 2; ++me) {
+    CHECK(read(to_parent[me][0], &ports[me], sizeof(int)) == sizeof(int));
+  }
+  for (int me = 0; me < 2; ++me) {
+    CHECK(write(to_child[me][1], ports, sizeof(ports)) == sizeof(ports));
+  }
+  for (int me = 0; me < 2; ++me) {
+    int status = 0;
+    CHECK(waitpid(pids[me], &status, 0) == pids[me]);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+}
+
 }  // namespace
 
 int main() {
+  run_tcp_test();  // first: forking is only safe before any thread exists
+
   for (int p = 1; p <= 9; ++p)
     for (int rings = 1; rings <= 4; ++rings)
       for (int64_t count : {0, 1, 7, 100, 1000}) check_plan(p, rings, count, 12);
