@@ -2,7 +2,7 @@
 
 Builds tests/cpp/core_tests.cc with AddressSanitizer + UndefinedBehavior-
 Sanitizer and with ThreadSanitizer, and runs it: each virtual device is a
-thread, as in XLA.
+thread, as in XLA, and the TCP transport runs between two forked processes.
 """
 
 import pathlib
