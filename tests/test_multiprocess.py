@@ -257,3 +257,11 @@ def test_readme_script_gives_the_same_result_under_the_launcher(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for rank, lines in lines_by_rank(r.stdout).items():
         assert [l for l in lines if l.startswith("total")] == want, (rank, lines)
+
+
+def test_link_emulation_is_refused_for_rings_across_processes():
+    r = run_launcher(2, "link_refused.py")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for rank, lines in lines_by_rank(r.stdout).items():
+        refused = [l for l in lines if l.startswith("REFUSED")]
+        assert refused and "spans processes" in refused[0], (rank, lines[-5:])
