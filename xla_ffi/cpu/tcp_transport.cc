@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -56,6 +57,11 @@ constexpr auto kAbortFlush = std::chrono::seconds(1);
 constexpr auto kLostPeerGrace = std::chrono::milliseconds(100);
 // Payload is received in slices so a failed operation is noticed quickly.
 constexpr size_t kRecvSlice = 1 << 20;
+// Sanity bounds on what a peer announces (a corrupt or foreign client must
+// not make this process allocate without limit).
+constexpr int kMaxProcesses = 1 << 20;
+constexpr int64_t kMaxMessageBytes = 1 << 20;
+constexpr int64_t kMaxPayloadBytes = int64_t{1} << 40;
 
 // kData: a chunk; kAbort: an operation failed (payload: why); kPeerLost: the
 // process in `group` is unreachable (payload: why), sent to every process.
@@ -570,31 +576,26 @@ class Transport {
 
 // Marks op failed under its lock; returns the workers to wake, or nothing if
 // it had failed already.
-bool mark_failed(TcpOp& op, const std::string& why,
-                 std::vector<TcpWorker*>* wake) {
-  std::lock_guard<std::mutex> lock(op.mu);
-  if (op.failed) return false;
-  op.failed = true;
-  op.failed_flag.store(true);
-  op.failed_at = Clock::now();
-  op.error = why;
-  for (auto& [rank, l] : op.locals) wake->push_back(l.worker);
-  return true;
-}
-
 bool Transport::fail(const std::shared_ptr<TcpOp>& op, const std::string& why,
                      bool tell_peers) {
   std::vector<TcpWorker*> wake;
-  if (!mark_failed(*op, why, &wake)) return false;
-  for (TcpWorker* w : wake) w->wake();
-  if (!tell_peers) return true;
   std::set<int> peers;
   FrameHeader h{};
   {
     std::lock_guard<std::mutex> lock(op->mu);
-    const int me = this->me();
-    for (int p : op->process_of_rank) {
-      if (p != me) peers.insert(p);
+    if (op->failed) return false;
+    op->failed = true;
+    op->failed_flag.store(true);
+    op->failed_at = Clock::now();
+    op->error = why;
+    for (auto& [rank, l] : op->locals) wake.push_back(l.worker);
+    if (tell_peers) {
+      for (int p : op->process_of_rank) {
+        if (p != me()) peers.insert(p);
+      }
+      // Counted before any worker is woken, so a failed rank cannot
+      // complete (and its process exit) before the aborts are written.
+      op->aborts_in_flight.fetch_add(static_cast<int>(peers.size()));
     }
     h.magic = kMagic;
     h.kind = kAbort;
@@ -608,13 +609,14 @@ bool Transport::fail(const std::shared_ptr<TcpOp>& op, const std::string& why,
     f.header = h;
     f.message = why;
     f.abort_of = op;
-    op->aborts_in_flight.fetch_add(1);
     if (!send(p, 0, std::move(f))) op->aborts_in_flight.fetch_sub(1);
   }
+  for (TcpWorker* w : wake) w->wake();
   return true;
 }
 
 void Transport::peer_lost(int p, const std::string& why, bool tell_others) {
+  if (p < 0) return;
   std::vector<std::shared_ptr<TcpOp>> affected;
   std::string reason;
   int processes;
@@ -782,9 +784,14 @@ ReadResult receive_payload(int fd, TcpOp& op, char* dest, size_t n,
   std::vector<char> scratch;
   while (n > 0) {
     if (!*released && op.failed_flag.load()) {
-      std::lock_guard<std::mutex> lock(op.mu);
-      --op.writers;
+      std::vector<TcpWorker*> wake;
+      {
+        std::lock_guard<std::mutex> lock(op.mu);
+        --op.writers;
+        for (auto& [rank, l] : op.locals) wake.push_back(l.worker);
+      }
       *released = true;
+      for (TcpWorker* w : wake) w->wake();
     }
     const size_t piece = std::min(n, kRecvSlice);
     char* into = dest;
@@ -810,6 +817,10 @@ void Transport::read_loop(int fd) {
     return;
   }
   const int peer = hello.process;
+  if (peer < 0 || peer >= kMaxProcesses) {
+    ::close(fd);
+    return;
+  }
   std::vector<char> drain;
   for (;;) {
     FrameHeader h{};
@@ -825,9 +836,11 @@ void Transport::read_loop(int fd) {
       peer_lost(peer, error);
       return;
     }
-    if (h.kind != kAbort && h.kind != kData && h.kind != kPeerLost) {
+    const bool message_frame = h.kind == kAbort || h.kind == kPeerLost;
+    if ((!message_frame && h.kind != kData) || h.payload_bytes < 0 ||
+        h.payload_bytes > (message_frame ? kMaxMessageBytes : kMaxPayloadBytes)) {
       ::close(fd);
-      peer_lost(peer, "protocol error: unknown frame kind");
+      peer_lost(peer, "protocol error: a frame of unknown kind or size");
       return;
     }
     if (h.kind == kAbort || h.kind == kPeerLost) {
@@ -853,17 +866,30 @@ void Transport::read_loop(int fd) {
     std::string mismatch;
     bool check_agreement = false;
     char* dest = nullptr;
+    double stall_s;  // read under the lock: a joining rank may set it
     bool discard = false;
     int64_t unit = h.unit;
     {
       std::lock_guard<std::mutex> lock(o.mu);
+      stall_s = o.timeout_s;
       const OpDesc theirs = desc_of(h);
       if (o.failed) {
         discard = true;
       } else if (!o.has_desc) {
-        o.set_desc(theirs);  // first word of an operation we have not reached
-        o.first_sender = peer;
-        check_agreement = true;
+        // The first word of an operation this process has not reached.
+        try {
+          ReduceOp unused;
+          if (h.elem_type < 0 || h.elem_type > static_cast<int>(ElemType::kU64) ||
+              !reduce_op_from_int(h.reduce_op, &unused)) {
+            throw std::invalid_argument("unknown element type or reduction");
+          }
+          o.set_desc(theirs);
+          o.first_sender = peer;
+          check_agreement = true;
+        } catch (const std::exception& e) {
+          mismatch = o.name() + ": protocol error: " + e.what();
+          discard = true;
+        }
       } else if (!same_operation(o.desc, theirs)) {
         std::ostringstream os;
         os << o.name() << ": rank " << h.src_rank << " (process " << peer
@@ -902,10 +928,10 @@ void Transport::read_loop(int fd) {
     bool released = discard;
     if (discard) {
       drain.resize(static_cast<size_t>(std::max<int64_t>(h.payload_bytes, 0)));
-      r = read_exact(fd, drain.data(), drain.size(), false, o.timeout_s, &error);
+      r = read_exact(fd, drain.data(), drain.size(), false, stall_s, &error);
     } else {
       r = receive_payload(fd, o, dest, static_cast<size_t>(h.payload_bytes),
-                          o.timeout_s, &released, &error);
+                          stall_s, &released, &error);
     }
     TcpWorker* wake = nullptr;
     {
@@ -1046,6 +1072,7 @@ std::string send_unit(const std::shared_ptr<TcpOp>& op_ptr, int rank, int ring,
   const int next = op.plan->next_rank(ring, rank);
   const int proc = op.process_of_rank[next];
   Transport& tr = Transport::get();
+  if (op.failed) return std::string();  // a failed rank must not be touched
   if (proc == tr.me()) {
     Inbox& ib = op.inbox(next, ring);
     auto local = op.locals.find(next);
@@ -1156,6 +1183,9 @@ bool TcpWorker::advance(Task& task, bool* finished) {
       }
       lock.lock();
       if (staged != ib.staged.end()) ib.staged.erase(staged);
+      // The operation may have failed while the lock was dropped; then the
+      // other local ranks may have completed, and nothing more is sent.
+      if (op.failed) return;
     }
     if (t + 1 < steps) {
       const int next_pos = plan.position(r, plan.next_rank(r, task.rank));
@@ -1198,7 +1228,7 @@ bool TcpWorker::advance(Task& task, bool* finished) {
   bool all_done = true;
   for (int r = 0; r < plan.num_rings() && error.empty(); ++r) {
     Inbox& ib = op.inbox(task.rank, r);
-    while (!ib.ready.empty() && error.empty()) {
+    while (!ib.ready.empty() && error.empty() && !op.failed) {
       const int64_t u = ib.ready.front();
       ib.ready.pop_front();
       consume(r, u);
@@ -1216,6 +1246,7 @@ bool TcpWorker::advance(Task& task, bool* finished) {
     return true;
   };
   if (!error.empty()) return fail_all(error);
+  if (op.failed) return true;  // completes through the failure, next pass
   if (all_done && me.outstanding_sends == 0) return complete(std::nullopt);
 
   if (!progressed && Clock::now() > op.deadline) {
@@ -1339,6 +1370,15 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
   Task task{op, rank, std::move(done), std::vector<int64_t>(desc.num_rings, 0)};
   worker->submit(std::move(task));
   tr.check_programs_agree(op);
+  // A peer lost between the check above and the join would not have seen
+  // this op among those to fail.
+  for (int p : process_of_rank) {
+    const std::string dead = tr.dead_reason(p);
+    if (!dead.empty()) {
+      tr.fail(op, op_name(key, desc) + ": " + dead, /*tell_peers=*/true);
+      break;
+    }
+  }
 }
 
 }  // namespace jaxring
