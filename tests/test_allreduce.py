@@ -403,6 +403,36 @@ def test_build_info():
     assert "cuda" in info and isinstance(info["cuda"], str)
 
 
+def _op_ids_in(lowered_text):
+    import re
+    return [int(m) for m in re.findall(
+        r"custom_call @jaxring_allreduce(?:_start)?_cpu\(.*?op_id = (\d+)", lowered_text)]
+
+
+def test_every_call_gets_its_own_op_id():
+    """Two same-shaped allreduces, a jitted helper called twice and a remat
+    body called twice: JAX would reuse one lowering (and so one op id) for
+    each pair, and devices reaching the pair in different orders would then
+    add one call's data to the other's."""
+    mesh = mesh_of(4)
+
+    def step(red):
+        helper = jax.jit(lambda v: red(v, "i"))
+        rematted = jax.checkpoint(lambda v: jnp.sin(red(v, "i")))
+
+        def f(v):
+            return (red(v, "i") + 10 * red(v * 3.0, "i")
+                    + 100 * helper(v + 1.0) + 1000 * helper(v * v)
+                    + rematted(v) + rematted(2 * v))
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+                                     check_vma=False))
+    x = put(np.linspace(-1, 1, 4 * 64, dtype=np.float32), mesh, P("i"))
+    ids = _op_ids_in(step(jaxring.allreduce).lower(x).as_text())
+    assert len(ids) == 6 and len(set(ids)) == 6, ids
+    np.testing.assert_allclose(np.asarray(step(jaxring.allreduce)(x)),
+                               np.asarray(step(jax.lax.psum)(x)), rtol=1e-5)
+
+
 def test_inside_scan_and_while_loops():
     """One lowered call site runs once per iteration under one run id."""
     mesh = mesh_of(8)

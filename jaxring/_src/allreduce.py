@@ -30,7 +30,7 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
-from jaxring._src import distributed, runtime, timeline
+from jaxring._src import call_sites, distributed, runtime, timeline
 from jaxring._src.config import config, parse_link, validate
 
 _OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
@@ -42,7 +42,8 @@ SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (
 
 # Op ids tell concurrent allreduces of one execution apart. Every device
 # runs the same lowered module, so a counter at lowering time gives each call
-# site the same id on every device and a fresh one in every module.
+# site the same id on every device and a fresh one in every module; see
+# call_sites for how every call gets a lowering of its own.
 _op_ids = itertools.count(1)
 
 
@@ -281,7 +282,7 @@ def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
     return call(sub_ctx, x, rank, group, **attrs)
 
 
-mlir.register_lowering(allreduce_p, _lowering, platform="cpu")
+call_sites.register_lowering(allreduce_p, _lowering, platform="cpu")
 
 
 # ---- public functions -------------------------------------------------------

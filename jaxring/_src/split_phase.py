@@ -30,9 +30,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jax._src import core
-from jax._src.interpreters import mlir
 
 from jaxring._src import allreduce as _ar
+from jaxring._src import call_sites
 from jaxring._src import timeline
 
 # A start and its done share a *pair* number, taken at trace time. The op id
@@ -90,7 +90,7 @@ def _start_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s, link,
     return call(sub_ctx, rank, group, *xs, **attrs)
 
 
-mlir.register_lowering(start_p, _start_lowering, platform="cpu")
+call_sites.register_lowering(start_p, _start_lowering, platform="cpu")
 
 
 # ---- done -------------------------------------------------------------------
@@ -119,7 +119,7 @@ def _done_lowering(ctx, handle, *deps, pair, out_avals):
     return call(ctx, handle, *deps, op_id=np.int64(op_id))
 
 
-mlir.register_lowering(done_p, _done_lowering, platform="cpu")
+call_sites.register_lowering(done_p, _done_lowering, platform="cpu")
 
 
 # ---- helpers used by overlap ------------------------------------------------

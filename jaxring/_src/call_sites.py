@@ -1,0 +1,100 @@
+"""One lowering, and so one op id, per jaxring call in a program.
+
+A jaxring op's identity is a constant attribute chosen at lowering
+(``allreduce._op_ids``). JAX reuses lowerings in two ways, and either would
+give two calls one op id inside one run:
+
+* every equation's lowering is cached by (primitive, params, avals), so two
+  allreduces of same-shaped values in one function would share one;
+* a function called from several places (a nested ``jax.jit``, a ``remat``
+  or ``custom_vjp`` body) is lowered once per module and called from each.
+
+XLA's CPU executor runs independent thunks concurrently, so devices can reach
+two such calls in different orders, and a shared id would then pair one
+call's data on one device with the other call's data on another: a wrong sum
+and no error. So jaxring's lowerings are registered uncacheable, and the
+module's function cache keeps no function whose jaxpr contains a jaxring op:
+every call site lowers its own copy, with fresh op ids. That costs compile
+time for those functions only; XLA inlines the calls anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+from jax._src import core
+from jax._src.interpreters import mlir
+
+_primitives: set = set()
+_contains_memo: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def register_lowering(primitive, rule, platform: str) -> None:
+    """Registers a jaxring op's lowering so that every call gets its own."""
+    mlir.register_lowering(primitive, rule, platform=platform, cacheable=False)
+    _primitives.add(primitive)
+    _install()
+
+
+def contains_jaxring_op(jaxpr) -> bool:
+    """Whether jaxpr (a Jaxpr or ClosedJaxpr), or one nested in it, has a jaxring op."""
+    if isinstance(jaxpr, core.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    try:
+        return _contains_memo[jaxpr]
+    except (KeyError, TypeError):
+        pass
+    found = any(eqn.primitive in _primitives
+                or any(contains_jaxring_op(sub)
+                       for sub in core.jaxprs_in_params(eqn.params))
+                for eqn in jaxpr.eqns)
+    try:
+        _contains_memo[jaxpr] = found
+    except TypeError:  # not weak-referenceable: no memo
+        pass
+    return found
+
+
+def _has_jaxring_op(value, depth: int = 0) -> bool:
+    """Whether a cache key, or a jaxpr inside it, holds a jaxring op."""
+    if isinstance(value, (core.Jaxpr, core.ClosedJaxpr)):
+        return contains_jaxring_op(value)
+    if depth > 4:
+        return False
+    if hasattr(value, "primitive") and hasattr(value, "params"):  # an equation's key
+        return value.primitive in _primitives or _has_jaxring_op(value.params, depth + 1)
+    if isinstance(value, (tuple, list)):
+        return any(_has_jaxring_op(v, depth + 1) for v in value)
+    return False
+
+
+class _FunctionCache(dict):
+    """A ModuleContext cache that refuses lowerings holding a jaxring op.
+
+    JAX's lowering looks a function or an equation up by a key holding its
+    jaxpr (or params) and stores it after lowering; refusing the store makes
+    the next call site lower it again."""
+
+    def __setitem__(self, key, value):
+        if not _has_jaxring_op(key):
+            super().__setitem__(key, value)
+
+
+def _install() -> None:
+    init = mlir.ModuleContext.__init__
+    if getattr(init, "_jaxring_unshared", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        # A fresh module's caches are empty; a replaced context shares the
+        # wrapped ones and keeps them.
+        for name in ("cached_primitive_lowerings", "lowering_cache"):
+            cache = getattr(self, name)
+            if not isinstance(cache, _FunctionCache):
+                setattr(self, name, _FunctionCache(cache))
+
+    __init__._jaxring_unshared = True
+    mlir.ModuleContext.__init__ = __init__
