@@ -17,9 +17,12 @@ from jaxring._src import runtime as _runtime
 
 _runtime.size_cpu_pool()
 
-from jaxring._src.allreduce import JaxringError, allreduce, pmean, psum  # noqa: E402
+from jaxring._src.allreduce import allreduce, pmean, psum  # noqa: E402
 from jaxring._src.build_info import build_info  # noqa: E402
 from jaxring._src.config import config  # noqa: E402
+from jaxring._src.errors import (  # noqa: E402
+    CollectiveTimeoutError, JaxringError, MismatchError, PeerLostError,
+    translate_errors)
 from jaxring._src.overlap import (  # noqa: E402
     OverlapReport, OverlapWarning, explain, overlap)
 from jaxring._src.runtime import use_cpu_devices  # noqa: E402
@@ -31,9 +34,12 @@ _timeline.start_from_environment()
 __version__ = _bc.VERSION
 
 __all__ = [
+    "CollectiveTimeoutError",
     "JaxringError",
+    "MismatchError",
     "OverlapReport",
     "OverlapWarning",
+    "PeerLostError",
     "allreduce",
     "build_info",
     "config",
@@ -42,5 +48,6 @@ __all__ = [
     "pmean",
     "psum",
     "timeline",
+    "translate_errors",
     "use_cpu_devices",
 ]

@@ -1,6 +1,7 @@
 """jaxring.allreduce against lax.psum and numpy, computed in the same test."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -346,12 +347,31 @@ def test_missing_rank_times_out_with_its_name():
                             lambda u: u, v)
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
                               check_vma=False))
-    with pytest.raises(Exception, match=r"timed out after 1 s: rank\(s\) 1, 2, 3, 4, 5, 6, 7 of 8 never arrived"):
-        np.asarray(g(x))
+    with pytest.raises(jaxring.CollectiveTimeoutError,
+                       match=r"timed out after 1 s: rank\(s\) 1, 2, 3, 4, 5, 6, 7 of 8 never arrived") as e:
+        with jaxring.translate_errors():
+            np.asarray(g(x))
+    # XLA's own exception is kept as the cause; the operation is named.
+    assert e.value.__cause__ is not None and not isinstance(e.value.__cause__, jaxring.JaxringError)
+    assert re.fullmatch(r"op \d+, group 0, run -?\d+", e.value.operation), e.value.operation
+    assert e.value.peer_process is None  # one process: no peer to blame
     # The transport keeps the failed op only until its grace period ends, and
     # later operations still work.
     assert np.array_equal(np.asarray(_in_mesh(lambda v: jaxring.allreduce(v, "i"))),
                           np.full((8, 4), 8.0, np.float32))
+
+
+def test_translate_errors_passes_other_exceptions_through():
+    with pytest.raises(ValueError, match="not jaxring's") as e:
+        with jaxring.translate_errors():
+            raise ValueError("not jaxring's")
+    assert type(e.value) is ValueError
+
+    @jaxring.translate_errors()
+    def fails():
+        raise KeyError("k")
+    with pytest.raises(KeyError):
+        fails()
 
 
 def test_transport_holds_nothing_after_operations():
@@ -404,7 +424,6 @@ def test_build_info():
 
 
 def _op_ids_in(lowered_text):
-    import re
     return [int(m) for m in re.findall(
         r"custom_call @jaxring_allreduce(?:_start)?_cpu\(.*?op_id = (\d+)", lowered_text)]
 

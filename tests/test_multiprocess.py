@@ -72,6 +72,7 @@ def test_different_programs_fail_fast_on_every_rank():
         assert raised, r.stdout[-3000:]
         elapsed = float(raised[0].split()[1])
         assert elapsed < timeout_s / 2, raised[0]
+        assert raised[0].split()[2] == "MismatchError", raised[0]
         assert "different programs" in raised[0]
         assert "1024 x float32" in raised[0] and "2048 x float32" in raised[0]
 
@@ -199,7 +200,7 @@ def test_killed_peer_makes_every_survivor_raise_twenty_times():
                 assert raised - killed_at < bound_s, (trial, rank, raised - killed_at)
                 message = [l for l in job.lines[rank] if l.startswith("RAISED")][0]
                 assert "jaxring allreduce" in message, message
-                assert f"process {victim}" in message, message
+                assert message.split()[2:4] == ["PeerLostError", f"peer={victim}:"], message
         finally:
             job.kill_all()
 
@@ -218,6 +219,10 @@ def test_stopped_peer_times_out_on_every_survivor():
             assert raised - stopped_at < timeout_s + 5.0
             message = [l for l in job.lines[rank] if l.startswith("RAISED")][0]
             assert "timed out" in message or "process 1" in message, message
+            assert message.split()[2] in ("CollectiveTimeoutError", "PeerLostError"), message
+            # A survivor whose two rings wait for different processes
+            # cannot tell which of them stopped.
+            assert message.split()[3] in ("peer=1:", "peer=None:"), message
     finally:
         job.procs[1].send_signal(signal.SIGCONT)
         job.kill_all()

@@ -47,10 +47,6 @@ SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (
 _op_ids = itertools.count(1)
 
 
-class JaxringError(RuntimeError):
-    """Raised by jaxring for failures it detects itself."""
-
-
 def _axes_tuple(axis_name: Any) -> tuple:
     if isinstance(axis_name, (tuple, list)):
         axes = tuple(axis_name)

@@ -3,7 +3,9 @@
 Initializes jax.distributed from the environment the launcher set, then runs
 the user's script as ``__main__``, so a script written for one process runs
 unchanged as one process of N. The script must not call
-``jax.distributed.initialize`` itself.
+``jax.distributed.initialize`` itself. It runs inside
+``jaxring.translate_errors``, so a failed allreduce that the script does not
+catch is reported as a ``jaxring.JaxringError``.
 """
 
 from __future__ import annotations
@@ -46,8 +48,11 @@ def main() -> None:
         process_id=int(os.environ["JAXRING_PROCESS_ID"]))
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    from jaxring._src.errors import translate_errors
+
     try:
-        runpy.run_path(script, run_name="__main__")
+        with translate_errors():
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
             _exit_now(e.code if isinstance(e.code, int) else 1,

@@ -1,6 +1,7 @@
 """Run by tests/test_multiprocess.py: a long sequence of allreduces that the
-test interrupts by killing one process. Each survivor must raise; it prints
-RAISED with the wall-clock time and the error, then exits without waiting
+test interrupts by killing one process. Each survivor must raise a
+jaxring.JaxringError; it prints RAISED with the wall-clock time, the error's
+type, the peer it names and its message, then exits without waiting
 for jax.distributed's shutdown (the job is broken)."""
 
 import os
@@ -24,15 +25,17 @@ arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
                                    lambda idx: x[idx])
 steps = 0
 try:
-    while True:
-        out = f(arr)
-        out.block_until_ready()
-        steps += 1
-        if steps == 20:
-            print(f"READY {os.getpid()}", flush=True)
+    with jaxring.translate_errors():
+        while True:
+            out = f(arr)
+            out.block_until_ready()
+            steps += 1
+            if steps == 20:
+                print(f"READY {os.getpid()}", flush=True)
 except Exception as e:  # what a training loop would see
     message = " ".join(str(e).split())
-    print(f"RAISED {time.time():.3f} {type(e).__name__}: {message[:400]}", flush=True)
+    print(f"RAISED {time.time():.3f} {type(e).__name__} "
+          f"peer={getattr(e, 'peer_process', None)}: {message[:400]}", flush=True)
     if jax.process_index() == 0:
         # Process 0 hosts jax.distributed's coordination service; if it left
         # now, JAX would terminate the survivors that have not raised yet.

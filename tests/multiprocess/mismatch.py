@@ -24,9 +24,11 @@ arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
                                    lambda idx: x[idx])
 start = time.time()
 try:
-    f(arr).block_until_ready()
+    with jaxring.translate_errors():
+        f(arr).block_until_ready()
     print("NO ERROR", flush=True)
 except Exception as e:
     message = " ".join(str(e).split())
-    print(f"RAISED {time.time() - start:.3f} {message[:600]}", flush=True)
+    print(f"RAISED {time.time() - start:.3f} {type(e).__name__} {message[:600]}",
+          flush=True)
 os._exit(0)
