@@ -3,6 +3,7 @@
 Usage:
     python -m jaxring.bench [--devices 8] [--min-bytes 4K] [--max-bytes 64M]
                             [--dtype float32] [--rings R] [--chunk-bytes C]
+                            [--plot busbw.png]
 
 Both implementations run in the same process on the same virtual CPU
 devices, one size at a time, each timed over back-to-back calls. Columns
@@ -124,6 +125,27 @@ def run(devices: int, min_bytes: int, max_bytes: int, dtype: str,
     return rows
 
 
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """busbw against message size, one line per implementation, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sizes = [r["bytes"] for r in rows]
+    ax.plot(sizes, [r["jaxring_busbw"] for r in rows], "o-", label="jaxring.allreduce")
+    ax.plot(sizes, [r["psum_busbw"] for r in rows], "s--", label="lax.psum")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes per device")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
@@ -136,12 +158,24 @@ def main(argv=None) -> int:
                     help="seconds of calls timed per size and implementation")
     ap.add_argument("--rounds", type=int, default=5,
                     help="alternating timing rounds per size (median reported)")
+    ap.add_argument("--plot", metavar="PATH", default=None,
+                    help="also write busbw against size as a PNG (needs matplotlib)")
     args = ap.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (fail before the long run, not after)
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib: pip install matplotlib "
+                             "(or jaxring[bench])") from None
     # The device count must be fixed before JAX starts its CPU backend.
     from jaxring._src import runtime
     runtime.use_cpu_devices(args.devices)
-    run(args.devices, args.min_bytes, args.max_bytes, args.dtype, args.rings,
-        args.chunk_bytes, args.min_time, args.rounds)
+    rows = run(args.devices, args.min_bytes, args.max_bytes, args.dtype, args.rings,
+               args.chunk_bytes, args.min_time, args.rounds)
+    if args.plot:
+        plot(rows, args.plot, f"allreduce on {args.devices} virtual CPU devices "
+                              f"({os.cpu_count()} cores), {args.dtype}")
+        print(f"# plot written to {args.plot}")
     return 0
 
 

@@ -72,11 +72,12 @@ def translate(exc: BaseException) -> JaxringError | None:
     if isinstance(exc, JaxringError):
         return exc
     message = str(exc)
-    op = _OPERATION.search(message)
-    if op is None:
+    if "jaxring allreduce" not in message:
         return None
+    op = _OPERATION.search(message)
     cls = next((c for c, pattern in _KINDS if pattern.search(message)), JaxringError)
-    return cls(message, operation=op.group(1), peer_process=_peer_of(message))
+    return cls(message, operation=op.group(1) if op else None,
+               peer_process=_peer_of(message))
 
 
 def _peer_of(message: str) -> int | None:
