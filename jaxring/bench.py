@@ -14,6 +14,7 @@ follow nccl-tests: ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n``
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -161,12 +162,10 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", metavar="PATH", default=None,
                     help="also write busbw against size as a PNG (needs matplotlib)")
     args = ap.parse_args(argv)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401  (fail before the long run, not after)
-        except ImportError:
-            raise SystemExit("--plot needs matplotlib: pip install matplotlib "
-                             "(or jaxring[bench])") from None
+    # Fail before the long run, not after it.
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib "
+                         "(or jaxring[bench])")
     # The device count must be fixed before JAX starts its CPU backend.
     from jaxring._src import runtime
     runtime.use_cpu_devices(args.devices)
