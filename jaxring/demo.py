@@ -6,8 +6,9 @@ over an emulated network link.
     jaxring-demo --link 1Gbit,20us --steps 10 --timeline trace.json
 
 It prints the buckets overlap chose, each step's loss under both versions
-(they agree) and their step times, and writes a Perfetto trace of one step of
-each (open it at https://ui.perfetto.dev).
+(they agree) and their step times, writes a Perfetto trace of one step of
+each (open it at https://ui.perfetto.dev), and plots loss and step time per
+step (``jaxring_demo.png``, with matplotlib installed).
 
 The link is emulated (``jaxring.config.cpu_link``): each device's outgoing
 transfers share one link of the given bandwidth and latency, and waiting on
@@ -19,6 +20,7 @@ allreduce takes about as long as the backward pass.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -93,7 +95,34 @@ def _parse(argv):
                    help='emulated link, e.g. "1Gbit,20us" (default: calibrated)')
     p.add_argument("--timeline", default="jaxring_timeline.json",
                    help="where to write the trace ('' to skip)")
+    p.add_argument("--plot", default="jaxring_demo.png",
+                   help="where to write the loss and step-time plot ('' to skip; "
+                        "needs matplotlib)")
     return p.parse_args(argv)
+
+
+def plot(path: str, losses: dict, times: dict) -> None:
+    """Loss and step time per step, one line per version, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
+    for (name, loss), style in zip(losses.items(), ("o-", "s--")):
+        steps = range(1, len(loss) + 1)
+        ax_loss.plot(steps, loss, style, label=name)
+        ax_time.plot(steps, [t * 1e3 for t in times[name]], style, label=name)
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss (the versions agree)")
+    ax_time.set(xlabel="step", ylabel="step time (ms)", title="step time")
+    ax_time.set_ylim(bottom=0)
+    for ax in (ax_loss, ax_time):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -169,12 +198,14 @@ def main(argv=None) -> int:
     print(f"\n{'step':>4}  {'loss, pmean at end':>18}  {'loss, overlap':>13}  "
           f"{'time, pmean at end':>18}  {'time, overlap':>13}")
     p_plain, p_ov = params, params
-    times_plain, times_ov = [], []
+    times_plain, times_ov, losses_plain, losses_ov = [], [], [], []
     for i in range(args.steps):
         (p_plain, loss_plain), t_plain = timed(plain, p_plain, images, labels)
         (p_ov, loss_ov), t_ov = timed(overlapped, p_ov, images, labels)
         times_plain.append(t_plain)
         times_ov.append(t_ov)
+        losses_plain.append(float(loss_plain[0]))
+        losses_ov.append(float(loss_ov[0]))
         print(f"{i + 1:>4}  {float(loss_plain[0]):>18.6f}  {float(loss_ov[0]):>13.6f}  "
               f"{t_plain * 1e3:>15.1f} ms  {t_ov * 1e3:>10.1f} ms")
     mp, mo = statistics.median(times_plain), statistics.median(times_ov)
@@ -192,6 +223,14 @@ def main(argv=None) -> int:
                     jax.block_until_ready(f(p, images, labels))
         print(f"timeline of one step of each: {args.timeline} "
               "(open in https://ui.perfetto.dev)")
+    if args.plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            print(f"no plot written to {args.plot}: matplotlib is not installed "
+                  "(pip install matplotlib, or jaxring[demo])")
+        else:
+            plot(args.plot, {"pmean at end": losses_plain, "overlap": losses_ov},
+                 {"pmean at end": times_plain, "overlap": times_ov})
+            print(f"plot of loss and step time per step: {args.plot}")
     jaxring.config.reset("cpu_link")
     return 0
 

@@ -75,12 +75,12 @@ def test_environment_variable_writes_the_trace_at_exit(script, tmp_path):
 
 
 def test_demo_trainer_runs_and_losses_agree(script, tmp_path):
-    path = tmp_path / "demo.json"
+    path, png = tmp_path / "demo.json", tmp_path / "demo.png"
     res = script(f"""
         import sys
         from jaxring import demo
         sys.exit(demo.main(["--devices", "4", "--steps", "2", "--per-device-batch", "4",
-                            "--timeline", {str(path)!r}]))
+                            "--timeline", {str(path)!r}, "--plot", {str(png)!r}]))
     """, devices=4, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
@@ -93,4 +93,6 @@ def test_demo_trainer_runs_and_losses_agree(script, tmp_path):
     spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert any(e["name"].startswith("bucket") for e in spans)
     assert any(e["name"].startswith("step, overlap") for e in spans)
+    assert f"plot of loss and step time per step: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
