@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -128,27 +129,18 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(results: dict[int, list[dict]], path: str, title: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         print(f"matplotlib is not installed: no plot written to {path} "
               "(pip install 'jaxring[bench]')")
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    from jaxring.bench import plot_busbw
+    lines = []
     for n, rows in sorted(results.items()):
-        x = [r["bytes"] for r in rows]
-        ax.plot(x, [r["jaxring_busbw"] for r in rows], "o-", label=f"jaxring, {n} processes")
-        ax.plot(x, [r["gloo_busbw"] for r in rows], "s--", label=f"Gloo (lax.psum), {n} processes")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("bytes per process")
-    ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        sizes = [r["bytes"] for r in rows]
+        lines.append((f"jaxring, {n} processes", sizes, [r["jaxring_busbw"] for r in rows]))
+        lines.append((f"Gloo (lax.psum), {n} processes", sizes,
+                      [r["gloo_busbw"] for r in rows]))
+    plot_busbw(lines, path, title, xlabel="bytes per process")
     print(f"plot written to {path}")
 
 

@@ -126,18 +126,19 @@ def run(devices: int, min_bytes: int, max_bytes: int, dtype: str,
     return rows
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
-    """busbw against message size, one line per implementation, as a PNG."""
+def plot_busbw(lines: list[tuple[str, list[int], list[float]]], path: str,
+               title: str, xlabel: str = "bytes per device") -> None:
+    """A PNG of busbw against message size: one (label, sizes, busbw) line
+    each, alternating solid and dashed. Needs matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    sizes = [r["bytes"] for r in rows]
-    ax.plot(sizes, [r["jaxring_busbw"] for r in rows], "o-", label="jaxring.allreduce")
-    ax.plot(sizes, [r["psum_busbw"] for r in rows], "s--", label="lax.psum")
+    for i, (label, sizes, busbw) in enumerate(lines):
+        ax.plot(sizes, busbw, "s--" if i % 2 else "o-", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("bytes per device")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
@@ -145,6 +146,13 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """busbw against message size, one line per implementation."""
+    sizes = [r["bytes"] for r in rows]
+    plot_busbw([("jaxring.allreduce", sizes, [r["jaxring_busbw"] for r in rows]),
+                ("lax.psum", sizes, [r["psum_busbw"] for r in rows])], path, title)
 
 
 def main(argv=None) -> int:
