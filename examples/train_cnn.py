@@ -18,30 +18,25 @@ same loss curve, up to float rounding.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+import common  # examples/common.py: the options all examples share
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("overlap", "allreduce", "psum"), default="overlap")
-    p.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
+    p = common.parser(__doc__)
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch", type=int, default=128, help="global batch size")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--link", default=None, help='emulated link, e.g. "1Gbit,50us"')
     p.add_argument("--timeline", default=None, help="write a Perfetto trace of the last epoch")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    import jaxring
-    jaxring.use_cpu_devices(args.devices)  # before JAX starts its backend
+    jaxring = common.start(args)  # before anything starts JAX's backend
     import contextlib
     import functools
 
@@ -56,10 +51,6 @@ def main(argv=None):
     from tqdm import tqdm
 
     n = args.devices
-    if args.batch % n:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of --devices {n}")
-    if args.link:
-        jaxring.config.update("cpu_link", args.link)
 
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)

@@ -15,17 +15,16 @@ For one seed the three give the same loss curve, up to float rounding.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 import sysconfig
 import time
 
+import common  # examples/common.py: the options all examples share
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("overlap", "allreduce", "psum"), default="overlap")
-    p.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
+    p = common.parser(__doc__)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=64, help="global batch of sequences")
     p.add_argument("--context", type=int, default=64, help="characters per sequence")
@@ -33,12 +32,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-mb", type=float, default=2.0,
                    help="MB of standard-library source to read")
-    p.add_argument("--link", default=None, help='emulated link, e.g. "1Gbit,50us"')
     p.add_argument("--timeline", default=None, help="write a Perfetto trace of the last 10 steps")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 
@@ -57,8 +53,7 @@ def read_corpus(limit_bytes: int) -> bytes:
 
 def main(argv=None):
     args = parse_args(argv)
-    import jaxring
-    jaxring.use_cpu_devices(args.devices)  # before JAX starts its backend
+    jaxring = common.start(args)  # before anything starts JAX's backend
     import contextlib
 
     import jax
@@ -69,12 +64,8 @@ def main(argv=None):
     from tqdm import tqdm
 
     n = args.devices
-    if args.batch % n:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of --devices {n}")
     if args.width % args.heads:
         raise SystemExit("--width must be a multiple of --heads")
-    if args.link:
-        jaxring.config.update("cpu_link", args.link)
 
     text = np.frombuffer(read_corpus(int(args.corpus_mb * 1e6)), np.uint8)
     split = int(0.95 * len(text))
