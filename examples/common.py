@@ -4,6 +4,7 @@ and starting JAX and jaxring with them."""
 from __future__ import annotations
 
 import argparse
+import os
 
 MODES = ("overlap", "allreduce", "psum")
 
@@ -15,7 +16,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="overlap",
                    help="overlap: @jaxring.overlap; allreduce: jaxring.pmean; "
                         "psum: jax.lax.pmean")
-    p.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
+    p.add_argument("--devices", type=int, default=None,
+                   help="virtual CPU devices (default 8; under python -m jaxring.launch, "
+                        "every process's devices)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--link", default=None, help='emulated link, e.g. "1Gbit,50us"')
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -23,13 +26,40 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 
 def start(args):
-    """Asks JAX for the virtual devices (before it starts its backend),
-    checks that the global batch divides among them, turns on the link
-    emulation, and returns the jaxring module."""
+    """Sets up the devices and returns the jaxring module.
+
+    In one process, asks JAX for --devices virtual devices (before it starts
+    its backend). Under ``python -m jaxring.launch`` the launcher has set up
+    jax.distributed and each process's devices; the job's devices are all of
+    them, and only process 0 shows a progress bar and writes the timeline.
+    Every process draws the same batches from the same seed, and
+    ``jax.device_put`` keeps each process's own rows."""
     import jaxring
-    jaxring.use_cpu_devices(args.devices)
+    processes = int(os.environ.get("JAXRING_NUM_PROCESSES", "1"))
+    if processes == 1:
+        args.devices = args.devices or 8
+        jaxring.use_cpu_devices(args.devices)
+    import jax
+    if processes > 1:
+        if args.devices not in (None, jax.device_count()):
+            raise SystemExit(f"--devices {args.devices}: the job has {jax.device_count()} "
+                             "devices (set them with the launcher's --devices-per-process)")
+        if args.link:
+            raise SystemExit("--link emulates the links inside one process; across "
+                             "processes the traffic crosses a real network")
+        args.devices = jax.device_count()
+        if jax.process_index() > 0:
+            args.quiet, args.timeline = True, None
     if args.batch % args.devices:
         raise SystemExit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
     if args.link:
         jaxring.config.update("cpu_link", args.link)
     return jaxring
+
+
+def on_host(tree):
+    """A replicated result as numpy arrays, e.g. to evaluate outside the mesh
+    (in a job of several processes, jit cannot mix such arrays with local ones)."""
+    import jax
+    import numpy as np
+    return jax.tree.map(np.asarray, tree)

@@ -4,6 +4,7 @@ upsampled to 16x16, under jax.pmap, flax-examples style, with jaxring.
     python examples/train_cnn.py                       # overlap, 8 devices
     python examples/train_cnn.py --mode psum           # plain lax.pmean
     python examples/train_cnn.py --link 1Gbit,50us --timeline trace.json
+    python -m jaxring.launch -n 2 --devices-per-process 4 examples/train_cnn.py
 
 The train step is the usual flax one: gradients and BatchNorm statistics are
 averaged with ``lax.pmean`` over the ``batch`` axis. --mode picks how:
@@ -115,6 +116,8 @@ def main(argv=None):
                               x, train=False)
 
     rng = np.random.default_rng(args.seed)
+    mine = slice(jax.process_index() * jax.local_device_count(),
+                 (jax.process_index() + 1) * jax.local_device_count())
     steps_per_epoch = len(x_train) // args.batch
     total = args.epochs * steps_per_epoch
     if args.max_steps is not None:
@@ -131,8 +134,9 @@ def main(argv=None):
                 if n_done == total:
                     break
                 idx = order[i * args.batch:(i + 1) * args.batch]
-                xb = x_train[idx].reshape(n, -1, 16, 16, 1)
-                yb = y_train[idx].reshape(n, -1)
+                # pmap takes this process's devices' rows (all of them in one process).
+                xb = x_train[idx].reshape(n, -1, 16, 16, 1)[mine]
+                yb = y_train[idx].reshape(n, -1)[mine]
                 state, loss, acc = step(state, xb, yb)
                 loss = float(loss[0])
                 losses.append(loss)
@@ -147,7 +151,7 @@ def main(argv=None):
             break
     bar.close()
 
-    logits = np.asarray(predict(state, jnp.asarray(x_test)))
+    logits = np.asarray(predict(common.on_host(state), x_test))
     test_acc = float((logits.argmax(-1) == y_test).mean())
     elapsed = time.perf_counter() - t0 if t0 else 0.0
     print(f"mode={args.mode} devices={n} steps={n_done} final loss={losses[-1]:.4f} "

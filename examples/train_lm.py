@@ -5,6 +5,7 @@ jax.shard_map, with jaxring.
     python examples/train_lm.py                        # overlap, 8 devices
     python examples/train_lm.py --mode psum            # plain lax.pmean
     python examples/train_lm.py --link 1Gbit,50us --timeline trace.json
+    python -m jaxring.launch -n 2 --devices-per-process 4 examples/train_lm.py
 
 --mode picks how the gradients are averaged:
   overlap    the step, unchanged, under @jaxring.overlap
@@ -148,7 +149,7 @@ def main(argv=None):
         bar.update()
     bar.close()
 
-    valid = jax.jit(loss_of)(params, jnp.asarray(sample(valid_text, 256)))
+    valid = jax.jit(loss_of)(common.on_host(params), sample(valid_text, 256))
     elapsed = time.perf_counter() - t0 if t0 else 0.0
     print(f"mode={args.mode} devices={n} steps={args.steps} final loss={losses[-1]:.4f} "
           f"validation loss={float(valid):.4f} bits/char={float(valid) / np.log(2):.3f} "

@@ -4,6 +4,7 @@ virtual CPU devices, with jaxring.
     python examples/train_mlp.py                       # overlap, 8 devices
     python examples/train_mlp.py --mode psum           # plain lax.pmean
     python examples/train_mlp.py --link 1Gbit,50us --timeline trace.json
+    python -m jaxring.launch -n 2 --devices-per-process 4 examples/train_mlp.py
 
 --mode picks how the gradients are averaged:
   overlap    the step below, unchanged, under @jaxring.overlap
@@ -126,7 +127,8 @@ def main(argv=None):
     bar.close()
 
     predict = jax.jit(model)
-    test_acc = float((np.asarray(predict(params, jnp.asarray(x_test))).argmax(-1) == y_test).mean())
+    logits = np.asarray(predict(common.on_host(params), x_test))
+    test_acc = float((logits.argmax(-1) == y_test).mean())
     elapsed = time.perf_counter() - t0 if t0 else 0.0
     print(f"mode={args.mode} devices={args.devices} steps={n_done} "
           f"final loss={losses[-1]:.4f} test accuracy={test_acc:.4f} "

@@ -69,3 +69,33 @@ def test_lm_modes_give_the_same_loss_curve(mode):
     assert len(overlap) == len(other) == 5
     for a, b in zip(overlap, other):
         assert abs(a - b) <= 1e-4 * abs(b), (overlap, other)
+
+
+def run_launched(name, *args, timeout=600):
+    """The example as 2 processes of 2 devices each; process 0's losses."""
+    with tempfile.TemporaryDirectory() as cwd:
+        res = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "2",
+                              "--devices-per-process", "2", str(EXAMPLES / name), "--quiet",
+                              *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    by_rank = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("[") and "] losses:" in line:
+            rank, losses = line[1:].split("] losses:")
+            by_rank[int(rank)] = [float(v) for v in losses.split()]
+    assert sorted(by_rank) == [0, 1] and by_rank[0] == by_rank[1], res.stdout[-3000:]
+    return by_rank[0]
+
+
+@pytest.mark.parametrize("name,steps", [("train_mlp.py", ("--max-steps", "6")),
+                                        ("train_cnn.py", ("--max-steps", "3")),
+                                        ("train_lm.py", ("--steps", "4", "--layers", "1",
+                                                         "--width", "64"))])
+def test_example_under_the_launcher_matches_one_process(name, steps):
+    """2 processes x 2 devices (rings over TCP and memory) train as 1 process
+    of 4 devices does: every process draws the same batches from the seed."""
+    launched = run_launched(name, "--mode", "overlap", *steps)
+    _, alone = run_example(name, "--mode", "overlap", "--devices", "4", *steps)
+    assert len(launched) == len(alone) > 0
+    for a, b in zip(launched, alone):
+        assert abs(a - b) <= 1e-5 * abs(b), (launched, alone)
