@@ -494,6 +494,21 @@ class OutLink {
     cv_.notify_one();
     return true;
   }
+  // Takes op's data frames out of the queue. A frame being written stays
+  // (the stream must stay whole); the loop finishes it from a copy.
+  std::vector<OutFrame> take_frames_of(const TcpOp* op) {
+    std::vector<OutFrame> taken;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if (it->op.get() == op) {
+        taken.push_back(std::move(*it));
+        it = queue_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return taken;
+  }
 
  private:
   void loop();
@@ -633,6 +648,17 @@ bool Transport::fail(const std::shared_ptr<TcpOp>& op, const std::string& why,
     h.op_id = op->key.op_id;
     h.group = op->key.group;
     h.payload_bytes = static_cast<int64_t>(why.size());
+  }
+  // Its frames still queued are dropped now: behind a frame that stalls
+  // (a peer that stopped reading), they would keep its ranks from
+  // completing for up to another timeout.
+  std::vector<OutLink*> links;
+  {
+    std::lock_guard<std::mutex> lock(links_mu_);
+    for (auto& [key, link] : links_) links.push_back(link.get());  // never freed
+  }
+  for (OutLink* link : links) {
+    for (const OutFrame& f : link->take_frames_of(op.get())) release_send(f);
   }
   for (int p : peers) {
     OutFrame f;
