@@ -2,6 +2,7 @@
 
 Usage (as root):
     python benchmarks/overlap_tcp.py [--processes 4] [--rate auto|RATE] [--rounds 5]
+                                     [--plot overlap_tcp.png] [--json overlap_tcp.json]
 
 The CNN train step of benchmarks/overlap_cnn.py runs on N processes, one CPU
 device each, each in its own network namespace (benchmarks/netns.py) with
@@ -87,7 +88,7 @@ def worker(args) -> None:
         for k in timing:
             samples[k].append(timed(variants[k]))
     result = {k: statistics.median(v) for k, v in samples.items()}
-    result.update(processes=n, grad_bytes=grad_bytes)
+    result.update(processes=n, grad_bytes=grad_bytes, samples=samples)
     if jax.process_index() == 0:
         with open(args.worker_json, "w") as f:
             json.dump(result, f)
@@ -115,6 +116,29 @@ def run_job(args, rate: str | None, calibrate: bool) -> dict:
             return json.load(f)
 
 
+def plot(t: dict, path: str, title: str) -> None:
+    """Each variant's step time: the median as a bar, every round as a dot,
+    and the goal (0.6 x Gloo's) as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["compute", "gloo", "overlap"]
+    labels = ["no communication", "lax.pmean (Gloo)", "jaxring.overlap"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ax.bar(range(3), [t[k] * 1e3 for k in names], color=["0.7", "C1", "C0"])
+    for i, k in enumerate(names):
+        ax.plot([i] * len(t["samples"][k]), [v * 1e3 for v in t["samples"][k]], "k.")
+    ax.axhline(0.6 * t["gloo"] * 1e3, color="C3", ls="--", label="goal: 0.6 x Gloo")
+    ax.set_xticks(range(3), labels)
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--processes", type=int, default=4)
@@ -124,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--image", type=int, default=32)
     ap.add_argument("--per-device-batch", type=int, default=16)
+    ap.add_argument("--plot", default=None, help="write the step times as a PNG (matplotlib)")
+    ap.add_argument("--json", default=None, help="write the figures as JSON")
     ap.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -150,6 +176,14 @@ def main(argv=None) -> int:
     for k in ("compute", "gloo", "overlap"):
         print(f"  {k:>8}: {t[k] * 1e3:8.1f} ms")
     print(f"  overlap / gloo = {t['overlap'] / t['gloo']:.3f}  (goal <= 0.6)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(t, rate=rate, layers=args.layers, cores=os.cpu_count()), f, indent=1)
+    if args.plot:
+        plot(t, args.plot, f"{args.layers}-layer CNN, {t['processes']} processes, "
+                           f"tbf links of {rate}: overlap / gloo = "
+                           f"{t['overlap'] / t['gloo']:.2f}")
+        print(f"plot written to {args.plot}")
     return 0
 
 
