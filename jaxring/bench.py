@@ -3,10 +3,12 @@
 Usage:
     python -m jaxring.bench [--devices 8] [--min-bytes 4K] [--max-bytes 64M]
                             [--dtype float32] [--rings R] [--chunk-bytes C]
-                            [--plot busbw.png]
+                            [--algorithm auto|ring|direct] [--plot busbw.png]
 
 Both implementations run in the same process on the same virtual CPU
-devices, one size at a time, each timed over back-to-back calls. Columns
+devices, one size at a time, each timed over back-to-back calls. As in a
+training loop, each call's result is dropped once the next call is
+dispatched, so the allocator can reuse its memory. Columns
 follow nccl-tests: ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n``
 (the bandwidth each link would need for a ring allreduce in that time).
 """
@@ -36,11 +38,17 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _time_calls(f, x, iters: int) -> float:
-    """Seconds per call: `iters` calls dispatched back to back, then waited for."""
+    """Seconds per call: `iters` calls dispatched back to back, then waited for.
+
+    Only the last result is kept: an earlier one is freed once its call has
+    run, like a step's gradients, rather than every call faulting in fresh
+    pages for an output nobody reads."""
     import jax
     t0 = time.perf_counter()
-    outs = [f(x) for _ in range(iters)]
-    jax.block_until_ready(outs)
+    out = None
+    for _ in range(iters):
+        out = f(x)
+    jax.block_until_ready(out)
     return (time.perf_counter() - t0) / iters
 
 
@@ -67,7 +75,7 @@ def _compare(fns, x, min_time: float, rounds: int) -> list[float]:
 
 def run(devices: int, min_bytes: int, max_bytes: int, dtype: str,
         rings: int | None, chunk_bytes: int | None, min_time: float,
-        rounds: int = 5, out=sys.stdout) -> list[dict]:
+        rounds: int = 5, out=sys.stdout, algorithm: str | None = None) -> list[dict]:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -85,7 +93,8 @@ def run(devices: int, min_bytes: int, max_bytes: int, dtype: str,
                                      check_vma=False))
 
     ours = program(lambda v, a: jaxring.allreduce(v, a, rings=rings,
-                                                  chunk_bytes=chunk_bytes))
+                                                  chunk_bytes=chunk_bytes,
+                                                  algorithm=algorithm))
     theirs = program(jax.lax.psum)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     factor = 2 * (devices - 1) / devices
@@ -95,7 +104,8 @@ def run(devices: int, min_bytes: int, max_bytes: int, dtype: str,
     print(f"# jaxring.allreduce vs lax.psum on {devices} virtual CPU devices "
           f"({os.cpu_count()} cores), dtype {dtype}, rings="
           f"{rings or jaxring.config.rings}, chunk_bytes="
-          f"{chunk_bytes or jaxring.config.chunk_bytes}", file=out)
+          f"{chunk_bytes or jaxring.config.chunk_bytes}, algorithm="
+          f"{algorithm or jaxring.config.algorithm}", file=out)
     header = (f"{'bytes/device':>14} {'count':>10} | {'jaxring us':>11} {'algbw GB/s':>10} "
               f"{'busbw GB/s':>10} | {'psum us':>11} {'algbw GB/s':>10} {'busbw GB/s':>10} "
               f"| {'speedup':>7}")
@@ -163,6 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rings", type=int, default=None)
     ap.add_argument("--chunk-bytes", type=_parse_bytes, default=None)
+    ap.add_argument("--algorithm", choices=["auto", "ring", "direct"], default=None,
+                    help="jaxring's algorithm (default: jaxring.config.algorithm, "
+                         "auto = direct between the devices of one process)")
     ap.add_argument("--min-time", type=float, default=0.5,
                     help="seconds of calls timed per size and implementation")
     ap.add_argument("--rounds", type=int, default=5,
@@ -178,7 +191,7 @@ def main(argv=None) -> int:
     from jaxring._src import runtime
     runtime.use_cpu_devices(args.devices)
     rows = run(args.devices, args.min_bytes, args.max_bytes, args.dtype, args.rings,
-               args.chunk_bytes, args.min_time, args.rounds)
+               args.chunk_bytes, args.min_time, args.rounds, algorithm=args.algorithm)
     if args.plot:
         plot(rows, args.plot, f"allreduce on {args.devices} virtual CPU devices "
                               f"({os.cpu_count()} cores), {args.dtype}")

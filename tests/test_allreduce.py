@@ -17,6 +17,8 @@ from jaxring import _jaxring
 FLOATS = [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64]
 INTS = [jnp.int8, jnp.int16, jnp.int32, jnp.int64,
         jnp.uint8, jnp.uint16, jnp.uint32, jnp.uint64]
+# In one process "auto" picks direct; the ring is asked for by name.
+ALGORITHMS = ["ring", "direct"]
 LAX = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin,
        "mean": jax.lax.pmean}
 
@@ -62,34 +64,39 @@ def inputs(dtype, shape, seed=0, small=False):
     return rng.standard_normal(shape).astype(dt)
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dtype", INTS)
 @pytest.mark.parametrize("op", ["sum", "max", "min", "prod"])
-def test_integers_bit_identical_to_lax(dtype, op):
+def test_integers_bit_identical_to_lax(dtype, op, algorithm):
     mesh = mesh_of(8)
     x = inputs(dtype, (8, 1003), small=(op == "prod"))
     ref = lax_prod if op == "prod" else LAX[op]
-    got = per_rank(functools.partial(jaxring.allreduce, op=op), mesh, x)
+    got = per_rank(functools.partial(jaxring.allreduce, op=op,
+                                     algorithm=algorithm), mesh, x)
     want = per_rank(ref, mesh, x)
     assert got.dtype == want.dtype
     assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("op", ["sum", "max", "min", "mean", "prod"])
-def test_floats_match_lax_within_rounding(dtype, op):
+def test_floats_match_lax_within_rounding(dtype, op, algorithm):
     mesh = mesh_of(8)
     x = inputs(dtype, (8, 2049), seed=3)
     if op == "prod":
         x = (1 + 0.1 * x.astype(np.float32)).astype(x.dtype)
     ref = lax_prod if op == "prod" else LAX[op]
-    got = per_rank(functools.partial(jaxring.allreduce, op=op), mesh, x)
+    got = per_rank(functools.partial(jaxring.allreduce, op=op,
+                                     algorithm=algorithm), mesh, x)
     want = per_rank(ref, mesh, x)
     exact64 = np.prod(x.astype(np.float64), axis=0) if op == "prod" else None
     if op in ("max", "min"):
         assert np.array_equal(got, want)
         return
     g, w = got.astype(np.float64), want.astype(np.float64)
-    # Each of the p-1 reduce-scatter hops rounds once to the element type.
+    # Each of the p-1 reduce-scatter hops (direct: each of the p-1 additions)
+    # rounds once to the element type.
     eps = float(jnp.finfo(dtype).eps)
     hops = 7
     scale = np.abs(x.astype(np.float64)).sum(0) if op != "prod" else np.abs(exact64)
@@ -114,25 +121,29 @@ def test_exact_small_integers_in_floats_bit_identical(dtype):
 @given(world=st.integers(1, 8), rings=st.integers(1, 4),
        chunk_bytes=st.sampled_from([1, 4, 64, 1000, 4096, 1 << 20]),
        count=st.one_of(st.integers(0, 40), st.integers(0, 100_000)),
-       dtype=st.sampled_from(FLOATS + INTS), op=st.sampled_from(["sum", "max"]))
-def test_any_world_rings_chunk_and_count(world, rings, chunk_bytes, count, dtype, op):
+       dtype=st.sampled_from(FLOATS + INTS), op=st.sampled_from(["sum", "max"]),
+       algorithm=st.sampled_from(ALGORITHMS))
+def test_any_world_rings_chunk_and_count(world, rings, chunk_bytes, count, dtype, op,
+                                         algorithm):
     mesh = mesh_of(world)
     x = inputs(dtype, (world, count), seed=count, small=True)
     got = per_rank(functools.partial(jaxring.allreduce, op=op, rings=rings,
-                                     chunk_bytes=chunk_bytes), mesh, x)
+                                     chunk_bytes=chunk_bytes, algorithm=algorithm),
+                   mesh, x)
     want = per_rank(LAX[op], mesh, x)
     assert np.array_equal(got, want)
     # Every rank holds bit-identical results.
     assert all(np.array_equal(got[0].view(np.uint8), g.view(np.uint8)) for g in got)
 
 
-def test_large_count_and_ranks_agree_bitwise_and_runs_repeat():
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_large_count_and_ranks_agree_bitwise_and_runs_repeat(algorithm):
     mesh = mesh_of(8)
     x = inputs(np.float32, (8, 1_000_003), seed=5)
-    a = per_rank(functools.partial(jaxring.allreduce, rings=3, chunk_bytes=65536),
-                 mesh, x)
-    b = per_rank(functools.partial(jaxring.allreduce, rings=3, chunk_bytes=65536),
-                 mesh, x)
+    reduce = functools.partial(jaxring.allreduce, rings=3, chunk_bytes=65536,
+                               algorithm=algorithm)
+    a = per_rank(reduce, mesh, x)
+    b = per_rank(reduce, mesh, x)
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert all(np.array_equal(a[0].view(np.uint32), r.view(np.uint32)) for r in a)
     np.testing.assert_allclose(a[0], x.astype(np.float64).sum(0), rtol=1e-5, atol=1e-4)
@@ -337,13 +348,15 @@ def test_positional_axis_rejected():
         _in_mesh(lambda v: jaxring.allreduce(v, 0))
 
 
-def test_missing_rank_times_out_with_its_name():
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_missing_rank_times_out_with_its_name(algorithm):
     """Only rank 0 calls the allreduce: it must fail, naming ranks 1..7."""
     mesh = mesh_of(8)
     x = put(np.ones((8, 4), np.float32), mesh, P("i"))
     def f(v):
         return jax.lax.cond(jax.lax.axis_index("i") == 0,
-                            lambda u: jaxring.allreduce(u, "i", timeout_s=1.0),
+                            lambda u: jaxring.allreduce(u, "i", timeout_s=1.0,
+                                                        algorithm=algorithm),
                             lambda u: u, v)
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
                               check_vma=False))
@@ -468,3 +481,45 @@ def test_inside_scan_and_while_loops():
                                      check_vma=False))
     np.testing.assert_allclose(np.asarray(scanned(jaxring.allreduce)(x)),
                                np.asarray(scanned(jax.lax.psum)(x)), rtol=1e-6)
+
+
+def _algorithm_ids_in(lowered_text):
+    return [int(m) for m in re.findall(
+        r"custom_call @jaxring_allreduce(?:_start)?_cpu\(.*?algorithm = (\d+)", lowered_text)]
+
+
+def test_auto_algorithm_is_direct_in_one_process_and_ring_under_link_emulation():
+    mesh = mesh_of(4)
+    x = put(np.ones(4 * 8, np.float32), mesh, P("i"))
+
+    def lowered(**kw):
+        f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i", **kw),
+                                  mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+                                  check_vma=False))
+        return f.lower(x).as_text()
+    assert _algorithm_ids_in(lowered()) == [1]                   # direct
+    assert _algorithm_ids_in(lowered(algorithm="ring")) == [0]
+    jaxring.config.update("cpu_link", "10Gbit,1us")
+    try:
+        assert _algorithm_ids_in(lowered()) == [0]
+        with pytest.raises(ValueError, match="no transfers for cpu_link to emulate"):
+            lowered(algorithm="direct")
+    finally:
+        jaxring.config.reset("cpu_link")
+    jaxring.config.update("algorithm", "ring")
+    try:
+        assert _algorithm_ids_in(lowered()) == [0]
+    finally:
+        jaxring.config.reset("algorithm")
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        lowered(algorithm="tree")
+
+
+def test_direct_refused_across_processes():
+    from jaxring._src.allreduce import resolve_algorithm
+    one, two = np.zeros(4, np.int64), np.array([0, 0, 1, 1], np.int64)
+    assert resolve_algorithm("auto", (0.0, 0.0), one) == "direct"
+    assert resolve_algorithm("auto", (0.0, 0.0), two) == "ring"
+    assert resolve_algorithm("ring", (0.0, 0.0), one) == "ring"
+    with pytest.raises(ValueError, match="every rank must be in one process"):
+        resolve_algorithm("direct", (0.0, 0.0), two)

@@ -94,8 +94,8 @@ allreduce_p = core.Primitive("jaxring_allreduce")
 
 
 def _abstract_eval(aval, *, axes, op, rings, chunk_bytes, timeout_s, link,
-                   invariant):
-    del op, rings, chunk_bytes, timeout_s, link
+                   algorithm, invariant):
+    del op, rings, chunk_bytes, timeout_s, link, algorithm
     _check_bound(axes)
     if invariant:
         out = with_varying(aval, varying(aval) - frozenset(axes))
@@ -251,10 +251,39 @@ def link_param() -> tuple[float, float]:
     return (0.0, 0.0) if spec is None else parse_link(spec)
 
 
+# Values of the custom calls' "algorithm" attribute (Algorithm in
+# xla_ffi/cpu/inprocess_transport.h).
+_ALGORITHM_IDS = {"ring": 0, "direct": 1}
+
+
+def resolve_algorithm(algorithm: str, link, rank_process) -> str:
+    """"ring" or "direct" for an operation, from the setting and where its
+    ranks run. "auto" takes direct only where it applies: every rank in this
+    process (direct reads its peers' memory) and no emulated link (which
+    models the ring's transfers)."""
+    across = distributed.spans_processes(rank_process)
+    emulated = link != (0.0, 0.0)
+    if algorithm == "auto":
+        return "ring" if across or emulated else "direct"
+    if algorithm == "direct" and across:
+        raise ValueError(
+            "jaxring: algorithm='direct' reads its peers' buffers, so every "
+            "rank must be in one process; this operation spans processes. "
+            "Use algorithm='ring' or 'auto'.")
+    if algorithm == "direct" and emulated:
+        raise ValueError(
+            "jaxring: algorithm='direct' has no transfers for cpu_link to "
+            "emulate; use algorithm='ring' or 'auto' with cpu_link, or unset "
+            "cpu_link.")
+    return algorithm
+
+
 def ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
-                    rank_process) -> dict:
+                    rank_process, algorithm) -> dict:
     """The custom-call attributes every ring operation carries, with a fresh op id."""
+    chosen = resolve_algorithm(algorithm, link, rank_process)
     return dict(op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
+                algorithm=np.int64(_ALGORITHM_IDS[chosen]),
                 rank_process=np.asarray(rank_process, np.int64),
                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s),
@@ -266,14 +295,14 @@ SCALAR_I32 = core.ShapedArray((), np.int32)
 
 
 def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
-              invariant):
+              algorithm, invariant):
     del invariant
     world, rank, group, rank_process = ring_coordinates(ctx, axes, timeout_s, link)
     (aval,) = ctx.avals_in
     call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
     sub_ctx = ctx.replace(avals_in=[aval, SCALAR_I32, SCALAR_I32])
     attrs = ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
-                            rank_process)
+                            rank_process, algorithm)
     timeline.name_op(attrs["op_id"], f"allreduce {op} over {','.join(map(str, axes))}")
     return call(sub_ctx, x, rank, group, **attrs)
 
@@ -292,7 +321,8 @@ def _check_dtype(leaf) -> np.dtype:
     return dtype
 
 
-def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s):
+def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s,
+                       algorithm):
     """One allreduce for leaves of one dtype: ravel, concatenate, split."""
     invariant = bool(jax_config._check_vma.value)
     if invariant:
@@ -311,7 +341,8 @@ def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s):
             fixed.append(leaf)
         leaves = fixed
     params = dict(axes=axes, op=op, rings=rings, chunk_bytes=chunk_bytes,
-                  timeout_s=timeout_s, link=link_param(), invariant=invariant)
+                  timeout_s=timeout_s, link=link_param(), algorithm=algorithm,
+                  invariant=invariant)
     if len(leaves) == 1:
         return [allreduce_p.bind(leaves[0], **params)]
     flat = jax.numpy.concatenate([jax.numpy.ravel(l) for l in leaves])
@@ -325,13 +356,15 @@ def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s):
 
 
 def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
-              chunk_bytes: int | None = None, timeout_s: float | None = None):
+              chunk_bytes: int | None = None, timeout_s: float | None = None,
+              algorithm: str | None = None):
     """Reduces ``x`` over the mapped axis ``axis_name``, like ``lax.psum``.
 
     Runs a chunked multi-ring allreduce: the buffer is split into ``rings``
     parts, each reduce-scattered and all-gathered around its own ring, in
-    chunks of ``chunk_bytes``. All leaves of the pytree ``x`` of one dtype
-    are fused into one operation.
+    chunks of ``chunk_bytes``. Between the devices of one process the default
+    is the direct algorithm instead (see ``algorithm``). All leaves of the
+    pytree ``x`` of one dtype are fused into one operation.
 
     Args:
       x: an array or pytree of arrays.
@@ -342,6 +375,9 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
       chunk_bytes: pipelining unit (default ``jaxring.config.chunk_bytes``).
       timeout_s: seconds to wait for peers before failing
         (default ``jaxring.config.timeout_s``).
+      algorithm: ``"ring"``, ``"direct"`` (all ranks in one process) or
+        ``"auto"`` (default ``jaxring.config.algorithm``, itself ``"auto"``:
+        direct in one process without ``cpu_link``, ring otherwise).
 
     Returns:
       The reduction, with the structure of ``x``; under ``check_vma`` it is
@@ -364,6 +400,9 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
     timeout_s = validate("timeout_s",
                          config.timeout_s if timeout_s is None else timeout_s,
                          "jaxring.allreduce")
+    algorithm = validate("algorithm",
+                         config.algorithm if algorithm is None else algorithm,
+                         "jaxring.allreduce")
     runtime.register_ffi_targets()
 
     leaves, treedef = jax.tree_util.tree_flatten(x)
@@ -378,7 +417,7 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
     out: list[Any] = [None] * len(leaves)
     for idx in by_dtype.values():
         reduced = _reduce_leaf_group([leaves[i] for i in idx], axes, ring_op,
-                                     rings, chunk_bytes, timeout_s)
+                                     rings, chunk_bytes, timeout_s, algorithm)
         for i, r in zip(idx, reduced):
             out[i] = r
     if op == "mean":

@@ -80,6 +80,8 @@ def _link_spec(v: Any) -> bool:
     return True
 
 
+ALGORITHMS = ("auto", "ring", "direct")
+
 _OPTIONS = {
     o.name: o
     for o in [
@@ -91,6 +93,16 @@ _OPTIONS = {
                 _positive_int, "a positive int",
                 "Pipelining unit: each ring moves its part in chunks of at "
                 "most this many bytes."),
+        _Option("algorithm", "JAXRING_ALGORITHM", "auto", str,
+                lambda v: v in ALGORITHMS, 'one of "auto", "ring", "direct"',
+                "How the ranks combine their buffers. \"ring\": the chunked "
+                "multi-ring schedule. \"direct\" (devices of one process "
+                "only): each rank reduces its segment of every rank's input "
+                "and writes it into every rank's output, which moves each "
+                "byte through memory about half as often as a ring. "
+                "\"auto\" (default): direct when every rank of the "
+                "operation is in this process and cpu_link is off, the ring "
+                "otherwise."),
         _Option("timeout_s", "JAXRING_TIMEOUT_S", 300.0, float,
                 _positive_number, "a positive number",
                 "Seconds an allreduce waits for its peers before it fails "

@@ -34,6 +34,7 @@ from jax._src import core
 from jaxring._src import allreduce as _ar
 from jaxring._src import call_sites
 from jaxring._src import timeline
+from jaxring._src.config import config
 
 # A start and its done share a *pair* number, taken at trace time. The op id
 # the transport matches ranks by is taken when the start is lowered, from the
@@ -55,8 +56,8 @@ start_p = core.Primitive("jaxring_allreduce_start")
 
 
 def _start_abstract_eval(*avals, axes, op, rings, chunk_bytes, timeout_s, link,
-                         pair, label, num_deps):
-    del op, rings, chunk_bytes, timeout_s, link, pair, label
+                         algorithm, pair, label, num_deps):
+    del op, rings, chunk_bytes, timeout_s, link, algorithm, pair, label
     _ar._check_bound(axes)
     avals = avals[num_deps:]
     dtypes = {a.dtype for a in avals}
@@ -77,11 +78,11 @@ start_p.def_effectful_abstract_eval(_start_abstract_eval)
 
 
 def _start_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s, link,
-                    pair, label, num_deps):
+                    algorithm, pair, label, num_deps):
     world, rank, group, rank_process = _ar.ring_coordinates(ctx, axes, timeout_s,
                                                             link)
     attrs = _ar.ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
-                                rank_process)
+                                rank_process, algorithm)
     _op_id_of_pair[pair] = int(attrs["op_id"])
     timeline.name_op(attrs["op_id"], label)
     attrs["num_deps"] = np.int64(num_deps)
@@ -132,7 +133,8 @@ def start(xs, *, deps=(), axes, op, rings, chunk_bytes, timeout_s, label):
     deps = list(deps)
     handle = start_p.bind(*deps, *xs, axes=tuple(axes), op=op, rings=rings,
                           chunk_bytes=chunk_bytes, timeout_s=timeout_s,
-                          link=_ar.link_param(), pair=pair, label=str(label),
+                          link=_ar.link_param(), algorithm=config.algorithm,
+                          pair=pair, label=str(label),
                           num_deps=len(deps))
     return handle, pair
 

@@ -72,8 +72,12 @@ struct Done {
 
 // Runs one allreduce of `count` int32 values among p "devices", each
 // started from its own thread in a shuffled order, and checks the sums.
+// in_place: every rank's output is its input buffer (as when XLA aliases
+// them).
 void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
-                   int64_t op_id, unsigned seed) {
+                   int64_t op_id, unsigned seed,
+                   jaxring::Algorithm algorithm = jaxring::Algorithm::kRing,
+                   bool in_place = false) {
   std::vector<std::vector<int32_t>> in(p, std::vector<int32_t>(count));
   std::vector<std::vector<int32_t>> out(p, std::vector<int32_t>(count, -1));
   std::vector<int64_t> expect(count, 0);
@@ -89,6 +93,7 @@ void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
   desc.world_size = p;
   desc.num_rings = rings;
   desc.chunk_bytes = chunk_bytes;
+  desc.algorithm = algorithm;
   Done done;
   done.remaining = p;
   std::vector<int> order(p);
@@ -99,7 +104,8 @@ void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
     threads.emplace_back([&, r] {
       jaxring::inprocess_allreduce(
           jaxring::OpKey{1, op_id, 0}, desc, r, /*device=*/r, in[r].data(),
-          out[r].data(), 30.0, [&](const std::optional<std::string>& err) {
+          in_place ? in[r].data() : out[r].data(), 30.0,
+          [&](const std::optional<std::string>& err) {
             std::lock_guard<std::mutex> lock(done.mu);
             if (err) done.errors.push_back(*err);
             if (--done.remaining == 0) done.cv.notify_all();
@@ -112,7 +118,7 @@ void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
   CHECK(done.errors.empty());
   for (int r = 0; r < p; ++r)
     for (int64_t i = 0; i < count; ++i)
-      CHECK(out[r][i] == static_cast<int32_t>(expect[i]));
+      CHECK((in_place ? in : out)[r][i] == static_cast<int32_t>(expect[i]));
 }
 
 // One process of the TCP test: process `me` of 2 runs the ranks r with
@@ -242,19 +248,29 @@ int main() {
           if (chunk == 4 && count > 1000) continue;  // keeps TSan quick
           run_allreduce(p, rings, count, chunk, op_id++, static_cast<unsigned>(op_id));
         }
+  // The direct algorithm, into separate outputs and in place.
+  for (int p : {2, 3, 5, 8})
+    for (int64_t count : {0, 1, 17, 1000, 100003})
+      for (bool in_place : {false, true})
+        run_allreduce(p, 2, count, 1 << 20, op_id++, static_cast<unsigned>(op_id),
+                      jaxring::Algorithm::kDirect, in_place);
   // Several operations in flight at once, started in different orders.
   {
     std::vector<std::thread> ops;
     for (int k = 0; k < 6; ++k)
-      ops.emplace_back([k, &op_id] { run_allreduce(4, 2, 5000 + k, 512, 1000 + k, k); });
+      ops.emplace_back([k] {
+        run_allreduce(4, 2, 5000 + k, 512, 1000 + k, k,
+                      k % 2 ? jaxring::Algorithm::kDirect : jaxring::Algorithm::kRing);
+      });
     for (auto& t : ops) t.join();
   }
   // A rank that never arrives: the others fail after the timeout, naming it.
-  {
+  for (auto algorithm : {jaxring::Algorithm::kRing, jaxring::Algorithm::kDirect}) {
     jaxring::OpDesc desc;
     desc.type = jaxring::ElemType::kF32;
     desc.count = 10;
     desc.world_size = 3;
+    desc.algorithm = algorithm;
     std::vector<float> a(10, 1), b(10, 1), oa(10), ob(10);
     Done done;
     done.remaining = 2;
@@ -263,8 +279,9 @@ int main() {
       if (err) done.errors.push_back(*err);
       if (--done.remaining == 0) done.cv.notify_all();
     };
-    jaxring::inprocess_allreduce({2, 1, 0}, desc, 0, 0, a.data(), oa.data(), 0.3, cb);
-    jaxring::inprocess_allreduce({2, 1, 0}, desc, 1, 1, b.data(), ob.data(), 0.3, cb);
+    const jaxring::OpKey key{2, 1, static_cast<int64_t>(algorithm)};
+    jaxring::inprocess_allreduce(key, desc, 0, 0, a.data(), oa.data(), 0.3, cb);
+    jaxring::inprocess_allreduce(key, desc, 1, 1, b.data(), ob.data(), 0.3, cb);
     std::unique_lock<std::mutex> lock(done.mu);
     done.cv.wait(lock, [&] { return done.remaining == 0; });
     CHECK(done.errors.size() == 2);

@@ -50,7 +50,8 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
                                        int64_t reduce_op, int64_t num_rings,
                                        int64_t chunk_bytes, double timeout_s,
                                        double link_bytes_per_s,
-                                       double link_latency_s, OpDesc* desc) {
+                                       double link_latency_s,
+                                       int64_t algorithm, OpDesc* desc) {
   const std::optional<ElemType> type = to_elem_type(dtype);
   if (!type) return "jaxring allreduce: unsupported dtype";
   ReduceOp op;
@@ -60,6 +61,10 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
   if (link_bytes_per_s < 0 || link_latency_s < 0) {
     return "jaxring allreduce: the emulated link's bandwidth and latency "
            "must not be negative";
+  }
+  if (algorithm != static_cast<int64_t>(Algorithm::kRing) &&
+      algorithm != static_cast<int64_t>(Algorithm::kDirect)) {
+    return "jaxring allreduce: unknown algorithm";
   }
   if (world_size < 1 || num_rings < 1 || chunk_bytes < 1 || timeout_s <= 0) {
     return "jaxring allreduce: world_size, rings, chunk_bytes and timeout "
@@ -79,6 +84,7 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
   desc->chunk_bytes = chunk_bytes;
   desc->link_bytes_per_s = link_bytes_per_s;
   desc->link_latency_s = link_latency_s;
+  desc->algorithm = static_cast<Algorithm>(algorithm);
   return std::nullopt;
 }
 
@@ -117,7 +123,7 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                              int64_t world_size, int64_t reduce_op,
                              int64_t num_rings, int64_t chunk_bytes,
                              double timeout_s, double link_bytes_per_s,
-                             double link_latency_s,
+                             double link_latency_s, int64_t algorithm,
                              ffi::Span<const int64_t> rank_process) {
   const int rank = rank_buf.typed_data()[0];
   const int64_t group = group_buf.typed_data()[0];
@@ -125,7 +131,8 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
   OpDesc desc;
   if (auto error = describe_op(x.element_type(), count, rank, world_size,
                                reduce_op, num_rings, chunk_bytes, timeout_s,
-                               link_bytes_per_s, link_latency_s, &desc)) {
+                               link_bytes_per_s, link_latency_s, algorithm,
+                               &desc)) {
     return failed_future(*error);
   }
   if (world_size == 1) {
@@ -163,7 +170,8 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                  int64_t reduce_op, int64_t num_rings,
                                  int64_t chunk_bytes, double timeout_s,
                                  double link_bytes_per_s,
-                                 double link_latency_s, int64_t num_deps,
+                                 double link_latency_s, int64_t algorithm,
+                                 int64_t num_deps,
                                  ffi::Span<const int64_t> rank_process) {
   handle->typed_data()[0] = 0;
   std::vector<ConstBytes> inputs;
@@ -192,7 +200,7 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
   if (auto error = describe_op(dtype, count, rank_buf.typed_data()[0],
                                world_size, reduce_op, num_rings, chunk_bytes,
                                timeout_s, link_bytes_per_s, link_latency_s,
-                               &desc)) {
+                               algorithm, &desc)) {
     return ffi::Error::InvalidArgument(*error);
   }
   const int64_t group = group_buf.typed_data()[0];
@@ -250,6 +258,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<double>("timeout_s")
         .Attr<double>("link_bytes_per_s")  // emulated link, 0 = off
         .Attr<double>("link_latency_s")
+        .Attr<int64_t>("algorithm")  // Algorithm: 0 ring, 1 direct
         // process of each rank, one row of world_size per group
         .Attr<ffi::Span<const int64_t>>("rank_process"));
 
@@ -271,6 +280,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<double>("timeout_s")
         .Attr<double>("link_bytes_per_s")
         .Attr<double>("link_latency_s")
+        .Attr<int64_t>("algorithm")
         .Attr<int64_t>("num_deps")
         .Attr<ffi::Span<const int64_t>>("rank_process"));
 

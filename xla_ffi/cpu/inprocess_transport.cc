@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../plan.h"
+#include "huge_pages.h"
 #include "task_queue.h"
 #include "timeline.h"
 
@@ -33,6 +34,9 @@ int64_t now_ns() {
 // How long an idle worker sleeps before it rechecks deadlines.
 constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
 constexpr int kYieldsBeforeSleep = 64;
+// The direct algorithm reduces its segment this many bytes at a time, so the
+// accumulator stays in cache between the p reads and the p writes.
+constexpr int64_t kDirectPieceBytes = 64 << 10;
 
 class Worker;
 
@@ -77,6 +81,7 @@ struct Op {
   }
 
   bool emulated() const { return desc.link_bytes_per_s > 0; }
+  bool direct() const { return desc.algorithm == Algorithm::kDirect; }
 
   const OpKey key;
   const OpDesc desc;
@@ -201,6 +206,10 @@ class Worker {
   // Runs what the task can run now. Returns whether anything happened; sets
   // *finished once the task's completion has been called.
   bool advance(Task& task, bool* finished);
+  // The direct algorithm's whole part for one rank, once every rank is here.
+  bool run_direct(Task& task);
+
+  std::vector<char> scratch_;  // the direct algorithm's accumulator
 
   const int device_;
   TaskQueue<Task> queue_;
@@ -236,7 +245,9 @@ bool Worker::advance(Task& task, bool* finished) {
   }
 
   bool progressed = false;
-  if (!me.finished.load(std::memory_order_relaxed)) {
+  if (!me.finished.load(std::memory_order_relaxed) && op.direct()) {
+    progressed = run_direct(task);
+  } else if (!me.finished.load(std::memory_order_relaxed)) {
     bool all_rings_done = true;
     for (int r = 0; r < plan.num_rings(); ++r) {
       const int64_t total = plan.num_chunks(r) * steps;
@@ -333,6 +344,40 @@ bool Worker::advance(Task& task, bool* finished) {
   return progressed;
 }
 
+bool Worker::run_direct(Task& task) {
+  Op& op = *task.op;
+  const int p = op.desc.world_size;
+  // Acquire: every slot's buffers were published before its join was counted.
+  if (op.joined_count.load(std::memory_order_acquire) < p) return false;
+  const int64_t esize = elem_bytes(op.desc.type);
+  const Span mine = even_split(op.desc.count, p, task.rank);
+  const int64_t piece = std::max<int64_t>(1, kDirectPieceBytes / esize);
+  scratch_.resize(static_cast<size_t>(std::min(piece, std::max<int64_t>(mine.count, 1)) * esize));
+  char* acc = scratch_.data();
+  for (int64_t begin = mine.offset; begin < mine.offset + mine.count; begin += piece) {
+    const int64_t n = std::min(piece, mine.offset + mine.count - begin);
+    const int64_t at = begin * esize;
+    // Always in rank order, so the result does not depend on who reduced it.
+    reduce(op.desc.type, op.desc.op, acc,
+           static_cast<const char*>(op.slots[0].in) + at,
+           static_cast<const char*>(op.slots[1].in) + at, n);
+    for (int k = 2; k < p; ++k) {
+      reduce(op.desc.type, op.desc.op, acc, acc,
+             static_cast<const char*>(op.slots[k].in) + at, n);
+    }
+    // The accumulator, not an output, holds the partial result: an output
+    // may alias its rank's input, which is still to be read.
+    for (int k = 0; k < p; ++k) {
+      std::memcpy(static_cast<char*>(op.slots[k].out) + at, acc, n * esize);
+    }
+  }
+  RankSlot& me = op.slots[task.rank];
+  me.finished.store(true, std::memory_order_release);
+  op.finished_count.fetch_add(1);
+  op.wake_all();
+  return true;
+}
+
 class Registry {
  public:
   static Registry& get() {
@@ -377,6 +422,7 @@ class Registry {
       op->fail(*error);
       return nullptr;
     }
+    advise_huge_pages(out, desc.count * elem_bytes(desc.type));
     s.in = in;
     s.out = out;
     s.worker = worker;
@@ -422,6 +468,7 @@ std::string OpDesc::describe() const {
   os << count << " x " << elem_type_name(type) << ", op=" << reduce_op_name(op)
      << ", world=" << world_size << ", rings=" << num_rings
      << ", chunk_bytes=" << chunk_bytes;
+  if (algorithm == Algorithm::kDirect) os << ", algorithm=direct";
   if (link_bytes_per_s > 0) {
     os << ", emulated link " << link_bytes_per_s << " B/s + "
        << link_latency_s << " s";

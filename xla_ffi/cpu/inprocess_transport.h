@@ -16,9 +16,11 @@
 //    completing everyone's futures would let one device's next blocking step
 //    starve the others.
 //  * Data moves by direct reads: the rank at ring position i reads its
-//    neighbour's buffers for the chunk the plan says it receives. A rank's
-//    future completes only once every rank of the operation has finished, so
-//    no buffer is released while a peer may still read it.
+//    neighbour's buffers for the chunk the plan says it receives (or, with
+//    Algorithm::kDirect, every rank's input for its own segment, which it
+//    writes into every rank's output). A rank's future completes only once
+//    every rank of the operation has finished, so no buffer is released
+//    while a peer may still read or write it.
 //  * Every wait has a deadline; a missing peer becomes an error naming it.
 #pragma once
 
@@ -45,6 +47,18 @@ struct OpKey {
   }
 };
 
+// How the ranks of one process combine their buffers.
+enum class Algorithm : int {
+  // The ring plan: 2(p-1) steps of neighbour transfers. The only algorithm
+  // across processes and under link emulation.
+  kRing = 0,
+  // In one process only: rank i reduces segment i of every rank's input and
+  // writes it into every rank's output. Each byte is read once and written
+  // once per rank, against about five times for a ring over shared memory,
+  // and there are two synchronisations instead of 2(p-1).
+  kDirect = 1,
+};
+
 // What every rank of an operation must agree on.
 struct OpDesc {
   ElemType type = ElemType::kF32;
@@ -58,8 +72,10 @@ struct OpDesc {
   // receiver sleeps until then, so emulated time costs wall time, not CPU.
   double link_bytes_per_s = 0;
   double link_latency_s = 0;
+  Algorithm algorithm = Algorithm::kRing;
   bool operator==(const OpDesc& o) const {
     return type == o.type && op == o.op && count == o.count &&
+           algorithm == o.algorithm &&
            world_size == o.world_size && num_rings == o.num_rings &&
            chunk_bytes == o.chunk_bytes &&
            link_bytes_per_s == o.link_bytes_per_s &&

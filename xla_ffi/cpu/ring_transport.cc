@@ -13,7 +13,12 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
       process_of_rank.empty() ||
       std::all_of(process_of_rank.begin(), process_of_rank.end(),
                   [&](int p) { return p == process_of_rank.front(); });
-  if (one_process) {
+  if (desc.algorithm == Algorithm::kDirect &&
+      (!one_process || desc.link_bytes_per_s > 0)) {
+    // Python refuses this at trace time; this guards hand-written calls.
+    done("jaxring allreduce: algorithm=direct reads its peers' buffers, so "
+         "it needs every rank in one process and no link emulation");
+  } else if (one_process) {
     inprocess_allreduce(key, desc, rank, device, in, out, timeout_s,
                         std::move(done));
   } else if (desc.link_bytes_per_s > 0) {

@@ -5,7 +5,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -28,6 +27,7 @@
 #include <vector>
 
 #include "../plan.h"
+#include "huge_pages.h"
 #include "task_queue.h"
 #include "timeline.h"
 
@@ -280,21 +280,6 @@ int connect_to(const std::string& addr, double timeout_s, std::string* error) {
     }
     if (Clock::now() > deadline) return -1;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-}
-
-// A result buffer that XLA just allocated is usually fresh memory from the
-// kernel, and faulting it in 4 KiB at a time while chunks arrive costs about
-// as much as receiving them. Asking for transparent huge pages (where the
-// system allows it only on request) cuts the faults 512-fold. Advice only:
-// the memory's contents and ownership are unchanged.
-void advise_huge_pages(void* p, int64_t bytes) {
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (bytes < static_cast<int64_t>(2 * kHuge)) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
-  if (end > begin) {
-    ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
   }
 }
 
