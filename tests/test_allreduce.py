@@ -419,12 +419,16 @@ def test_config_update_and_validation():
 def test_environment_variables(script):
     res = script("""
         import jaxring
-        print(jaxring.config.rings, jaxring.config.chunk_bytes, jaxring.config.timeout_s)
-    """, env={"JAXRING_RINGS": "4", "JAXRING_CHUNK_BYTES": "4096", "JAXRING_TIMEOUT_S": "7.5"})
+        print(jaxring.config.rings, jaxring.config.chunk_bytes, jaxring.config.timeout_s,
+              jaxring.config.algorithm)
+    """, env={"JAXRING_RINGS": "4", "JAXRING_CHUNK_BYTES": "4096", "JAXRING_TIMEOUT_S": "7.5",
+              "JAXRING_ALGORITHM": "ring"})
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["4", "4096", "7.5"]
+    assert res.stdout.split() == ["4", "4096", "7.5", "ring"]
     res = script("import jaxring", env={"JAXRING_RINGS": "zero"})
     assert res.returncode != 0 and "JAXRING_RINGS='zero': expected a positive int" in res.stderr
+    res = script("import jaxring", env={"JAXRING_ALGORITHM": "tree"})
+    assert res.returncode != 0 and "JAXRING_ALGORITHM='tree': expected one of" in res.stderr
 
 
 def test_build_info():
