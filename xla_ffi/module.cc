@@ -13,6 +13,7 @@
 #include "cpu/tcp_transport.h"
 #include "cpu/timeline.h"
 #include "plan.h"
+#include "tiered_plan.h"
 #include "reduce.h"
 
 namespace nb = nanobind;
@@ -40,10 +41,30 @@ nb::dict transfer_to_dict(const jaxring::Transfer& t) {
   return d;
 }
 
+nb::dict tiered_transfer_to_dict(const jaxring::TieredTransfer& t) {
+  nb::dict d;
+  d["ring"] = t.ring;
+  d["phase"] = t.phase;
+  d["tier"] = t.tier;
+  d["chunk"] = t.chunk;
+  d["step"] = t.step;
+  d["unit"] = t.unit;
+  d["reduce"] = t.reduce;
+  d["src"] = t.src_rank;
+  d["dst"] = t.dst_rank;
+  d["offset"] = t.span.offset;
+  d["count"] = t.span.count;
+  return d;
+}
+
+nb::tuple span_tuple(const jaxring::Span& s) {
+  return nb::make_tuple(s.offset, s.count);
+}
+
 }  // namespace
 
 NB_MODULE(_jaxring, m) {
-  m.doc() = "jaxring C++ core: XLA FFI handlers and the ring plan.";
+  m.doc() = "jaxring C++ core: XLA FFI handlers and the ring plans.";
 
   m.def("registrations", []() {
     nb::dict d;
@@ -78,6 +99,61 @@ NB_MODULE(_jaxring, m) {
         return out;
       })
       .def("__repr__", &jaxring::RingPlan::describe);
+
+  static const char* kPhaseKinds[] = {"reduce_scatter", "allreduce",
+                                      "all_gather"};
+  nb::class_<jaxring::TieredPlan>(
+      m, "TieredPlan",
+      "A multi-dimensional chunked multi-ring allreduce schedule over a "
+      "topology d0 x d1 x ... (tightest tier first).")
+      .def(nb::init<std::vector<int>, int, int64_t, int64_t, int64_t>(),
+           nb::arg("dims"), nb::arg("rings"), nb::arg("count"),
+           nb::arg("elem_bytes"), nb::arg("chunk_bytes"))
+      .def_prop_ro("dims", &jaxring::TieredPlan::dims)
+      .def_prop_ro("world_size", &jaxring::TieredPlan::world_size)
+      .def_prop_ro("rings", &jaxring::TieredPlan::num_rings)
+      .def_prop_ro("count", &jaxring::TieredPlan::count)
+      .def_prop_ro("elem_bytes", &jaxring::TieredPlan::elem_bytes)
+      .def_prop_ro("chunk_elems", &jaxring::TieredPlan::chunk_elems)
+      .def_prop_ro("num_phases", &jaxring::TieredPlan::num_phases)
+      .def("phase", [](const jaxring::TieredPlan& p, int j) {
+        if (j < 0 || j >= p.num_phases()) throw nb::index_error();
+        const jaxring::Phase& ph = p.phase(j);
+        nb::dict d;
+        d["kind"] = kPhaseKinds[static_cast<int>(ph.kind)];
+        d["tier"] = ph.tier;
+        d["group_size"] = ph.group_size;
+        d["first_step"] = ph.first_step;
+        d["num_steps"] = ph.num_steps;
+        return d;
+      }, nb::arg("phase"))
+      .def("coord", &jaxring::TieredPlan::coord, nb::arg("rank"),
+           nb::arg("tier"))
+      .def("group", &jaxring::TieredPlan::group, nb::arg("ring"),
+           nb::arg("phase"), nb::arg("rank"))
+      .def("shard", [](const jaxring::TieredPlan& p, int r, int j, int rank) {
+        return span_tuple(p.shard(r, j, rank));
+      }, nb::arg("ring"), nb::arg("phase"), nb::arg("rank"))
+      .def("num_units", &jaxring::TieredPlan::num_units, nb::arg("ring"),
+           nb::arg("phase"), nb::arg("rank"))
+      .def("recv_span", [](const jaxring::TieredPlan& p, int r, int j,
+                           int rank, int64_t u) {
+        return span_tuple(p.recv_span(r, j, rank, u));
+      }, nb::arg("ring"), nb::arg("phase"), nb::arg("rank"), nb::arg("unit"))
+      .def("send_span", [](const jaxring::TieredPlan& p, int r, int j,
+                           int rank, int64_t u) {
+        return span_tuple(p.send_span(r, j, rank, u));
+      }, nb::arg("ring"), nb::arg("phase"), nb::arg("rank"), nb::arg("unit"))
+      .def("bytes_sent", &jaxring::TieredPlan::bytes_sent, nb::arg("rank"),
+           nb::arg("tier"))
+      .def("transfers", [](const jaxring::TieredPlan& p) {
+        nb::list out;
+        for (const auto& t : p.transfers()) {
+          out.append(tiered_transfer_to_dict(t));
+        }
+        return out;
+      })
+      .def("__repr__", &jaxring::TieredPlan::describe);
 
   // Registers RingPlan's std::invalid_argument as ValueError.
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {

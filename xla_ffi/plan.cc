@@ -71,12 +71,15 @@ Span RingPlan::chunk(int ring, int seg, int64_t c) const {
   return Span{s.offset + begin, end - begin};
 }
 
-int RingPlan::send_segment(int pos, int step) const {
+int ring_send_segment(int p, int pos, int step) {
   // Reduce-scatter step t: send the partial sum of segment pos - t.
   // All-gather step t' = t - (p-1): send the finished segment pos + 1 - t'.
-  const int p = world_;
   const int t = step < p - 1 ? step : step - (p - 1) - 1;
   return (((pos - t) % p) + p) % p;
+}
+
+int RingPlan::send_segment(int pos, int step) const {
+  return ring_send_segment(world_, pos, step);
 }
 
 int RingPlan::recv_segment(int pos, int step) const {

@@ -103,4 +103,8 @@ class RingPlan {
 // Splits n items into k near-equal pieces; piece i gets floor or ceil.
 Span even_split(int64_t n, int64_t k, int64_t i);
 
+// The segment the rank at position pos of a p-rank ring sends at step t of
+// the 2(p-1)-step schedule (shared by the flat and the tiered plans).
+int ring_send_segment(int p, int pos, int step);
+
 }  // namespace jaxring
