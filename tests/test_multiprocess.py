@@ -45,11 +45,29 @@ def lines_by_rank(stdout: str) -> dict[int, list[str]]:
     return out
 
 
-@pytest.mark.parametrize("nproc,devices,seed", [(2, 1, 0), (4, 1, 1), (2, 2, 2)],
-                         ids=["2-processes", "4-processes", "2x2-mixed"])
-def test_allreduce_across_processes_matches_numpy(nproc, devices, seed):
+# (processes, devices per process, seed, topology setting, tiers lowered)
+ACROSS_PROCESSES = [
+    (2, 1, 0, "auto", "flat"),
+    (4, 1, 1, "auto", "flat"),
+    # One device per process: the flat ring is the only tier auto finds.
+    (2, 2, 2, "flat", "flat"),
+    # auto: the devices of a process, then the processes of the host.
+    (2, 2, 3, "auto", "2x2"),
+    (4, 2, 4, "auto", "2x4"),
+    # Explicit tiers: across processes only, and two tiers inside each.
+    (4, 1, 5, "2x2", "2x2"),
+    (2, 4, 6, "2x2x2", "2x2x2"),
+]
+
+
+@pytest.mark.parametrize(
+    "nproc,devices,seed,topology,tiers", ACROSS_PROCESSES,
+    ids=["2-processes", "4-processes", "2x2-flat", "2x2-tiered-auto",
+         "4x2-tiered-auto", "4-processes-tiered-2x2", "2x4-tiered-2x2x2"])
+def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
+                                                  topology, tiers):
     # 48 cases: every dtype under every op, random sizes, rings and chunks.
-    r = run_launcher(nproc, "allreduce_check.py", seed, 48,
+    r = run_launcher(nproc, "allreduce_check.py", seed, 48, topology,
                      devices_per_process=devices)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     by_rank = lines_by_rank(r.stdout)
@@ -57,6 +75,9 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed):
     digests = {}
     for rank, lines in by_rank.items():
         assert "DONE" in lines, lines[-5:]
+        lowered = [l for l in lines if l.startswith("TOPOLOGY")]
+        # The custom call carries the tiers the plan runs (none: flat).
+        assert lowered == [f"TOPOLOGY {tiers}"], lowered
         digests[rank] = [l for l in lines if l.startswith("CHECK")]
         assert len(digests[rank]) == 48
     # Every rank got the same bits.

@@ -31,6 +31,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
 from jaxring._src import call_sites, distributed, runtime, timeline
+from jaxring._src import topology as _topology
 from jaxring._src.config import config, parse_link, validate
 
 _OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
@@ -94,8 +95,8 @@ allreduce_p = core.Primitive("jaxring_allreduce")
 
 
 def _abstract_eval(aval, *, axes, op, rings, chunk_bytes, timeout_s, link,
-                   algorithm, invariant):
-    del op, rings, chunk_bytes, timeout_s, link, algorithm
+                   algorithm, topology, invariant):
+    del op, rings, chunk_bytes, timeout_s, link, algorithm, topology
     _check_bound(axes)
     if invariant:
         out = with_varying(aval, varying(aval) - frozenset(axes))
@@ -279,11 +280,13 @@ def resolve_algorithm(algorithm: str, link, rank_process) -> str:
 
 
 def ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
-                    rank_process, algorithm) -> dict:
+                    rank_process, algorithm, topology) -> dict:
     """The custom-call attributes every ring operation carries, with a fresh op id."""
     chosen = resolve_algorithm(algorithm, link, rank_process)
+    tiers = _topology.resolve(topology, world, rank_process)
     return dict(op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
                 algorithm=np.int64(_ALGORITHM_IDS[chosen]),
+                topology=np.asarray(tiers, np.int64),
                 rank_process=np.asarray(rank_process, np.int64),
                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s),
@@ -295,14 +298,14 @@ SCALAR_I32 = core.ShapedArray((), np.int32)
 
 
 def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
-              algorithm, invariant):
+              algorithm, topology, invariant):
     del invariant
     world, rank, group, rank_process = ring_coordinates(ctx, axes, timeout_s, link)
     (aval,) = ctx.avals_in
     call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
     sub_ctx = ctx.replace(avals_in=[aval, SCALAR_I32, SCALAR_I32])
     attrs = ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
-                            rank_process, algorithm)
+                            rank_process, algorithm, topology)
     timeline.name_op(attrs["op_id"], f"allreduce {op} over {','.join(map(str, axes))}")
     return call(sub_ctx, x, rank, group, **attrs)
 
@@ -322,7 +325,7 @@ def _check_dtype(leaf) -> np.dtype:
 
 
 def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s,
-                       algorithm):
+                       algorithm, topology):
     """One allreduce for leaves of one dtype: ravel, concatenate, split."""
     invariant = bool(jax_config._check_vma.value)
     if invariant:
@@ -342,7 +345,7 @@ def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s,
         leaves = fixed
     params = dict(axes=axes, op=op, rings=rings, chunk_bytes=chunk_bytes,
                   timeout_s=timeout_s, link=link_param(), algorithm=algorithm,
-                  invariant=invariant)
+                  topology=topology, invariant=invariant)
     if len(leaves) == 1:
         return [allreduce_p.bind(leaves[0], **params)]
     flat = jax.numpy.concatenate([jax.numpy.ravel(l) for l in leaves])
@@ -357,7 +360,7 @@ def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s,
 
 def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
               chunk_bytes: int | None = None, timeout_s: float | None = None,
-              algorithm: str | None = None):
+              algorithm: str | None = None, topology: Any = None):
     """Reduces ``x`` over the mapped axis ``axis_name``, like ``lax.psum``.
 
     Runs a chunked multi-ring allreduce: the buffer is split into ``rings``
@@ -378,6 +381,10 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
       algorithm: ``"ring"``, ``"direct"`` (all ranks in one process) or
         ``"auto"`` (default ``jaxring.config.algorithm``, itself ``"auto"``:
         direct in one process without ``cpu_link``, ring otherwise).
+      topology: the ring plan's tiers across processes, tightest first, e.g.
+        ``(4, 2)`` for 4 devices in each of 2 processes; ``"flat"`` for one
+        ring; ``"auto"`` (default ``jaxring.config.topology``) derives them
+        from where the ranks run. See docs/allreduce.md#tiered-plans.
 
     Returns:
       The reduction, with the structure of ``x``; under ``check_vma`` it is
@@ -403,6 +410,11 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
     algorithm = validate("algorithm",
                          config.algorithm if algorithm is None else algorithm,
                          "jaxring.allreduce")
+    if isinstance(topology, list):
+        topology = tuple(topology)
+    topology = validate("topology",
+                        config.topology if topology is None else topology,
+                        "jaxring.allreduce")
     runtime.register_ffi_targets()
 
     leaves, treedef = jax.tree_util.tree_flatten(x)
@@ -417,7 +429,8 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
     out: list[Any] = [None] * len(leaves)
     for idx in by_dtype.values():
         reduced = _reduce_leaf_group([leaves[i] for i in idx], axes, ring_op,
-                                     rings, chunk_bytes, timeout_s, algorithm)
+                                     rings, chunk_bytes, timeout_s, algorithm,
+                                     topology)
         for i, r in zip(idx, reduced):
             out[i] = r
     if op == "mean":

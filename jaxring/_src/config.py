@@ -12,6 +12,8 @@ import dataclasses
 import os
 from typing import Any, Callable
 
+from jaxring._src import topology as _topology
+
 
 @dataclasses.dataclass(frozen=True)
 class _Option:
@@ -103,6 +105,15 @@ _OPTIONS = {
                 "\"auto\" (default): direct when every rank of the "
                 "operation is in this process and cpu_link is off, the ring "
                 "otherwise."),
+        _Option("topology", "JAXRING_TOPOLOGY", "auto", _topology.parse,
+                _topology.is_setting, _topology.REQUIREMENT,
+                "The tiers of the ring plan across processes, tightest "
+                "first, e.g. (4, 2, 8) for 4 devices per process, 2 "
+                "processes per host, 8 hosts (JAXRING_TOPOLOGY=4x2x8). The "
+                "tiered plan reduce-scatters inside each tier before it "
+                "crosses the next, so loose tiers carry less. \"auto\" "
+                "(default): derived from where the ranks run (process, host "
+                "address); \"flat\": one ring over all ranks."),
         _Option("timeout_s", "JAXRING_TIMEOUT_S", 300.0, float,
                 _positive_number, "a positive number",
                 "Seconds an allreduce waits for its peers before it fails "

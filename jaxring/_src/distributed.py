@@ -22,6 +22,7 @@ import numpy as np
 _KEY = "jaxring/tcp/v1/{}"
 _lock = threading.Lock()
 _ready = False
+_hosts: dict[int, str] = {}
 
 
 def device_assignment(axis_ctx) -> tuple | None:
@@ -108,4 +109,13 @@ def ensure_tcp_transport(timeout_s: float) -> None:
                     f"within {timeout_s} s (is it running the same program?): "
                     f"{e}") from e
         _jaxring.tcp_set_peers(me, addresses)
+        for q, a in enumerate(addresses):
+            _hosts[q] = a.rsplit(":", 1)[0].strip("[]")
         _ready = True
+
+
+def process_hosts() -> dict[int, str]:
+    """The host address of every process, once the TCP transport is set up
+    (processes that share one are on one host); empty before."""
+    with _lock:
+        return dict(_hosts)

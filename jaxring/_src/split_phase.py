@@ -56,8 +56,8 @@ start_p = core.Primitive("jaxring_allreduce_start")
 
 
 def _start_abstract_eval(*avals, axes, op, rings, chunk_bytes, timeout_s, link,
-                         algorithm, pair, label, num_deps):
-    del op, rings, chunk_bytes, timeout_s, link, algorithm, pair, label
+                         algorithm, topology, pair, label, num_deps):
+    del op, rings, chunk_bytes, timeout_s, link, algorithm, topology, pair, label
     _ar._check_bound(axes)
     avals = avals[num_deps:]
     dtypes = {a.dtype for a in avals}
@@ -78,11 +78,11 @@ start_p.def_effectful_abstract_eval(_start_abstract_eval)
 
 
 def _start_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s, link,
-                    algorithm, pair, label, num_deps):
+                    algorithm, topology, pair, label, num_deps):
     world, rank, group, rank_process = _ar.ring_coordinates(ctx, axes, timeout_s,
                                                             link)
     attrs = _ar.ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
-                                rank_process, algorithm)
+                                rank_process, algorithm, topology)
     _op_id_of_pair[pair] = int(attrs["op_id"])
     timeline.name_op(attrs["op_id"], label)
     attrs["num_deps"] = np.int64(num_deps)
@@ -134,6 +134,7 @@ def start(xs, *, deps=(), axes, op, rings, chunk_bytes, timeout_s, label):
     handle = start_p.bind(*deps, *xs, axes=tuple(axes), op=op, rings=rings,
                           chunk_bytes=chunk_bytes, timeout_s=timeout_s,
                           link=_ar.link_param(), algorithm=config.algorithm,
+                          topology=config.topology,
                           pair=pair, label=str(label),
                           num_deps=len(deps))
     return handle, pair

@@ -139,11 +139,18 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
     std::vector<int> procs;
     int rings;
     int64_t count, chunk;
+    std::vector<int> topology;  // empty: the flat ring
   };
   const std::vector<Case> cases = {
-      {{0, 1}, 1, 1, 4},        {{0, 1}, 2, 1000, 256},
-      {{1, 0}, 3, 100003, 4096}, {{0, 0, 1, 1}, 2, 20000, 512},
-      {{0, 1, 0, 1}, 1, 777, 64}, {{0, 1, 1}, 2, 0, 64},
+      {{0, 1}, 1, 1, 4, {}},        {{0, 1}, 2, 1000, 256, {}},
+      {{1, 0}, 3, 100003, 4096, {}}, {{0, 0, 1, 1}, 2, 20000, 512, {}},
+      {{0, 1, 0, 1}, 1, 777, 64, {}}, {{0, 1, 1}, 2, 0, 64, {}},
+      // Tiered plans: in-process tiers whose units go through staging, and
+      // phases that cross the processes.
+      {{0, 0, 1, 1}, 2, 20000, 512, {2, 2}},
+      {{0, 0, 0, 0, 1, 1, 1, 1}, 3, 100003, 4096, {2, 2, 2}},
+      {{0, 1, 0, 1}, 1, 777, 64, {2, 2}},
+      {{0, 0, 0, 1, 1, 1}, 2, 5, 64, {3, 2}},
   };
   std::vector<std::thread> threads;
   std::mutex mu;
@@ -163,6 +170,7 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
         desc.world_size = p;
         desc.num_rings = c.rings;
         desc.chunk_bytes = c.chunk;
+        desc.topology = c.topology;
         std::mutex dmu;
         std::condition_variable cv;
         bool finished = false;

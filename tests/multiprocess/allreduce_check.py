@@ -5,10 +5,13 @@ numpy reference for the whole job itself, and compares jaxring.allreduce
 (over TCP between processes, in memory inside one) against it for every
 dtype and op at random sizes. Prints one CHECK line per case with a digest
 of the local results, so the test can also check that every rank got the
-same bits, then DONE.
+same bits, then DONE. An optional third argument is the topology setting
+("auto", "flat" or "2x2"); the TOPOLOGY line says which tiers the lowered
+custom call carries.
 """
 
 import hashlib
+import re
 import sys
 
 import jax
@@ -44,6 +47,10 @@ def reference(x, op):
 def main():
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     cases = int(sys.argv[2]) if len(sys.argv) > 2 else 24
+    if len(sys.argv) > 3:
+        t = sys.argv[3]
+        jaxring.config.update("topology", t if t in ("auto", "flat") else
+                              tuple(int(d) for d in t.split("x")))
     devices = np.array(jax.devices())
     world = devices.size
     mesh = Mesh(devices, ("x",))
@@ -65,6 +72,15 @@ def main():
                 mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
         arr = jax.make_array_from_callback(
             x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
+        if case == 0:
+            hlo = fns[key].lower(arr).as_text()
+            # e.g. dense<[4, 2]> : tensor<2xi64>; dense<2> : tensor<2xi64> is
+            # a splat; dense<> : tensor<0xi64> is empty (flat).
+            attr = re.search(r"topology = dense<([^>]*)> : tensor<(\d+)xi64>", hlo)
+            tiers = re.findall(r"\d+", attr.group(1))
+            if len(tiers) == 1:
+                tiers = tiers * int(attr.group(2))
+            print("TOPOLOGY", "x".join(tiers) or "flat", flush=True)
         out = fns[key](arr)
         want = reference(x, op)
         digest = hashlib.sha256()

@@ -51,7 +51,9 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
                                        int64_t chunk_bytes, double timeout_s,
                                        double link_bytes_per_s,
                                        double link_latency_s,
-                                       int64_t algorithm, OpDesc* desc) {
+                                       int64_t algorithm,
+                                       ffi::Span<const int64_t> topology,
+                                       OpDesc* desc) {
   const std::optional<ElemType> type = to_elem_type(dtype);
   if (!type) return "jaxring allreduce: unsupported dtype";
   ReduceOp op;
@@ -85,6 +87,21 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
   desc->link_bytes_per_s = link_bytes_per_s;
   desc->link_latency_s = link_latency_s;
   desc->algorithm = static_cast<Algorithm>(algorithm);
+  // The tiers of the plan, tightest first; none means one flat ring. The
+  // TCP transport packs them into a frame header: at most 4, each < 2^16.
+  desc->topology.clear();
+  int64_t product = 1;
+  for (int64_t t : topology) {
+    if (t < 1 || t > 0xffff || topology.size() > 4) {
+      return "jaxring allreduce: a topology has at most 4 tiers of 1 to "
+             "65535 ranks";
+    }
+    product *= t;
+    desc->topology.push_back(static_cast<int>(t));
+  }
+  if (topology.size() > 0 && product != world_size) {
+    return "jaxring allreduce: the topology does not multiply to the world size";
+  }
   return std::nullopt;
 }
 
@@ -124,6 +141,7 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                              int64_t num_rings, int64_t chunk_bytes,
                              double timeout_s, double link_bytes_per_s,
                              double link_latency_s, int64_t algorithm,
+                             ffi::Span<const int64_t> topology,
                              ffi::Span<const int64_t> rank_process) {
   const int rank = rank_buf.typed_data()[0];
   const int64_t group = group_buf.typed_data()[0];
@@ -132,7 +150,7 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
   if (auto error = describe_op(x.element_type(), count, rank, world_size,
                                reduce_op, num_rings, chunk_bytes, timeout_s,
                                link_bytes_per_s, link_latency_s, algorithm,
-                               &desc)) {
+                               topology, &desc)) {
     return failed_future(*error);
   }
   if (world_size == 1) {
@@ -172,6 +190,7 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                  double link_bytes_per_s,
                                  double link_latency_s, int64_t algorithm,
                                  int64_t num_deps,
+                                 ffi::Span<const int64_t> topology,
                                  ffi::Span<const int64_t> rank_process) {
   handle->typed_data()[0] = 0;
   std::vector<ConstBytes> inputs;
@@ -200,7 +219,7 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
   if (auto error = describe_op(dtype, count, rank_buf.typed_data()[0],
                                world_size, reduce_op, num_rings, chunk_bytes,
                                timeout_s, link_bytes_per_s, link_latency_s,
-                               algorithm, &desc)) {
+                               algorithm, topology, &desc)) {
     return ffi::Error::InvalidArgument(*error);
   }
   const int64_t group = group_buf.typed_data()[0];
@@ -259,6 +278,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<double>("link_bytes_per_s")  // emulated link, 0 = off
         .Attr<double>("link_latency_s")
         .Attr<int64_t>("algorithm")  // Algorithm: 0 ring, 1 direct
+        // the tiered plan's tiers, tightest first; empty: one flat ring
+        .Attr<ffi::Span<const int64_t>>("topology")
         // process of each rank, one row of world_size per group
         .Attr<ffi::Span<const int64_t>>("rank_process"));
 
@@ -282,6 +303,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<double>("link_latency_s")
         .Attr<int64_t>("algorithm")
         .Attr<int64_t>("num_deps")
+        .Attr<ffi::Span<const int64_t>>("topology")
         .Attr<ffi::Span<const int64_t>>("rank_process"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

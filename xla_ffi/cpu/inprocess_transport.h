@@ -28,6 +28,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "../reduce.h"
 
@@ -73,9 +74,12 @@ struct OpDesc {
   double link_bytes_per_s = 0;
   double link_latency_s = 0;
   Algorithm algorithm = Algorithm::kRing;
+  // The ring plan's tiers, tightest first (see tiered_plan.h); empty means
+  // one flat ring over all ranks. Only the TCP transport runs more than one.
+  std::vector<int> topology;
   bool operator==(const OpDesc& o) const {
     return type == o.type && op == o.op && count == o.count &&
-           algorithm == o.algorithm &&
+           algorithm == o.algorithm && topology == o.topology &&
            world_size == o.world_size && num_rings == o.num_rings &&
            chunk_bytes == o.chunk_bytes &&
            link_bytes_per_s == o.link_bytes_per_s &&

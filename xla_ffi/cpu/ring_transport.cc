@@ -18,6 +18,10 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
     // Python refuses this at trace time; this guards hand-written calls.
     done("jaxring allreduce: algorithm=direct reads its peers' buffers, so "
          "it needs every rank in one process and no link emulation");
+  } else if (one_process && desc.topology.size() > 1) {
+    // Python refuses this at trace time; this guards hand-written calls.
+    done("jaxring allreduce: a tiered topology runs between processes; the "
+         "devices of one process form a single tier");
   } else if (one_process) {
     inprocess_allreduce(key, desc, rank, device, in, out, timeout_s,
                         std::move(done));

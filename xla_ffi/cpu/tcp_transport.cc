@@ -26,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#include "../plan.h"
+#include "../tiered_plan.h"
 #include "huge_pages.h"
 #include "task_queue.h"
 #include "timeline.h"
@@ -43,7 +43,7 @@ Clock::time_point after_seconds(double s) {
 }
 
 constexpr uint32_t kMagic = 0x4a52494e;  // "JRIN"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr int kPollSliceMs = 100;
 constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
 // How long a connection may take to open, and an abort frame to leave.
@@ -90,13 +90,39 @@ struct FrameHeader {
   int32_t reduce_op;
   int32_t world_size;
   int32_t num_rings;
-  int32_t reserved;
+  int32_t phase;          // of the tiered plan
   int64_t count;
   int64_t chunk_bytes;
-  int64_t unit;           // chunk-major unit index (chunk * steps + step)
+  int64_t topology;       // the plan's tiers, packed (see pack_topology)
+  int64_t unit;           // chunk-major unit index within the phase
   int64_t payload_bytes;  // data, or the abort message's length
 };
-static_assert(sizeof(FrameHeader) == 96, "FrameHeader layout");
+static_assert(sizeof(FrameHeader) == 104, "FrameHeader layout");
+
+// A topology travels in one header word: up to four tiers of up to 16 bits
+// each, tightest in the low bits; 0 is the flat ring. Python enforces the
+// limits at trace time.
+constexpr int kMaxTiers = 4;
+constexpr int kMaxTierSize = 0xffff;
+
+int64_t pack_topology(const std::vector<int>& dims) {
+  uint64_t packed = 0;
+  for (size_t i = 0; i < dims.size() && i < kMaxTiers; ++i) {
+    packed |= static_cast<uint64_t>(dims[i] & kMaxTierSize) << (16 * i);
+  }
+  return static_cast<int64_t>(packed);
+}
+
+std::vector<int> unpack_topology(int64_t packed) {
+  std::vector<int> dims;
+  for (int i = 0; i < kMaxTiers; ++i) {
+    const int d = static_cast<int>((static_cast<uint64_t>(packed) >> (16 * i)) &
+                                   kMaxTierSize);
+    if (d == 0) break;
+    dims.push_back(d);
+  }
+  return dims;
+}
 
 OpKey key_of(const FrameHeader& h) { return {h.run_id, h.op_id, h.group}; }
 
@@ -108,6 +134,7 @@ OpDesc desc_of(const FrameHeader& h) {
   d.world_size = h.world_size;
   d.num_rings = h.num_rings;
   d.chunk_bytes = h.chunk_bytes;
+  d.topology = unpack_topology(h.topology);
   return d;
 }
 
@@ -115,7 +142,7 @@ OpDesc desc_of(const FrameHeader& h) {
 bool same_operation(const OpDesc& a, const OpDesc& b) {
   return a.type == b.type && a.op == b.op && a.count == b.count &&
          a.world_size == b.world_size && a.num_rings == b.num_rings &&
-         a.chunk_bytes == b.chunk_bytes;
+         a.chunk_bytes == b.chunk_bytes && a.topology == b.topology;
 }
 
 std::string op_name(const OpKey& k, const OpDesc& d) {
@@ -344,17 +371,22 @@ struct Staged {
 
 class TcpWorker;
 
-// Units of one (local rank, ring) received from the previous rank.
+// Units of one (local rank, ring) received from the previous ranks.
 struct Inbox {
   bool created = false;
-  // Units whose data is here and not yet reduced/stored, in arrival order.
-  // Units are independent on the receiving side (each writes its own chunk
-  // of the result), so they are consumed as they come: a chunk of step t+1
-  // never waits behind one of step t still on the wire.
-  std::deque<int64_t> ready;
-  int64_t arrived = 0;  // how many units have come (for timeout messages)
-  // Units that came before the rank joined (no destination buffer yet).
-  std::map<int64_t, Staged> staged;
+  // The phase whose units may be written straight into the rank's result.
+  // A unit of a later phase is staged: its element range may still be in
+  // use by this one (see tiered_plan.h).
+  int phase = 0;
+  // Per phase: units whose data is here and not yet reduced/stored, in
+  // arrival order. Units of a phase are independent on the receiving side
+  // (each writes its own chunk of the result), so they are consumed as
+  // they come: a chunk of step t+1 never waits behind one of step t still
+  // on the wire.
+  std::map<int, std::deque<int64_t>> ready;
+  std::map<int, int64_t> arrived;  // per phase (for timeout messages)
+  // (phase, unit)s that came before the rank joined or reached their phase.
+  std::map<std::pair<int, int64_t>, Staged> staged;
 };
 
 // A rank of the operation that runs in this process.
@@ -365,6 +397,11 @@ struct LocalRank {
   int device = 0;
   int64_t joined_ns = 0;
   int outstanding_sends = 0;  // frames queued that still read our buffers
+  // Per ring, with a tiered plan: the rank's own contribution to the phase
+  // it runs (a copy of the previous phase's result), covering the shard of
+  // phase 1, which holds every later one, from own_offset on.
+  std::vector<std::unique_ptr<char[]>> own;
+  std::vector<int64_t> own_offset;
 };
 
 struct TcpOp {
@@ -374,7 +411,7 @@ struct TcpOp {
   std::mutex mu;  // guards everything below
   bool has_desc = false;
   OpDesc desc;
-  std::unique_ptr<RingPlan> plan;
+  std::unique_ptr<TieredPlan> plan;
   std::vector<int> process_of_rank;  // set by the first local rank to join
   int expected_locals = 0;
   int completed_locals = 0;
@@ -393,27 +430,27 @@ struct TcpOp {
   std::atomic<int> aborts_in_flight{0};
   Clock::time_point failed_at;
 
-  // Requires mu.
+  // Requires mu. Throws std::invalid_argument on a description no plan
+  // fits (a topology whose product is not the world size).
   void set_desc(const OpDesc& d) {
+    std::vector<int> dims = d.topology;
+    if (dims.empty()) dims.push_back(d.world_size);
+    int64_t product = 1;
+    for (int t : dims) product *= t;
+    if (product != d.world_size) {
+      throw std::invalid_argument("the topology does not multiply to the "
+                                  "world size");
+    }
+    plan.reset(new TieredPlan(dims, d.num_rings, d.count, elem_bytes(d.type),
+                              d.chunk_bytes));
     desc = d;
     has_desc = true;
-    plan.reset(new RingPlan(d.world_size, d.num_rings, d.count,
-                            elem_bytes(d.type), d.chunk_bytes));
-  }
-  int64_t units(int ring) const {
-    return plan->num_chunks(ring) * plan->num_steps();
   }
   // Requires mu.
   Inbox& inbox(int rank, int ring) {
     Inbox& ib = inboxes[{rank, ring}];
     ib.created = true;
     return ib;
-  }
-  // The element range unit u of `ring` carries into the rank at `pos`.
-  Span unit_span(int ring, int pos, int64_t u) const {
-    const int steps = plan->num_steps();
-    return plan->chunk(ring, plan->recv_segment(pos, static_cast<int>(u % steps)),
-                       u / steps);
   }
   std::string name() const {
     if (has_desc) return op_name(key, desc);
@@ -428,8 +465,11 @@ struct Task {
   std::shared_ptr<TcpOp> op;
   int rank;
   Completion done;
-  std::vector<int64_t> remaining;  // per ring: non-empty units to receive
-  bool started = false;  // step 0's chunks handed to the next rank
+  // Per ring: the phase this rank runs (num_phases once done), and how many
+  // of its non-empty units are still to come.
+  std::vector<int> phase;
+  std::vector<int64_t> remaining;
+  bool started = false;  // phase 0 entered on every ring
 };
 
 class TcpWorker {
@@ -940,12 +980,17 @@ void Transport::read_loop(int fd) {
         discard = true;
       }
       if (!discard) {
-        const bool in_plan = h.ring >= 0 && h.ring < o.desc.num_rings &&
-                             h.dst_rank >= 0 && h.dst_rank < o.desc.world_size &&
-                             unit >= 0 && unit < o.units(h.ring);
-        const int64_t esize = o.plan->elem_bytes();
+        const TieredPlan& plan = *o.plan;
+        const bool in_plan =
+            h.ring >= 0 && h.ring < o.desc.num_rings && h.dst_rank >= 0 &&
+            h.dst_rank < o.desc.world_size && h.phase >= 0 &&
+            h.phase < plan.num_phases() && unit >= 0 &&
+            unit < plan.num_units(h.ring, h.phase, h.dst_rank) &&
+            h.src_rank == plan.prev_rank(h.ring, h.phase, h.dst_rank) &&
+            h.phase >= o.inbox(h.dst_rank, h.ring).phase;
+        const int64_t esize = plan.elem_bytes();
         const Span span =
-            in_plan ? o.unit_span(h.ring, o.plan->position(h.ring, h.dst_rank), unit)
+            in_plan ? plan.recv_span(h.ring, h.phase, h.dst_rank, unit)
                     : Span{0, -1};
         if (!in_plan || span.count * esize != h.payload_bytes) {
           mismatch = o.name() + ": protocol error: a frame does not fit the plan";
@@ -953,10 +998,10 @@ void Transport::read_loop(int fd) {
         } else {
           Inbox& ib = o.inbox(h.dst_rank, h.ring);
           auto local = o.locals.find(h.dst_rank);
-          if (local != o.locals.end()) {
+          if (local != o.locals.end() && h.phase == ib.phase) {
             dest = static_cast<char*>(local->second.out) + span.offset * esize;
           } else {
-            Staged& st = ib.staged[unit];
+            Staged& st = ib.staged[{h.phase, unit}];
             st = Staged(static_cast<size_t>(h.payload_bytes));
             dest = st.data.get();
           }
@@ -981,8 +1026,8 @@ void Transport::read_loop(int fd) {
         --o.writers;
         if (r == ReadResult::kOk && !o.failed) {
           Inbox& ib = o.inbox(h.dst_rank, h.ring);
-          ib.ready.push_back(unit);
-          ++ib.arrived;
+          ib.ready[h.phase].push_back(unit);
+          ++ib.arrived[h.phase];
           auto local = o.locals.find(h.dst_rank);
           if (local != o.locals.end()) wake = local->second.worker;
         }
@@ -1103,33 +1148,35 @@ void TcpWorker::loop() {
   }
 }
 
-// Hands unit u of `ring` (data at `data`, `bytes` long) to the next rank:
-// over TCP, or straight into its buffer when it lives in this process.
+// Hands unit u of (ring, phase) (data at `data`, `bytes` long) to the next
+// rank: over TCP, or into its buffer when it lives in this process (staged
+// if it has not joined or not reached the phase yet).
 // Requires op.mu; returns an error message if the next rank is unreachable.
 std::string send_unit(const std::shared_ptr<TcpOp>& op_ptr, int rank, int ring,
-                      int64_t u, const char* data, int64_t bytes,
+                      int phase, int64_t u, const char* data, int64_t bytes,
                       std::vector<TcpWorker*>* wake) {
   TcpOp& op = *op_ptr;
-  const int next = op.plan->next_rank(ring, rank);
+  const TieredPlan& plan = *op.plan;
+  const int next = plan.next_rank(ring, phase, rank);
   const int proc = op.process_of_rank[next];
   Transport& tr = Transport::get();
   if (op.failed) return std::string();  // a failed rank must not be touched
   if (proc == tr.me()) {
     Inbox& ib = op.inbox(next, ring);
     auto local = op.locals.find(next);
-    if (local != op.locals.end()) {
-      const Span span = op.unit_span(ring, op.plan->position(ring, next), u);
+    if (local != op.locals.end() && ib.phase == phase) {
+      const Span span = plan.recv_span(ring, phase, next, u);
       std::memcpy(static_cast<char*>(local->second.out) +
-                      span.offset * op.plan->elem_bytes(),
+                      span.offset * plan.elem_bytes(),
                   data, static_cast<size_t>(bytes));
-      wake->push_back(local->second.worker);
     } else {
-      Staged& st = ib.staged[u];
+      Staged& st = ib.staged[{phase, u}];
       st = Staged(static_cast<size_t>(bytes));
       std::memcpy(st.data.get(), data, static_cast<size_t>(bytes));
     }
-    ib.ready.push_back(u);
-    ++ib.arrived;
+    if (local != op.locals.end()) wake->push_back(local->second.worker);
+    ib.ready[phase].push_back(u);
+    ++ib.arrived[phase];
     return std::string();
   }
   OutFrame f;
@@ -1146,8 +1193,10 @@ std::string send_unit(const std::shared_ptr<TcpOp>& op_ptr, int rank, int ring,
   h.reduce_op = static_cast<int32_t>(op.desc.op);
   h.world_size = op.desc.world_size;
   h.num_rings = op.desc.num_rings;
+  h.phase = phase;
   h.count = op.desc.count;
   h.chunk_bytes = op.desc.chunk_bytes;
+  h.topology = pack_topology(op.desc.topology);
   h.unit = u;
   h.payload_bytes = bytes;
   f.data = data;
@@ -1165,6 +1214,15 @@ std::string send_unit(const std::shared_ptr<TcpOp>& op_ptr, int rank, int ring,
   return std::string();
 }
 
+const char* phase_name(PhaseKind kind) {
+  switch (kind) {
+    case PhaseKind::kReduceScatter: return "reduce-scatter";
+    case PhaseKind::kAllreduce: return "allreduce";
+    case PhaseKind::kAllGather: return "all-gather";
+  }
+  return "?";
+}
+
 bool TcpWorker::advance(Task& task, bool* finished) {
   TcpOp& op = *task.op;
   std::vector<TcpWorker*> wake;
@@ -1172,8 +1230,8 @@ bool TcpWorker::advance(Task& task, bool* finished) {
   bool progressed = false;
   std::unique_lock<std::mutex> lock(op.mu);
   LocalRank& me = op.locals[task.rank];
-  const RingPlan& plan = *op.plan;
-  const int steps = plan.num_steps();
+  const TieredPlan& plan = *op.plan;
+  const int phases = plan.num_phases();
   const int64_t esize = plan.elem_bytes();
 
   auto complete = [&](const std::optional<std::string>& result) {
@@ -1201,23 +1259,31 @@ bool TcpWorker::advance(Task& task, bool* finished) {
     return complete(op.error);
   }
 
-  // Unit u of ring r received: reduce it into (or store it as) this rank's
-  // result, then hand the chunk on to the next rank for step t+1.
-  auto consume = [&](int r, int64_t u) {
-    const int t = static_cast<int>(u % steps);
-    const Span span = op.unit_span(r, plan.position(r, task.rank), u);
+  // This rank's own contribution to the reduce steps of phase j of ring r,
+  // for the element at `offset`: its input in the first phase, the copy of
+  // the previous phase's result after that.
+  auto own = [&](int r, int j, int64_t offset) -> const char* {
+    if (j == 0) return static_cast<const char*>(me.in) + offset * esize;
+    return me.own[r].get() + (offset - me.own_offset[r]) * esize;
+  };
+
+  // Unit u of (ring r, phase j) received: reduce it into (or store it as)
+  // this rank's result, then hand the chunk on to the next rank as unit u+1
+  // unless it was the phase's last step.
+  auto consume = [&](int r, int j, int64_t u) {
+    const int steps = plan.phase(j).num_steps;
+    const Span span = plan.recv_span(r, j, task.rank, u);
     Inbox& ib = op.inbox(task.rank, r);
     if (span.count > 0) {
       char* dst = static_cast<char*>(me.out) + span.offset * esize;
-      auto staged = ib.staged.find(u);
+      auto staged = ib.staged.find({j, u});
       const char* src =
           staged != ib.staged.end() ? staged->second.data.get() : dst;
       lock.unlock();
-      if (plan.is_reduce_step(t)) {
+      if (plan.is_reduce_unit(j, u)) {
         // Same operand order as the in-process transport: the neighbour's
         // partial first, so both transports give the same bits.
-        reduce(op.desc.type, op.desc.op, dst, src,
-               static_cast<const char*>(me.in) + span.offset * esize,
+        reduce(op.desc.type, op.desc.op, dst, src, own(r, j, span.offset),
                span.count);
       } else if (src != dst) {
         std::memcpy(dst, src, static_cast<size_t>(span.count * esize));
@@ -1228,13 +1294,54 @@ bool TcpWorker::advance(Task& task, bool* finished) {
       // other local ranks may have completed, and nothing more is sent.
       if (op.failed) return;
     }
-    if (t + 1 < steps) {
-      const int next_pos = plan.position(r, plan.next_rank(r, task.rank));
-      const Span fwd = op.unit_span(r, next_pos, u + 1);
+    if (u % steps != steps - 1) {
+      const Span fwd = plan.send_span(r, j, task.rank, u + 1);
       if (fwd.count > 0) {
-        error = send_unit(task.op, task.rank, r, u + 1,
+        error = send_unit(task.op, task.rank, r, j, u + 1,
                           static_cast<const char*>(me.out) + fwd.offset * esize,
                           fwd.count * esize, &wake);
+      }
+    }
+  };
+
+  // Moves ring r to phase j: takes a copy of the shard as this rank's own
+  // contribution (a reduce phase after the first), opens the phase to
+  // direct writes, and sends the first unit of every chunk.
+  auto enter_phase = [&](int r, int j) {
+    task.phase[r] = j;
+    if (j == phases) return;
+    const Phase& ph = plan.phase(j);
+    Inbox& ib = op.inbox(task.rank, r);
+    if (j > 0 && ph.kind != PhaseKind::kAllGather) {
+      // Frames of phase j are staged until ib.phase says otherwise, so the
+      // shard can be copied without the lock.
+      const Span s = plan.shard(r, j, task.rank);
+      char* to = me.own[r].get() + (s.offset - me.own_offset[r]) * esize;
+      const char* from = static_cast<const char*>(me.out) + s.offset * esize;
+      lock.unlock();
+      std::memcpy(to, from, static_cast<size_t>(s.count * esize));
+      lock.lock();
+      if (op.failed) return;
+    }
+    ib.phase = j;
+    const int64_t units = plan.num_units(r, j, task.rank);
+    for (int64_t u = 0; u < units && error.empty() && !op.failed; ++u) {
+      if (u % ph.num_steps == 0) {
+        const Span s = plan.send_span(r, j, task.rank, u);
+        if (s.count > 0) {
+          const char* data =
+              ph.kind == PhaseKind::kAllGather
+                  ? static_cast<const char*>(me.out) + s.offset * esize
+                  : own(r, j, s.offset);
+          error = send_unit(task.op, task.rank, r, j, u, data, s.count * esize,
+                            &wake);
+        }
+      }
+      // Empty units carry nothing: consume them now, nobody sends them.
+      if (plan.recv_span(r, j, task.rank, u).count > 0) {
+        ++task.remaining[r];
+      } else {
+        consume(r, j, u);
       }
     }
   };
@@ -1242,41 +1349,39 @@ bool TcpWorker::advance(Task& task, bool* finished) {
   if (!task.started) {
     task.started = true;
     progressed = true;
-    for (int r = 0; r < plan.num_rings() && error.empty(); ++r) {
-      const int pos = plan.position(r, task.rank);
-      const int next_pos = plan.position(r, plan.next_rank(r, task.rank));
-      int64_t& remaining = task.remaining[r];
-      for (int64_t u = 0; u < op.units(r) && error.empty(); ++u) {
-        if (u % steps == 0) {
-          // Step 0: this rank's input chunk that the next rank reduces first.
-          const Span s = op.unit_span(r, next_pos, u);
-          if (s.count > 0) {
-            error = send_unit(task.op, task.rank, r, u,
-                              static_cast<const char*>(me.in) + s.offset * esize,
-                              s.count * esize, &wake);
-          }
-        }
-        // Empty units carry nothing: consume them now, nobody sends them.
-        if (op.unit_span(r, pos, u).count > 0) {
-          ++remaining;
-        } else {
-          consume(r, u);
-        }
+    if (phases > 1) {
+      // Phase 1's shard holds the shards of all later phases.
+      me.own.resize(plan.num_rings());
+      me.own_offset.resize(plan.num_rings());
+      for (int r = 0; r < plan.num_rings(); ++r) {
+        const Span s = plan.shard(r, 1, task.rank);
+        me.own[r].reset(new char[std::max<int64_t>(1, s.count * esize)]);
+        me.own_offset[r] = s.offset;
       }
+    }
+    for (int r = 0; r < plan.num_rings() && error.empty() && !op.failed; ++r) {
+      enter_phase(r, 0);
     }
   }
 
   bool all_done = true;
-  for (int r = 0; r < plan.num_rings() && error.empty(); ++r) {
+  for (int r = 0; r < plan.num_rings() && error.empty() && !op.failed; ++r) {
     Inbox& ib = op.inbox(task.rank, r);
-    while (!ib.ready.empty() && error.empty() && !op.failed) {
-      const int64_t u = ib.ready.front();
-      ib.ready.pop_front();
-      consume(r, u);
-      --task.remaining[r];
+    while (task.phase[r] < phases && error.empty() && !op.failed) {
+      const int j = task.phase[r];
+      std::deque<int64_t>& ready = ib.ready[j];
+      while (!ready.empty() && error.empty() && !op.failed) {
+        const int64_t u = ready.front();
+        ready.pop_front();
+        consume(r, j, u);
+        --task.remaining[r];
+        progressed = true;
+      }
+      if (task.remaining[r] > 0) break;
+      enter_phase(r, j + 1);
       progressed = true;
     }
-    if (task.remaining[r] > 0) all_done = false;
+    if (task.phase[r] < phases) all_done = false;
   }
   // Fails the operation for every rank; this task completes on a later
   // pass, once no I/O thread touches its buffers.
@@ -1296,12 +1401,18 @@ bool TcpWorker::advance(Task& task, bool* finished) {
        << task.rank << ": ";
     const char* sep = "";
     for (int r = 0; r < plan.num_rings(); ++r) {
-      if (task.remaining[r] == 0) continue;
-      const int prev = plan.prev_rank(r, task.rank);
-      os << sep << "ring " << r << " waits for rank " << prev << " (process "
-         << op.process_of_rank[prev] << "): " << op.inbox(task.rank, r).arrived
-         << " of " << op.inbox(task.rank, r).arrived + task.remaining[r]
-         << " chunks arrived";
+      const int j = task.phase[r];
+      if (j >= phases) continue;
+      const Phase& ph = plan.phase(j);
+      const int prev = plan.prev_rank(r, j, task.rank);
+      Inbox& ib = op.inbox(task.rank, r);
+      os << sep << "ring " << r;
+      if (phases > 1) {
+        os << " (" << phase_name(ph.kind) << " along tier " << ph.tier << ")";
+      }
+      os << " waits for rank " << prev << " (process "
+         << op.process_of_rank[prev] << "): " << ib.arrived[j] << " of "
+         << ib.arrived[j] + task.remaining[r] << " chunks arrived";
       sep = "; ";
     }
     if (all_done) {
@@ -1387,8 +1498,14 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
       error = os.str();
       tell = true;
     }
+    if (error.empty() && !op->has_desc) {
+      try {
+        op->set_desc(desc);
+      } catch (const std::exception& e) {
+        error = op_name(key, desc) + ": " + e.what();
+      }
+    }
     if (error.empty()) {
-      if (!op->has_desc) op->set_desc(desc);
       advise_huge_pages(out, desc.count * elem_bytes(desc.type));
       LocalRank& l = op->locals[rank];
       l.in = in;
@@ -1408,7 +1525,8 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
     done(error);
     return;
   }
-  Task task{op, rank, std::move(done), std::vector<int64_t>(desc.num_rings, 0)};
+  Task task{op, rank, std::move(done), std::vector<int>(desc.num_rings, 0),
+            std::vector<int64_t>(desc.num_rings, 0)};
   worker->submit(std::move(task));
   tr.check_programs_agree(op);
   // A peer lost between the check above and the join would not have seen
