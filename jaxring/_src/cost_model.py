@@ -1,0 +1,138 @@
+"""An alpha-beta-gamma cost model of jaxring's plans.
+
+Each tier of a machine has a latency alpha (seconds per message), an inverse
+bandwidth beta (seconds per byte on one of its links) and a count of ranks
+whose traffic on that tier shares one link (``shared_by``: 1 where every
+rank has its own link, e.g. one NIC per GPU; 8 where 8 GPUs of a host share
+one NIC). Reductions cost gamma seconds per byte reduced.
+
+A phase of a plan is a ring of g ranks over a shard of S bytes, split into K
+rings (parts) and pipelined in chunks of at most C bytes. It runs `steps`
+steps (g-1 for a reduce-scatter or an all-gather, 2(g-1) for an allreduce),
+and its time is
+
+    (steps + m - 1) * alpha         m = chunks per segment, ceil(S/(g K C)):
+                                    a message latency per step on the critical
+                                    path, plus pipeline fill
+  + steps * S/(g K) * streams * beta   every stream on the busiest link
+                                    carries steps segments of its ring
+  + reduce_steps * S/g * gamma      the rank's reduction work
+
+where ``streams`` is how many ring streams leave through one link: K rings
+of each rank sharing the link. A flat ring over several tiers runs at the
+pace of its slowest hop, on the loosest tier; there the K rings cross
+between groups at K different ranks, whose link they share when
+``shared_by`` > 1 (odd rings cross at a group's first rank, even ones at its
+last, so with a link per rank half of them meet).
+
+The model's byte counts come from the plans themselves (TieredPlan's shards
+and phases), so it predicts the schedule jaxring runs. It ignores
+contention between tiers (a tier's phases run one after another) and CPU
+work besides the reduction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    size: int                 # ranks in each group of this tier
+    alpha_s: float            # latency of one message
+    beta_s_per_byte: float    # inverse bandwidth of one link
+    shared_by: int = 1        # ranks whose traffic on this tier shares a link
+
+    def __post_init__(self):
+        if self.size < 1 or self.shared_by < 1:
+            raise ValueError(f"a tier needs size and shared_by >= 1: {self}")
+        if self.alpha_s < 0 or self.beta_s_per_byte < 0:
+            raise ValueError(f"a tier's alpha and beta must not be negative: {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    tiers: tuple[Tier, ...]        # tightest first
+    gamma_s_per_byte: float = 0.0  # reduction cost per byte reduced
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(t.size for t in self.tiers)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return tuple(t.size for t in self.tiers)
+
+
+def phase_time(g: int, shard_bytes: float, steps: int, reduce_steps: int,
+               rings: int, chunk_bytes: int, tier: Tier, streams: int,
+               gamma: float) -> float:
+    """Seconds one phase takes (see the module docstring)."""
+    if g <= 1 or steps == 0:
+        return 0.0
+    segment = shard_bytes / (g * rings)
+    chunks = max(1, math.ceil(segment / max(chunk_bytes, 1)))
+    return ((steps + chunks - 1) * tier.alpha_s
+            + steps * segment * streams * tier.beta_s_per_byte
+            + reduce_steps * shard_bytes / g * gamma)
+
+
+def flat_ring_time(machine: Machine, nbytes: float, rings: int,
+                   chunk_bytes: int) -> float:
+    """One flat ring over every rank, at the pace of its slowest hop."""
+    p = machine.world_size
+    active = [t for t in machine.tiers if t.size > 1]
+    if p <= 1:
+        return 0.0
+    loosest = active[-1]
+    if len(active) == 1:
+        streams = rings                      # every ring leaves each rank
+    elif loosest.shared_by > 1:
+        streams = rings                      # all crossings share the link
+    else:
+        streams = math.ceil(rings / 2)       # even and odd rings cross apart
+    return phase_time(p, nbytes, 2 * (p - 1), p - 1, rings, chunk_bytes,
+                      loosest, streams, machine.gamma_s_per_byte)
+
+
+def tiered_phases(dims: Sequence[int]) -> list[tuple[str, int]]:
+    """(kind, tier) of each phase of the tiered plan, as in tiered_plan.h."""
+    active = [i for i, d in enumerate(dims) if d > 1]
+    if not active:
+        return []
+    return ([("reduce_scatter", i) for i in active[:-1]]
+            + [("allreduce", active[-1])]
+            + [("all_gather", i) for i in reversed(active[:-1])])
+
+
+def tiered_time(machine: Machine, nbytes: float, rings: int,
+                chunk_bytes: int) -> float:
+    """The tiered plan over the machine's tiers: phase after phase."""
+    total, shard = 0.0, float(nbytes)
+    shards = {}
+    for kind, i in tiered_phases(machine.dims):
+        tier = machine.tiers[i]
+        g = tier.size
+        if kind == "all_gather":
+            shard = shards[i]
+        shards.setdefault(i, shard)
+        steps = 2 * (g - 1) if kind == "allreduce" else g - 1
+        reduce_steps = 0 if kind == "all_gather" else g - 1
+        total += phase_time(g, shard, steps, reduce_steps, rings, chunk_bytes,
+                            tier, rings * tier.shared_by,
+                            machine.gamma_s_per_byte)
+        if kind == "reduce_scatter":
+            shard = shard / g
+    return total
+
+
+def tier_bytes(machine: Machine, nbytes: float) -> list[float]:
+    """Bytes one rank sends on each tier under the tiered plan:
+    2(d_i - 1)/d_i * n / (d_0 ... d_(i-1))."""
+    out, tighter = [], 1
+    for t in machine.tiers:
+        out.append(2 * (t.size - 1) / t.size * nbytes / tighter)
+        tighter *= t.size
+    return out
