@@ -61,6 +61,19 @@ def iterations(nbytes: int) -> int:
     return max(5, min(200, (256 << 20) // max(nbytes, 1)))
 
 
+def alternating_rounds(fns: dict, x, iters: int, rounds: int) -> dict:
+    """Seconds per call of each function in each round. The functions take
+    turns within a round, so a drift of the machine hits them alike."""
+    samples = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                f(x).block_until_ready()
+            samples[k].append((time.perf_counter() - t0) / iters)
+    return samples
+
+
 def worker(args) -> None:
     """One process of the job: time both implementations at every size."""
     import jax
@@ -89,14 +102,7 @@ def worker(args) -> None:
         outs = {k: np.asarray(f(x).addressable_data(0)) for k, f in fns.items()}
         if not np.array_equal(outs["jaxring"], outs["gloo"]):
             raise SystemExit(f"jaxring and Gloo disagree at {size} bytes")
-        iters = iterations(size)
-        samples = {k: [] for k in fns}
-        for _ in range(args.rounds):
-            for k, f in fns.items():
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    f(x).block_until_ready()
-                samples[k].append((time.perf_counter() - t0) / iters)
+        samples = alternating_rounds(fns, x, iterations(size), args.rounds)
         factor = 2 * (n - 1) / n
         row = {"bytes": size, "processes": n}
         for k in fns:

@@ -36,14 +36,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netns  # noqa: E402  (benchmarks/netns.py)
-from tcp_allreduce import fmt_bytes, parse_bytes  # noqa: E402
+from tcp_allreduce import alternating_rounds, fmt_bytes, parse_bytes  # noqa: E402
 
 HOSTS, PER_HOST = 2, 2
-VARIANTS = ("flat", "tiered")
 
 
 def iterations(nbytes: int) -> int:
@@ -89,14 +87,7 @@ def worker(args) -> None:
         for k, got in outs.items():
             if not np.all(got == want):
                 raise SystemExit(f"{k} gives a wrong sum at {size} bytes")
-        iters = iterations(size)
-        samples = {k: [] for k in fns}
-        for _ in range(args.rounds):
-            for k, f in fns.items():
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    f(x).block_until_ready()
-                samples[k].append((time.perf_counter() - t0) / iters)
+        samples = alternating_rounds(fns, x, iterations(size), args.rounds)
         factor = 2 * (n - 1) / n
         row = {"bytes": size, "processes": n}
         for k in fns:
