@@ -11,6 +11,9 @@ flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A tuning table in the user's cache would change the defaults the tests
+# expect; the tuner's own tests name their files.
+os.environ.setdefault("JAXRING_TUNING", "off")
 
 import jaxring  # noqa: E402,F401  (sizes the CPU pool before JAX starts)
 import jax  # noqa: E402

@@ -32,6 +32,7 @@ from jax._src.lib.mlir.dialects import hlo
 
 from jaxring._src import call_sites, distributed, runtime, timeline
 from jaxring._src import topology as _topology
+from jaxring._src import tuning as _tuning
 from jaxring._src.config import config, parse_link, validate
 
 _OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
@@ -399,6 +400,10 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
     if op not in _PUBLIC_OPS:
         raise ValueError(f"jaxring.allreduce: op must be one of {_PUBLIC_OPS}, got {op!r}")
     axes = _axes_tuple(axis_name)
+    # What a tuning table may fill in: settings neither passed nor set.
+    tunable = {name for name, arg in (("rings", rings), ("chunk_bytes", chunk_bytes),
+                                      ("algorithm", algorithm))
+               if arg is None and not config.is_explicit(name)}
     rings = validate("rings", config.rings if rings is None else rings,
                      "jaxring.allreduce")
     chunk_bytes = validate("chunk_bytes",
@@ -427,9 +432,13 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
         by_dtype.setdefault(_check_dtype(leaf), []).append(i)
     ring_op = "sum" if op == "mean" else op
     out: list[Any] = [None] * len(leaves)
-    for idx in by_dtype.values():
+    world = math.prod(core.get_axis_env().axis_size(a) for a in axes)
+    for dtype, idx in by_dtype.items():
+        nbytes = sum(math.prod(leaves[i].shape) for i in idx) * dtype.itemsize
+        g_rings, g_chunk, g_algorithm = _tuned(tunable, world, nbytes, rings,
+                                               chunk_bytes, algorithm)
         reduced = _reduce_leaf_group([leaves[i] for i in idx], axes, ring_op,
-                                     rings, chunk_bytes, timeout_s, algorithm,
+                                     g_rings, g_chunk, timeout_s, g_algorithm,
                                      topology)
         for i, r in zip(idx, reduced):
             out[i] = r
@@ -437,6 +446,27 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
         n = math.prod(core.get_axis_env().axis_size(a) for a in axes)
         out = [v / n for v in out]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
+           algorithm: str) -> tuple[int, int, str]:
+    """rings, chunk_bytes and algorithm, with the tuning table's choice for
+    this message size in place of those left at their defaults."""
+    if not tunable:
+        return rings, chunk_bytes, algorithm
+    key = _tuning.key(jax.default_backend(), world, jax.process_count())
+    choice = _tuning.tuned_choice(config.tuning, key, nbytes)
+    if choice is None:
+        return rings, chunk_bytes, algorithm
+    if "rings" in tunable:
+        rings = choice.rings
+    if "chunk_bytes" in tunable:
+        chunk_bytes = choice.chunk_bytes
+    if "algorithm" in tunable:
+        # "auto" still takes the ring where direct does not apply (a ring
+        # across processes, link emulation).
+        algorithm = "auto" if choice.algorithm == "direct" else choice.algorithm
+    return rings, chunk_bytes, algorithm
 
 
 def pmean(x, axis_name, **kwargs):

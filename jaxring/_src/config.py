@@ -84,6 +84,10 @@ def _link_spec(v: Any) -> bool:
 
 ALGORITHMS = ("auto", "ring", "direct")
 
+
+def _tuning_setting(v: Any) -> bool:
+    return isinstance(v, str) and bool(v)
+
 _OPTIONS = {
     o.name: o
     for o in [
@@ -118,6 +122,15 @@ _OPTIONS = {
                 _positive_number, "a positive number",
                 "Seconds an allreduce waits for its peers before it fails "
                 "with an error that names the missing ranks."),
+        _Option("tuning", "JAXRING_TUNING", "auto", str, _tuning_setting,
+                '"auto", "off" or the path of a tuning file',
+                "Where rings, chunk_bytes and algorithm come from when they "
+                "are not set: \"auto\" (default) takes them, per message "
+                "size, from the table `python -m jaxring.tune` wrote to the "
+                "cache (~/.cache/jaxring/tuning.json) for this topology, if "
+                "there is one; a path names another such file; \"off\" "
+                "uses the settings' defaults. A value set explicitly (an "
+                "argument, config.update, the environment) always wins."),
         _Option("cpu_link", "JAXRING_CPU_LINK", None, lambda s: s or None,
                 _link_spec, 'None or a link such as "10Gbit,20us"',
                 "Link emulation for the in-process CPU transport: every "
@@ -143,6 +156,7 @@ class Config:
 
     def __init__(self) -> None:
         object.__setattr__(self, "_values", {})
+        object.__setattr__(self, "_explicit", set())
         for opt in _OPTIONS.values():
             raw = os.environ.get(opt.env)
             if raw is None:
@@ -155,6 +169,7 @@ class Config:
                         f"{opt.env}={raw!r}: expected {opt.requirement}") from None
                 if not opt.check(value):
                     raise ValueError(f"{opt.env}={raw!r}: expected {opt.requirement}")
+                self._explicit.add(opt.name)
             self._values[opt.name] = value
 
     def __getattr__(self, name: str) -> Any:
@@ -176,10 +191,17 @@ class Config:
                 f"jaxring.config has no setting {name!r}; settings: {sorted(_OPTIONS)}")
         validate(name, value)
         self._values[name] = value
+        self._explicit.add(name)
 
     def reset(self, name: str) -> None:
         """Returns a setting to its default (ignoring the environment)."""
         self._values[name] = _OPTIONS[name].default
+        self._explicit.discard(name)
+
+    def is_explicit(self, name: str) -> bool:
+        """Whether the setting was given (environment or update) rather than
+        left at its default; a tuning table only replaces defaults."""
+        return name in self._explicit
 
     def describe(self) -> dict[str, dict[str, Any]]:
         """Each setting's value, environment variable and meaning."""

@@ -1,0 +1,122 @@
+"""The autotuner: fitting the model, choosing, the table's file, and
+jaxring.allreduce taking its defaults from the table."""
+
+import json
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxring
+from jaxring._src import tuning
+from jaxring._src.tuning import Choice, Params
+
+TRUE = Params(call_s=3e-4, alpha_s=2e-5, beta_s_per_byte=4e-10, gamma_s_per_byte=1e-10,
+              direct_call_s=2e-4, direct_s_per_byte=3e-10)
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+
+
+def test_fit_recovers_the_parameters_of_model_generated_times():
+    choices = tuning.candidates(8, in_one_process=True)
+    measured = [(c, n, tuning.predict(TRUE, c, 8, n)) for c in choices for n in SIZES]
+    got = tuning.fit(measured, 8, TRUE.gamma_s_per_byte)
+    for name, want in vars(TRUE).items():
+        assert getattr(got, name) == pytest.approx(want, rel=1e-6), name
+
+
+def test_fit_keeps_parameters_non_negative():
+    # Times that fall with size would need a negative beta.
+    c = Choice("ring", 1, 1 << 20)
+    measured = [(c, n, 1e-3 - n * 1e-12) for n in SIZES]
+    got = tuning.fit(measured, 4, 0.0)
+    assert min(got.call_s, got.alpha_s, got.beta_s_per_byte) >= 0
+
+
+def test_select_takes_the_fastest_prediction_and_lookup_the_next_size():
+    choices = tuning.candidates(8, in_one_process=True)
+    sel = tuning.select(TRUE, choices, 8, SIZES)
+    for n, c in sel.items():
+        assert tuning.predict(TRUE, c, 8, n) == min(
+            tuning.predict(TRUE, x, 8, n) for x in choices)
+    entry = {"choices": {"1024": vars(Choice("ring", 1, 4096)),
+                         "65536": vars(Choice("direct", 2, 1 << 20))}}
+    assert tuning.lookup(entry, 10) == Choice("ring", 1, 4096)
+    assert tuning.lookup(entry, 1024) == Choice("ring", 1, 4096)
+    assert tuning.lookup(entry, 1025) == Choice("direct", 2, 1 << 20)
+    assert tuning.lookup(entry, 1 << 30) == Choice("direct", 2, 1 << 20)
+
+
+def test_file_round_trip_keeps_other_topologies(tmp_path):
+    path = str(tmp_path / "t.json")
+    sel = {4096: Choice("ring", 3, 12345)}
+    tuning.save(path, "cpu/ranks=4/processes=1", tuning.entry(TRUE, sel))
+    tuning.save(path, "cpu/ranks=8/processes=1", tuning.entry(TRUE, sel))
+    tables = tuning.load(path)
+    assert sorted(tables) == ["cpu/ranks=4/processes=1", "cpu/ranks=8/processes=1"]
+    assert Params(**tables["cpu/ranks=4/processes=1"]["params"]) == TRUE
+    assert tuning.tuned_choice(path, "cpu/ranks=4/processes=1", 100) == Choice("ring", 3, 12345)
+    assert tuning.tuned_choice(path, "cpu/ranks=2/processes=1", 100) is None
+    assert tuning.tuned_choice("off", "cpu/ranks=4/processes=1", 100) is None
+    with pytest.raises(FileNotFoundError, match="no tuning file at"):
+        tuning.tuned_choice(str(tmp_path / "missing.json"), "k", 1)
+    (tmp_path / "old.json").write_text(json.dumps({"version": 0, "tables": {}}))
+    with pytest.raises(ValueError, match="not a jaxring tuning file of version"):
+        tuning.load(str(tmp_path / "old.json"))
+
+
+def _attrs(text):
+    m = re.search(r"custom_call @jaxring_allreduce_cpu\(.*?\) \{(.*?)\}", text, re.S)
+    body = m.group(1)
+    return {k: int(re.search(rf"{k} = (\d+)", body).group(1))
+            for k in ("num_rings", "chunk_bytes", "algorithm")}
+
+
+def test_allreduce_takes_unset_settings_from_the_table(tmp_path):
+    path = str(tmp_path / "t.json")
+    key = tuning.key("cpu", 4, 1)
+    tuning.save(path, key, tuning.entry(TRUE, {
+        1024: Choice("ring", 3, 12345), 1 << 20: Choice("direct", 2, 1 << 16)}))
+    mesh = jax.make_mesh((4,), ("i",), devices=jax.devices()[:4])
+
+    def lowered(count, **kw):
+        x = jax.device_put(np.ones(4 * count, np.float32), NamedSharding(mesh, P("i")))
+        f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i", **kw), mesh=mesh,
+                                  in_specs=P("i"), out_specs=P("i"), check_vma=False))
+        return _attrs(f.lower(x).as_text())
+    default = lowered(16)
+    jaxring.config.update("tuning", path)
+    try:
+        # 64 bytes: the 1 KiB entry; 64 KiB: the 1 MiB entry (direct).
+        assert lowered(16) == {"num_rings": 3, "chunk_bytes": 12345, "algorithm": 0}
+        assert lowered(16384) == {"num_rings": 2, "chunk_bytes": 1 << 16, "algorithm": 1}
+        # What is given wins over the table.
+        assert lowered(16, rings=2)["num_rings"] == 2
+        jaxring.config.update("chunk_bytes", 4096)
+        assert lowered(16)["chunk_bytes"] == 4096
+        assert lowered(16)["num_rings"] == 3
+    finally:
+        jaxring.config.reset("tuning")
+        jaxring.config.reset("chunk_bytes")
+    assert lowered(16) == default
+
+
+def test_tune_command_measures_fits_and_writes_a_table(tmp_path):
+    out = tmp_path / "tuning.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "jaxring.tune", "--devices", "2", "--max-bytes", "16K",
+         "--quick", "--rounds", "1", "--min-time", "0.02", "--out", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "prediction error: median" in res.stdout
+    assert "model's choice:" in res.stdout
+    tables = tuning.load(str(out))
+    assert sorted(tables["cpu/ranks=2/processes=1"]["choices"]) == ["16384", "4096"]
+    res = subprocess.run(
+        [sys.executable, "-m", "jaxring.tune", "--devices", "2", "--max-bytes", "16K",
+         "--load", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "predicted" in res.stdout and "16 KiB" in res.stdout
