@@ -159,7 +159,8 @@ def test_phases_of_three_tiers():
     assert plan.group(0, 1, 0) == [0, 2, 4]
     assert plan.group(0, 2, 0) == [0, 6, 12, 18]
     # Odd rings run the other way round in every group.
-    assert plan.group(1, 1, 0) == [0, 4, 2]
+    two_rings = _jaxring.TieredPlan([2, 3, 4], 2, 240, 4, 64)
+    assert two_rings.group(1, 1, 0) == [0, 4, 2]
     # The loosest tier moves a sixth of what a flat ring would over it.
     flat = 2 * 23 / 24 * 240 * 4
     assert plan.bytes_sent(0, 2) == 2 * 3 / 4 * 240 * 4 / 6
@@ -179,6 +180,16 @@ def test_large_counts_use_64_bit_offsets():
     transfers = plan.transfers()
     assert max(t["offset"] + t["count"] for t in transfers) == count
     assert abs(plan.bytes_sent(3, 1) - 2 * 1 / 2 * count / 2) <= 2 * 2
+
+
+def test_accessors_check_their_indices():
+    plan = _jaxring.TieredPlan([2, 2], 2, 100, 4, 64)
+    for call in (lambda: plan.shard(2, 0, 0), lambda: plan.group(0, 3, 0),
+                 lambda: plan.num_units(0, 0, 4), lambda: plan.send_span(-1, 0, 0, 0),
+                 lambda: plan.coord(0, 2), lambda: plan.bytes_sent(9, 0),
+                 lambda: plan.phase(3)):
+        with pytest.raises(IndexError):
+            call()
 
 
 @pytest.mark.parametrize("bad", [([], 1, 10, 4, 64), ([2, 0], 1, 10, 4, 64),

@@ -57,6 +57,15 @@ nb::dict tiered_transfer_to_dict(const jaxring::TieredTransfer& t) {
   return d;
 }
 
+// The plan's accessors index its tables directly; Python gets an IndexError
+// instead of a read out of range.
+void check_indices(const jaxring::TieredPlan& p, int ring, int phase, int rank) {
+  if (ring < 0 || ring >= p.num_rings() || phase < 0 ||
+      phase >= p.num_phases() || rank < 0 || rank >= p.world_size()) {
+    throw nb::index_error("ring, phase or rank out of range");
+  }
+}
+
 nb::tuple span_tuple(const jaxring::Span& s) {
   return nb::make_tuple(s.offset, s.count);
 }
@@ -127,25 +136,41 @@ NB_MODULE(_jaxring, m) {
         d["num_steps"] = ph.num_steps;
         return d;
       }, nb::arg("phase"))
-      .def("coord", &jaxring::TieredPlan::coord, nb::arg("rank"),
-           nb::arg("tier"))
-      .def("group", &jaxring::TieredPlan::group, nb::arg("ring"),
-           nb::arg("phase"), nb::arg("rank"))
+      .def("coord", [](const jaxring::TieredPlan& p, int rank, int tier) {
+        if (rank < 0 || rank >= p.world_size() || tier < 0 ||
+            tier >= static_cast<int>(p.dims().size())) {
+          throw nb::index_error("rank or tier out of range");
+        }
+        return p.coord(rank, tier);
+      }, nb::arg("rank"), nb::arg("tier"))
+      .def("group", [](const jaxring::TieredPlan& p, int r, int j, int rank) {
+        check_indices(p, r, j, rank);
+        return p.group(r, j, rank);
+      }, nb::arg("ring"), nb::arg("phase"), nb::arg("rank"))
       .def("shard", [](const jaxring::TieredPlan& p, int r, int j, int rank) {
+        check_indices(p, r, j, rank);
         return span_tuple(p.shard(r, j, rank));
       }, nb::arg("ring"), nb::arg("phase"), nb::arg("rank"))
-      .def("num_units", &jaxring::TieredPlan::num_units, nb::arg("ring"),
-           nb::arg("phase"), nb::arg("rank"))
+      .def("num_units", [](const jaxring::TieredPlan& p, int r, int j, int rank) {
+        check_indices(p, r, j, rank);
+        return p.num_units(r, j, rank);
+      }, nb::arg("ring"), nb::arg("phase"), nb::arg("rank"))
       .def("recv_span", [](const jaxring::TieredPlan& p, int r, int j,
                            int rank, int64_t u) {
+        check_indices(p, r, j, rank);
         return span_tuple(p.recv_span(r, j, rank, u));
       }, nb::arg("ring"), nb::arg("phase"), nb::arg("rank"), nb::arg("unit"))
       .def("send_span", [](const jaxring::TieredPlan& p, int r, int j,
                            int rank, int64_t u) {
+        check_indices(p, r, j, rank);
         return span_tuple(p.send_span(r, j, rank, u));
       }, nb::arg("ring"), nb::arg("phase"), nb::arg("rank"), nb::arg("unit"))
-      .def("bytes_sent", &jaxring::TieredPlan::bytes_sent, nb::arg("rank"),
-           nb::arg("tier"))
+      .def("bytes_sent", [](const jaxring::TieredPlan& p, int rank, int tier) {
+        if (rank < 0 || rank >= p.world_size()) {
+          throw nb::index_error("rank out of range");
+        }
+        return p.bytes_sent(rank, tier);
+      }, nb::arg("rank"), nb::arg("tier"))
       .def("transfers", [](const jaxring::TieredPlan& p) {
         nb::list out;
         for (const auto& t : p.transfers()) {

@@ -88,6 +88,7 @@ ALGORITHMS = ("auto", "ring", "direct")
 def _tuning_setting(v: Any) -> bool:
     return isinstance(v, str) and bool(v)
 
+
 _OPTIONS = {
     o.name: o
     for o in [

@@ -96,6 +96,8 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
       return "jaxring allreduce: a topology has at most 4 tiers of 1 to "
              "65535 ranks";
     }
+    // world_size < 2^31 and t < 2^16: checked first, the product stays small.
+    if (product > world_size) break;
     product *= t;
     desc->topology.push_back(static_cast<int>(t));
   }

@@ -436,7 +436,10 @@ struct TcpOp {
     std::vector<int> dims = d.topology;
     if (dims.empty()) dims.push_back(d.world_size);
     int64_t product = 1;
-    for (int t : dims) product *= t;
+    for (int t : dims) {
+      if (t < 1 || product > d.world_size) break;  // stays far from overflow
+      product *= t;
+    }
     if (product != d.world_size) {
       throw std::invalid_argument("the topology does not multiply to the "
                                   "world size");
@@ -992,7 +995,10 @@ void Transport::read_loop(int fd) {
         const Span span =
             in_plan ? plan.recv_span(h.ring, h.phase, h.dst_rank, unit)
                     : Span{0, -1};
-        if (!in_plan || span.count * esize != h.payload_bytes) {
+        // Empty units are never sent, and a unit staged twice would free a
+        // buffer the worker may be reading: both only come from a broken peer.
+        if (!in_plan || span.count == 0 || span.count * esize != h.payload_bytes ||
+            o.inbox(h.dst_rank, h.ring).staged.count({h.phase, unit})) {
           mismatch = o.name() + ": protocol error: a frame does not fit the plan";
           discard = true;
         } else {
@@ -1503,6 +1509,7 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
         op->set_desc(desc);
       } catch (const std::exception& e) {
         error = op_name(key, desc) + ": " + e.what();
+        tell = true;  // the peers would otherwise wait for this rank
       }
     }
     if (error.empty()) {
