@@ -1,5 +1,7 @@
 #include "reduce.h"
 
+#include "reduce_ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -119,40 +121,6 @@ uint16_t float_to_bfloat16(float f) {
 
 namespace {
 
-// Integer arithmetic wraps like XLA's; done in the unsigned type so that a
-// signed overflow is defined behaviour.
-template <typename T>
-T wrap_add(T a, T b) {
-  using U = std::make_unsigned_t<T>;
-  return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
-}
-template <typename T>
-T wrap_mul(T a, T b) {
-  using U = std::make_unsigned_t<T>;
-  // Promote to at least unsigned int so that uint16*uint16 does not become
-  // a signed int multiplication that can overflow.
-  using W = std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;
-  return static_cast<T>(static_cast<U>(static_cast<W>(static_cast<U>(a)) *
-                                        static_cast<W>(static_cast<U>(b))));
-}
-
-// min/max propagate NaN like XLA's (std::min would drop it depending on
-// argument order).
-template <typename T>
-T nan_min(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>) {
-    if (std::isnan(a) || std::isnan(b)) return a + b;
-  }
-  return b < a ? b : a;
-}
-template <typename T>
-T nan_max(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>) {
-    if (std::isnan(a) || std::isnan(b)) return a + b;
-  }
-  return a < b ? b : a;
-}
-
 template <typename T, typename F>
 void apply(void* dst, const void* a, const void* b, int64_t n, F f) {
   T* d = static_cast<T*>(dst);
@@ -165,20 +133,8 @@ template <typename T>
 void reduce_native(ReduceOp op, void* dst, const void* a, const void* b,
                    int64_t n) {
   switch (op) {
-    case ReduceOp::kSum:
-      if constexpr (std::is_integral_v<T>) {
-        apply<T>(dst, a, b, n, wrap_add<T>);
-      } else {
-        apply<T>(dst, a, b, n, [](T x, T y) { return x + y; });
-      }
-      return;
-    case ReduceOp::kProd:
-      if constexpr (std::is_integral_v<T>) {
-        apply<T>(dst, a, b, n, wrap_mul<T>);
-      } else {
-        apply<T>(dst, a, b, n, [](T x, T y) { return x * y; });
-      }
-      return;
+    case ReduceOp::kSum: apply<T>(dst, a, b, n, combine_sum<T>); return;
+    case ReduceOp::kProd: apply<T>(dst, a, b, n, combine_prod<T>); return;
     case ReduceOp::kMin: apply<T>(dst, a, b, n, nan_min<T>); return;
     case ReduceOp::kMax: apply<T>(dst, a, b, n, nan_max<T>); return;
   }

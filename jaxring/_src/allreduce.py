@@ -30,7 +30,7 @@ from jax._src.interpreters import ad, batching, mlir
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
-from jaxring._src import call_sites, distributed, runtime, timeline
+from jaxring._src import call_sites, cuda_backend, distributed, runtime, timeline
 from jaxring._src import topology as _topology
 from jaxring._src import tuning as _tuning
 from jaxring._src.config import config, parse_link, validate
@@ -201,13 +201,12 @@ def _lookup(table: np.ndarray, index):
                        sliced)
 
 
-def ring_coordinates(ctx, axes: tuple, timeout_s: float, link):
-    """(world size, rank, group, rank_process) of this device for a ring over axes.
+def mesh_layout(ctx, axes: tuple):
+    """(world size, rank table, group table, devices) of a lowering over axes.
 
-    Rank and group are scalar int32 IR values computed from partition-id, so
-    one lowered module serves every device. rank_process holds the process
-    of every (group, rank); when a ring spans processes this also sets up the
-    TCP transport.
+    The tables map a partition id to its rank in its ring and to its ring's
+    group; devices are the lowering's devices in partition-id order (None
+    when JAX does not say).
     """
     axis_ctx = ctx.module_context.axis_context
     mesh = getattr(axis_ctx, "mesh", None)
@@ -224,7 +223,18 @@ def ring_coordinates(ctx, axes: tuple, timeout_s: float, link):
             "automatic is not supported; make every mesh axis manual.")
     world = math.prod(sizes[names.index(a)] for a in axes)
     rank_table, group_table = _rank_tables(names, sizes, axes)
-    devices = distributed.device_assignment(axis_ctx)
+    return world, rank_table, group_table, distributed.device_assignment(axis_ctx)
+
+
+def ring_coordinates(ctx, axes: tuple, timeout_s: float, link):
+    """(world size, rank, group, rank_process) of this device for a ring over axes.
+
+    Rank and group are scalar int32 IR values computed from partition-id, so
+    one lowered module serves every device. rank_process holds the process
+    of every (group, rank); when a ring spans processes this also sets up the
+    TCP transport.
+    """
+    world, rank_table, group_table, devices = mesh_layout(ctx, axes)
     if devices is None:
         if jax.process_count() > 1:
             raise NotImplementedError(
@@ -267,6 +277,10 @@ def resolve_algorithm(algorithm: str, link, rank_process) -> str:
     emulated = link != (0.0, 0.0)
     if algorithm == "auto":
         return "ring" if across or emulated else "direct"
+    if algorithm == "nccl":
+        raise ValueError(
+            "jaxring: algorithm='nccl' runs NCCL's allreduce and exists on the "
+            "CUDA backend only; on CPU use 'ring', 'direct' or 'auto'.")
     if algorithm == "direct" and across:
         raise ValueError(
             "jaxring: algorithm='direct' reads its peers' buffers, so every "
@@ -312,6 +326,76 @@ def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
 
 
 call_sites.register_lowering(allreduce_p, _lowering, platform="cpu")
+
+
+# ---- the CUDA lowering ------------------------------------------------------
+
+# Values of the CUDA custom call's "algorithm" attribute (CudaAlgorithm in
+# xla_ffi/cuda/allreduce_cuda.h).
+_CUDA_ALGORITHM_IDS = {"ring": 0, "nccl": 2}
+# Element types NCCL's own allreduce has (the ring moves bytes and reduces
+# with jaxring's kernels, so it has every supported type).
+_NCCL_DTYPES = tuple(d for d in SUPPORTED_DTYPES
+                     if d not in (np.dtype(np.int16), np.dtype(np.uint16)))
+
+
+def resolve_cuda_algorithm(algorithm: str, dtype) -> str:
+    """"ring" or "nccl" on the CUDA backend; "auto" takes the ring."""
+    if algorithm in ("auto", "ring"):
+        return "ring"
+    if algorithm == "direct":
+        raise ValueError(
+            "jaxring: algorithm='direct' reads peers' host memory and exists on "
+            "the CPU backend only; on GPU use 'ring', 'nccl' or 'auto'.")
+    if np.dtype(dtype) not in _NCCL_DTYPES:
+        raise TypeError(
+            f"jaxring: algorithm='nccl' cannot reduce {np.dtype(dtype)} (NCCL "
+            "has no 16-bit integer types); use algorithm='ring'.")
+    return "nccl"
+
+
+def _groups(devices, rank_table: np.ndarray, group_table: np.ndarray,
+            world: int) -> list[list]:
+    """The lowering's devices as groups of ranks: groups[g][rank]."""
+    n_groups = int(group_table.max()) + 1 if len(group_table) else 1
+    groups = [[None] * world for _ in range(n_groups)]
+    for pid, dev in enumerate(devices):
+        groups[int(group_table[pid])][int(rank_table[pid])] = dev
+    return groups
+
+
+def _cuda_lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
+                   algorithm, topology, invariant):
+    del invariant
+    cuda_backend.register()
+    if link != (0.0, 0.0):
+        raise ValueError(
+            "jaxring: cpu_link emulates links of the CPU backend; unset "
+            "jaxring.config.cpu_link / JAXRING_CPU_LINK on GPUs.")
+    if topology not in ("auto", "flat") and _topology.normalized(tuple(topology)):
+        raise NotImplementedError(
+            f"jaxring: topology {tuple(topology)} asks for a tiered plan, which "
+            "the CUDA backend does not run yet (it runs one flat ring per "
+            "group); use topology='flat' or 'auto' on GPUs.")
+    world, rank_table, group_table, devices = mesh_layout(ctx, axes)
+    if devices is None:
+        raise NotImplementedError(
+            "jaxring.allreduce: cannot tell which GPU runs each rank of this "
+            "lowering (no device assignment).")
+    (aval,) = ctx.avals_in
+    chosen = resolve_cuda_algorithm(algorithm, aval.dtype)
+    groups = _groups(devices, rank_table, group_table, world)
+    attrs = dict(op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
+                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
+                 chunk_bytes=np.int64(chunk_bytes),
+                 timeout_s=np.float64(timeout_s),
+                 algorithm=np.int64(_CUDA_ALGORITHM_IDS[chosen]),
+                 device_table=cuda_backend.device_table(groups),
+                 nccl_ids=cuda_backend.unique_ids(groups, rings, timeout_s))
+    return jax.ffi.ffi_lowering("jaxring_allreduce_cuda")(ctx, x, **attrs)
+
+
+call_sites.register_lowering(allreduce_p, _cuda_lowering, platform="cuda")
 
 
 # ---- public functions -------------------------------------------------------

@@ -14,8 +14,9 @@ def build_info() -> dict:
     import jaxlib
 
     from jaxring import _build_config, _jaxring
-    cuda_status = _build_config.CUDA_STATUS
-    return {
+    from jaxring._src import cuda_backend
+    cuda_status = cuda_backend.status()
+    info = {
         "version": _build_config.VERSION,
         "built_with_jaxlib": _build_config.BUILT_WITH_JAXLIB,
         "jax": jax.__version__,
@@ -24,3 +25,14 @@ def build_info() -> dict:
                      "cuda": cuda_status == "built"},
         "cuda": cuda_status,
     }
+    if cuda_status == "built":
+        from jaxring import _jaxring_cuda
+        info["nccl"] = _nccl_version_string(_jaxring_cuda.nccl_version())
+        info["nccl_headers"] = _nccl_version_string(_jaxring_cuda.NCCL_HEADER_VERSION)
+        info["cuda_runtime"] = _jaxring_cuda.cuda_runtime_version()
+    return info
+
+
+def _nccl_version_string(code: int) -> str:
+    """NCCL's version code (major*10000 + minor*100 + patch) as "2.32.6"."""
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"

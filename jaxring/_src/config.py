@@ -82,7 +82,7 @@ def _link_spec(v: Any) -> bool:
     return True
 
 
-ALGORITHMS = ("auto", "ring", "direct")
+ALGORITHMS = ("auto", "ring", "direct", "nccl")
 
 
 def _tuning_setting(v: Any) -> bool:
@@ -101,15 +101,17 @@ _OPTIONS = {
                 "Pipelining unit: each ring moves its part in chunks of at "
                 "most this many bytes."),
         _Option("algorithm", "JAXRING_ALGORITHM", "auto", str,
-                lambda v: v in ALGORITHMS, 'one of "auto", "ring", "direct"',
+                lambda v: v in ALGORITHMS, 'one of "auto", "ring", "direct", "nccl"',
                 "How the ranks combine their buffers. \"ring\": the chunked "
                 "multi-ring schedule. \"direct\" (devices of one process "
                 "only): each rank reduces its segment of every rank's input "
                 "and writes it into every rank's output, which moves each "
                 "byte through memory about half as often as a ring. "
-                "\"auto\" (default): direct when every rank of the "
-                "operation is in this process and cpu_link is off, the ring "
-                "otherwise."),
+                "\"nccl\" (CUDA only): NCCL's own allreduce per chunk on the "
+                "same rings, the built-in reference. \"auto\" (default): on "
+                "CPU, direct when every rank of the operation is in this "
+                "process and cpu_link is off, the ring otherwise; on GPU, "
+                "the ring."),
         _Option("topology", "JAXRING_TOPOLOGY", "auto", _topology.parse,
                 _topology.is_setting, _topology.REQUIREMENT,
                 "The tiers of the ring plan across processes, tightest "

@@ -123,6 +123,20 @@ def _done_lowering(ctx, handle, *deps, pair, out_avals):
 call_sites.register_lowering(done_p, _done_lowering, platform="cpu")
 
 
+def _cuda_split_phase_lowering(ctx, *args, **params):
+    # The CUDA start/done pair (start enqueues on the ring streams, done
+    # makes XLA's stream wait) is not built yet: refuse clearly rather than
+    # run the overlapped step some other way.
+    raise NotImplementedError(
+        "jaxring.overlap's split-phase allreduce (start/done) has no CUDA "
+        "implementation yet; on GPUs, use jaxring.allreduce / lax.psum without "
+        "jaxring.overlap for now.")
+
+
+call_sites.register_lowering(start_p, _cuda_split_phase_lowering, platform="cuda")
+call_sites.register_lowering(done_p, _cuda_split_phase_lowering, platform="cuda")
+
+
 # ---- helpers used by overlap ------------------------------------------------
 
 def start(xs, *, deps=(), axes, op, rings, chunk_bytes, timeout_s, label):

@@ -50,7 +50,7 @@ REQUIREMENT = (f'"auto", "flat" or a tuple of 1 to {MAX_TIERS} tier sizes '
                f"(1 to {MAX_TIER_SIZE} each), tightest first")
 
 
-def _normalized(dims: tuple) -> tuple:
+def normalized(dims: tuple) -> tuple:
     """dims without its tiers of one rank (the plan skips them), or () when
     at most one tier is left: that plan is exactly the flat ring, whose HLO
     then stays what it was."""
@@ -106,14 +106,14 @@ def resolve(setting: Any, world: int, rank_process: np.ndarray,
         dims = found.pop() if len(found) == 1 else ()
         if dims and math.prod(dims) != world:
             return ()
-        return _normalized(dims)
+        return normalized(dims)
     dims = tuple(setting)
     if math.prod(dims) != world:
         raise ValueError(
             f"{where}: topology {dims} has {math.prod(dims)} ranks but the "
             f"allreduce runs over {world}; the tier sizes must multiply to the "
             "size of the reduced axes.")
-    dims = _normalized(dims)
+    dims = normalized(dims)
     if dims and not across:
         raise ValueError(
             f"{where}: topology {tuple(setting)} has more than one tier, but "

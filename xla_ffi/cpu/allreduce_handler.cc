@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "../ffi_common.h"
 #include "../reduce.h"
 #include "inprocess_transport.h"
 #include "ring_transport.h"
@@ -17,24 +18,6 @@ namespace ffi = xla::ffi;
 namespace jaxring {
 
 namespace {
-
-std::optional<ElemType> to_elem_type(ffi::DataType t) {
-  switch (t) {
-    case ffi::F16: return ElemType::kF16;
-    case ffi::BF16: return ElemType::kBF16;
-    case ffi::F32: return ElemType::kF32;
-    case ffi::F64: return ElemType::kF64;
-    case ffi::S8: return ElemType::kS8;
-    case ffi::S16: return ElemType::kS16;
-    case ffi::S32: return ElemType::kS32;
-    case ffi::S64: return ElemType::kS64;
-    case ffi::U8: return ElemType::kU8;
-    case ffi::U16: return ElemType::kU16;
-    case ffi::U32: return ElemType::kU32;
-    case ffi::U64: return ElemType::kU64;
-    default: return std::nullopt;
-  }
-}
 
 ffi::Future failed_future(const std::string& message) {
   ffi::Promise promise;
@@ -54,11 +37,11 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
                                        int64_t algorithm,
                                        ffi::Span<const int64_t> topology,
                                        OpDesc* desc) {
-  const std::optional<ElemType> type = to_elem_type(dtype);
-  if (!type) return "jaxring allreduce: unsupported dtype";
+  ElemType type;
   ReduceOp op;
-  if (!reduce_op_from_int(reduce_op, &op)) {
-    return "jaxring allreduce: unknown reduction op";
+  if (auto error = check_allreduce_attrs(dtype, reduce_op, world_size, num_rings,
+                                         chunk_bytes, timeout_s, &type, &op)) {
+    return error;
   }
   if (link_bytes_per_s < 0 || link_latency_s < 0) {
     return "jaxring allreduce: the emulated link's bandwidth and latency "
@@ -68,17 +51,13 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
       algorithm != static_cast<int64_t>(Algorithm::kDirect)) {
     return "jaxring allreduce: unknown algorithm";
   }
-  if (world_size < 1 || num_rings < 1 || chunk_bytes < 1 || timeout_s <= 0) {
-    return "jaxring allreduce: world_size, rings, chunk_bytes and timeout "
-           "must be positive";
-  }
   if (rank < 0 || rank >= world_size) {
     std::ostringstream os;
     os << "jaxring allreduce: rank " << rank << " outside [0, " << world_size
        << ")";
     return os.str();
   }
-  desc->type = *type;
+  desc->type = type;
   desc->op = op;
   desc->count = count;
   desc->world_size = static_cast<int>(world_size);

@@ -1,0 +1,61 @@
+"""GPU benchmarks of the CUDA backend, on a machine with one GPU.
+
+    python benchmarks/gpu_allreduce.py [--worlds 2 4] [--kernel-bytes N]
+
+Prints, from one run:
+
+1. The reduce kernel's bandwidth against a device-to-device copy of the
+   same size, both timed with CUDA events in this run. The kernel reads two
+   buffers and writes one (3 n bytes), the copy reads one and writes one
+   (2 n bytes); the ratio compares bytes moved per second (goal >= 0.85).
+2. busbw of jaxring's ring and of NCCL's allreduce on the same
+   communicators, for worlds of several processes sharing the GPU, 1 MiB to
+   256 MiB (goal: ring >= 0.9x NCCL from 16 MiB). On one GPU every rank
+   shares its memory bandwidth, so these figures compare the two
+   schedules, not a network.
+3. jaxring.overlap on the GPU: not measured, because the CUDA start/done
+   pair that it needs is not built yet; the line says so.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
+import gpu_worker  # noqa: E402
+
+
+def kernel_bandwidth(nbytes: int, iters: int) -> None:
+    from jaxring import _jaxring, _jaxring_cuda
+    print(f"reduce kernel vs device-to-device copy, {nbytes / 2**20:.0f} MiB, "
+          f"mean of {iters} calls")
+    print(f"{'dtype':>10} {'reduce GB/s':>12} {'copy GB/s':>10} {'ratio':>7}")
+    for name in ("float32", "bfloat16", "float16", "float64", "int32", "int8"):
+        reduce_s, copy_s = _jaxring_cuda.time_reduce_and_copy(
+            _jaxring.ELEM_TYPES[name], nbytes, iters)
+        reduce_bw, copy_bw = 3 * nbytes / reduce_s / 1e9, 2 * nbytes / copy_s / 1e9
+        print(f"{name:>10} {reduce_bw:>12.0f} {copy_bw:>10.0f} {reduce_bw / copy_bw:>7.3f}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--kernel-bytes", type=int, default=1 << 30)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    kernel_bandwidth(args.kernel_bytes, args.iters)
+    rc = 0
+    for world in args.worlds:
+        results = gpu_worker.launch(world, "bench", timeout=300)
+        print(results[0][1])
+        if any(code != 0 for code, _ in results):
+            rc = 1
+            for code, out in results[1:]:
+                print(out[-2000:])
+    print("jaxring.overlap on GPU: not measured (its CUDA start/done pair is "
+          "not built yet)")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

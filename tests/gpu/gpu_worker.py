@@ -1,0 +1,211 @@
+"""One process of a GPU allreduce job, for tests/gpu and the GPU benchmark.
+
+    python gpu_worker.py PROCESS NUM_PROCESSES PORT MODE
+
+Every process uses the one visible GPU (several processes share it with
+NCCL_MULTI_RANK_GPU_ENABLE=1 and a memory fraction each, see gpu_env).
+MODE:
+
+* ``correctness``: every dtype and op, both algorithms, random sizes, ring
+  and chunk counts, against numpy on the same inputs (which every process
+  can make: rank r's input comes from seed r). Inputs are small integers,
+  so every sum, product, minimum and maximum is exact in every dtype and
+  the comparison is bit for bit.
+* ``bench``: busbw of jaxring's ring and of NCCL's allreduce on the same
+  communicators, 1 MiB to 256 MiB, in alternating rounds; prints a table.
+* ``peer_missing``: process 1 never calls; process 0's call must fail
+  after its timeout, and its next call must fail at once saying the
+  communicator was aborted.
+
+Prints "OK" last on success. ``launch`` starts such a job.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def gpu_env(processes: int) -> dict:
+    """The environment of one of `processes` ranks sharing GPU 0."""
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cuda"
+    env.pop("XLA_FLAGS", None)
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.8 / processes:.3f}"
+    return env
+
+
+def launch(processes: int, mode: str, timeout: float = 240) -> list[tuple[int, str]]:
+    """Runs a job of `processes` workers in `mode`; (return code, output) each."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = gpu_env(processes)
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(p),
+                               str(processes), str(port), mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env)
+             for p in range(processes)]
+    outs = []
+    try:
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                p.kill()
+                outs.append(p.communicate()[0] + f"\n(killed after {timeout} s)")
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+class Job:
+    """This process's view of the job: its mesh over one GPU per process."""
+
+    def __init__(self, pid: int, nprocs: int, port: int):
+        import jax
+        jax.config.update("jax_enable_x64", True)
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nprocs,
+                                   process_id=pid)
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        self.jax, self.P = jax, P
+        self.pid, self.nprocs = pid, nprocs
+        self.mesh = jax.make_mesh((nprocs,), ("i",))
+        self.sharding = NamedSharding(self.mesh, P("i"))
+
+    def global_array(self, local: np.ndarray):
+        shard = self.jax.device_put(local, self.jax.local_devices()[0])
+        return self.jax.make_array_from_single_device_arrays(
+            (self.nprocs * local.shape[0],), self.sharding, [shard])
+
+    def allreduce_fn(self, **kw):
+        import jaxring
+        return self.jax.jit(self.jax.shard_map(
+            lambda v: jaxring.allreduce(v, "i", **kw), mesh=self.mesh,
+            in_specs=self.P("i"), out_specs=self.P("i"), check_vma=False))
+
+    @staticmethod
+    def local_result(out) -> np.ndarray:
+        return np.asarray(out.addressable_shards[0].data)
+
+
+NUMPY_OP = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+
+
+def _inputs(rank: int, n: int, dtype, op: str) -> np.ndarray:
+    rng = np.random.default_rng(1000 * rank + n)
+    signed = not np.issubdtype(np.dtype(dtype), np.unsignedinteger)
+    if op == "prod":
+        vals = rng.choice([1, 2, -1] if signed else [1, 2], n)
+    else:
+        vals = rng.integers(-4 if signed else 0, 5, n)
+    return vals.astype(dtype)
+
+
+def correctness(job: Job) -> int:
+    import jax.numpy as jnp
+    dtypes = [jnp.float16, jnp.bfloat16, np.float32, np.float64, np.int8,
+              np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+              np.uint64]
+    rng = np.random.default_rng(7)
+    failures = cases = 0
+    for dtype in dtypes:
+        for op in ("sum", "prod", "min", "max"):
+            for algorithm in ("ring", "nccl"):
+                if algorithm == "nccl" and np.dtype(dtype) in (np.int16, np.uint16):
+                    continue  # NCCL has no 16-bit integers
+                n = int(rng.choice([1, 7, 1000, int(rng.integers(1, 300_000))]))
+                rings = int(rng.integers(1, 4))
+                chunk = int(rng.choice([4096, 65536, 1 << 20]))
+                xs = [_inputs(r, n, dtype, op) for r in range(job.nprocs)]
+                expected = xs[0]
+                for x in xs[1:]:
+                    expected = NUMPY_OP[op](expected, x).astype(dtype)
+                f = job.allreduce_fn(op=op, algorithm=algorithm, rings=rings,
+                                     chunk_bytes=chunk, timeout_s=60.0)
+                got = job.local_result(f(job.global_array(xs[job.pid])))
+                cases += 1
+                if got.tobytes() != expected.tobytes():
+                    failures += 1
+                    print(f"MISMATCH {np.dtype(dtype)} {op} {algorithm} n={n} "
+                          f"rings={rings} chunk={chunk}: {got[:8]} vs {expected[:8]}",
+                          flush=True)
+    print(f"process {job.pid}: {cases} cases, {failures} mismatches", flush=True)
+    return failures
+
+
+def bench(job: Job) -> int:
+    sizes = [1 << s for s in range(20, 29, 2)]  # 1 MiB .. 256 MiB
+    rounds, iters = 5, 10
+    rows = []
+    for nbytes in sizes:
+        x = job.global_array(np.ones(nbytes // 4, np.float32))
+        fns = {a: job.allreduce_fn(algorithm=a, chunk_bytes=max(1 << 20, nbytes // 8))
+               for a in ("ring", "nccl")}
+        for f in fns.values():  # compile, and create the communicators
+            f(x).block_until_ready()
+        times = {a: [] for a in fns}
+        for _ in range(rounds):
+            for a, f in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    y = f(x)
+                y.block_until_ready()
+                times[a].append((time.perf_counter() - t0) / iters)
+        busbw = {a: 2 * (job.nprocs - 1) / job.nprocs * nbytes / np.median(t) / 1e9
+                 for a, t in times.items()}
+        rows.append((nbytes, busbw["ring"], busbw["nccl"]))
+    if job.pid == 0:
+        print(f"world {job.nprocs} on one GPU: busbw GB/s, float32 sum "
+              f"(median of {rounds} rounds of {iters} calls)")
+        print(f"{'bytes':>12} {'ring':>10} {'nccl':>10} {'ring/nccl':>10}")
+        for nbytes, ring, nccl in rows:
+            print(f"{nbytes:>12} {ring:>10.2f} {nccl:>10.2f} {ring / nccl:>10.3f}")
+    return 0
+
+
+def peer_missing(job: Job) -> int:
+    if job.pid != 0:
+        time.sleep(25)  # alive, but never joins
+        return 0
+    f = job.allreduce_fn(timeout_s=5.0)
+    x = job.global_array(np.ones(1024, np.float32))
+    calls = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        try:
+            job.local_result(f(x))
+            calls.append((time.perf_counter() - t0, None))
+        except Exception as e:  # XLA's runtime error carries the handler's message
+            calls.append((time.perf_counter() - t0, str(e)))
+    for i, (took, err) in enumerate(calls):
+        print(f"call {i} {'failed' if err else 'returned'} after {took:.1f} s: "
+              f"{(err or '')[:400]}", flush=True)
+    (_, first), (second_took, second) = calls
+    ok = (first is not None and "timed out" in first and second is not None
+          and "aborted" in second and second_took < 4.0)
+    return 0 if ok else 1
+
+
+def main() -> None:
+    pid, nprocs, port, mode = (int(sys.argv[1]), int(sys.argv[2]),
+                               int(sys.argv[3]), sys.argv[4])
+    job = Job(pid, nprocs, port)
+    rc = {"correctness": correctness, "bench": bench,
+          "peer_missing": peer_missing}[mode](job)
+    if rc == 0:
+        print("OK", flush=True)
+    sys.stdout.flush()
+    # Skip jax.distributed's shutdown barrier, which a failed peer would hold.
+    os._exit(rc)
+
+
+if __name__ == "__main__":
+    main()

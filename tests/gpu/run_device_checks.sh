@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU checks of the CUDA backend, for a machine with one GPU, no
+# network, and jax with CUDA, NCCL's wheel, nanobind and scikit-build-core
+# installed: builds jaxring with JAXRING_CUDA=ON, runs tests/gpu, then the
+# GPU benchmarks. Aims to finish in under 8 minutes.
+#
+#   bash tests/gpu/run_device_checks.sh [LOG_DIR]
+#
+# Writes build.log, tests.log and bench.log into LOG_DIR (default
+# /tmp/jaxring-gpu-checks) and exits non-zero if the build, a test or a
+# benchmark failed.
+set -uo pipefail
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
+logs="${1:-/tmp/jaxring-gpu-checks}"
+mkdir -p "$logs"
+export PYTHONUNBUFFERED=1
+py="${PYTHON:-python3}"
+start=$SECONDS
+
+echo "== machine"
+nvidia-smi -L 2>&1 | head -4
+"$py" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1
+
+echo "== build (JAXRING_CUDA=ON)"
+if ! (cd "$repo" && JAXRING_CUDA=ON "$py" -m pip install --no-build-isolation \
+        --no-deps -v . > "$logs/build.log" 2>&1); then
+  tail -40 "$logs/build.log"
+  echo "BUILD FAILED"
+  exit 1
+fi
+grep -E "jaxring CUDA backend|Successfully installed" "$logs/build.log"
+(cd /tmp && "$py" -c "import jaxring; print(jaxring.build_info())") || exit 1
+echo "build took $((SECONDS - start)) s"
+
+echo "== GPU tests"
+# From outside the checkout, so that the installed package is imported.
+cd /tmp
+timeout 330 "$py" -m pytest -q -rA -p no:cacheprovider \
+    "$repo/tests/gpu" "$repo/tests/test_cuda_backend.py" 2>&1 | tee "$logs/tests.log" | tail -40
+tests_rc=${PIPESTATUS[0]}
+echo "tests took $((SECONDS - start)) s in all"
+
+echo "== GPU benchmarks"
+timeout 150 "$py" "$repo/benchmarks/gpu_allreduce.py" 2>&1 | tee "$logs/bench.log"
+bench_rc=${PIPESTATUS[0]}
+echo "all took $((SECONDS - start)) s; tests rc=$tests_rc, benchmarks rc=$bench_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

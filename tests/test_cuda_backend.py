@@ -1,0 +1,186 @@
+"""The CUDA backend on a machine without a GPU: that it was built and links,
+and what its lowering puts into the HLO (custom call, device table, NCCL
+ids), lowered for the CUDA platform from the CPU. The GPU runs themselves
+are in tests/gpu/.
+
+JAXRING_REQUIRE_CUDA_BUILD=1 (set by CI) turns "not built" into a failure,
+so that a broken CUDA build cannot pass as a skip.
+"""
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxring
+from jaxring._src import cuda_backend
+
+_REQUIRED = os.environ.get("JAXRING_REQUIRE_CUDA_BUILD") == "1"
+
+
+def _built() -> bool:
+    return cuda_backend.status() == "built"
+
+
+needs_cuda_build = pytest.mark.skipif(
+    not _built() and not _REQUIRED,
+    reason=f"CUDA backend {cuda_backend.status()}")
+
+
+def test_required_build_is_present():
+    if not _REQUIRED:
+        pytest.skip("JAXRING_REQUIRE_CUDA_BUILD is not set")
+    assert _built(), cuda_backend.status()
+
+
+@needs_cuda_build
+def test_module_links_and_reports_versions():
+    from jaxring import _jaxring_cuda as cu
+    info = jaxring.build_info()
+    assert info["backends"]["cuda"] is True and info["cuda"] == "built"
+    # The NCCL found at run time is the one the module was compiled against.
+    assert info["nccl"] == info["nccl_headers"]
+    assert re.fullmatch(r"2\.\d+\.\d+", info["nccl"])
+    assert info["cuda_runtime"] >= 12000
+    assert cu.device_count() >= 0
+    assert "jaxring_allreduce_cuda" in cu.registrations()
+
+
+@needs_cuda_build
+def test_unique_ids_need_no_gpu_and_differ():
+    from jaxring import _jaxring_cuda as cu
+    a, b = cu.new_unique_id(), cu.new_unique_id()
+    assert len(a) == len(b) == cu.UNIQUE_ID_BYTES == 128
+    assert a != b
+
+
+def _lower_for_cuda(fn, mesh, x, in_spec, out_spec):
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_spec,
+                              out_specs=out_spec, check_vma=False))
+    x = jax.device_put(x, NamedSharding(mesh, in_spec))
+    return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _custom_calls(text: str) -> list[str]:
+    return [l for l in text.splitlines() if "stablehlo.custom_call" in l]
+
+
+def _attr(line: str, name: str) -> str:
+    m = re.search(name + r" = (dense<\[?[^>]*\]?>|[-\w.+]+)", line)
+    assert m, f"no {name} in {line}"
+    return m.group(1)
+
+
+def _ints(dense: str) -> list[int]:
+    return [int(v) for v in re.findall(r"-?\d+", dense.split(":")[0])]
+
+
+@needs_cuda_build
+def test_lowering_carries_devices_and_one_id_per_group_and_ring():
+    mesh = jax.make_mesh((2, 4), ("g", "i"))
+    text = _lower_for_cuda(lambda v: jaxring.allreduce(v, "i", rings=3), mesh,
+                           jnp.arange(64.0).reshape(8, 8), P(("g", "i")), P("g"))
+    (call,) = _custom_calls(text)
+    assert "@jaxring_allreduce_cuda" in call
+    assert _attr(call, "world_size") == "4"
+    assert _attr(call, "num_rings") == "3"
+    assert _attr(call, "algorithm") == "0"
+    # (process, local device) of each rank, group by group: the groups are
+    # the rows of the mesh, the ranks its columns.
+    table = np.asarray(_ints(_attr(call, "device_table"))).reshape(2, 4, 2)
+    devices = np.asarray(mesh.devices)
+    for g in range(2):
+        for r in range(4):
+            d = devices[g, r]
+            assert tuple(table[g, r]) == (d.process_index, d.local_hardware_id)
+    ids = np.asarray(_ints(_attr(call, "nccl_ids"))).reshape(2, 3, 16)
+    flat = {ids[g, r].tobytes() for g in range(2) for r in range(3)}
+    assert len(flat) == 6  # every (group, ring) has its own communicator
+
+
+@needs_cuda_build
+def test_same_devices_reuse_their_communicator_ids():
+    mesh = jax.make_mesh((4,), ("i",))
+    x = jnp.arange(16.0)
+
+    def ids_of(fn):
+        (call,) = _custom_calls(_lower_for_cuda(fn, mesh, x, P("i"), P()))
+        return _ints(_attr(call, "nccl_ids"))
+
+    first = ids_of(lambda v: jaxring.allreduce(v, "i", rings=2))
+    again = ids_of(lambda v: jaxring.allreduce(v * 2, "i", op="max", rings=2))
+    assert first == again
+    # Ring 0's id is shared with a one-ring call over the same devices.
+    assert ids_of(lambda v: jaxring.allreduce(v, "i", rings=1)) == first[:16]
+
+
+@needs_cuda_build
+def test_nccl_algorithm_attribute():
+    mesh = jax.make_mesh((4,), ("i",))
+    text = _lower_for_cuda(lambda v: jaxring.allreduce(v, "i", algorithm="nccl"),
+                           mesh, jnp.arange(16.0), P("i"), P())
+    (call,) = _custom_calls(text)
+    assert _attr(call, "algorithm") == "2"
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("kwargs, dtype, error, match", [
+    (dict(algorithm="nccl"), jnp.int16, TypeError, "no 16-bit integer"),
+    (dict(algorithm="direct"), jnp.float32, ValueError, "CPU backend only"),
+    (dict(topology=(2, 2)), jnp.float32, NotImplementedError, "tiered plan"),
+])
+def test_cuda_lowering_refuses_what_it_cannot_run(kwargs, dtype, error, match):
+    mesh = jax.make_mesh((4,), ("i",))
+    with pytest.raises(error, match=match):
+        _lower_for_cuda(lambda v: jaxring.allreduce(v, "i", **kwargs), mesh,
+                        jnp.arange(16).astype(dtype), P("i"), P())
+
+
+@needs_cuda_build
+def test_cpu_link_is_refused_on_cuda():
+    mesh = jax.make_mesh((4,), ("i",))
+    jaxring.config.update("cpu_link", "1Gbit,10us")
+    try:
+        with pytest.raises(ValueError, match="cpu_link"):
+            _lower_for_cuda(lambda v: jaxring.allreduce(v, "i"), mesh,
+                            jnp.arange(16.0), P("i"), P())
+    finally:
+        jaxring.config.reset("cpu_link")
+
+
+def test_overlap_on_cuda_says_it_is_not_implemented():
+    mesh = jax.make_mesh((4,), ("i",))
+
+    @jaxring.overlap(axis_name="i")
+    def step(w, x):
+        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+        return jax.lax.pmean(g, "i")
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("i")),
+                              out_specs=P(), check_vma=False))
+    w = jnp.ones((8, 8))
+    x = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("i")))
+    with pytest.raises(NotImplementedError, match="no CUDA implementation"):
+        f.trace(w, x).lower(lowering_platforms=("cuda",))
+
+
+def test_unbuilt_backend_says_why(monkeypatch):
+    monkeypatch.setattr(cuda_backend, "_module", lambda: None)
+    monkeypatch.setattr(cuda_backend, "_registered", False)
+    mesh = jax.make_mesh((4,), ("i",))
+    with pytest.raises(NotImplementedError, match="needs jaxring's CUDA backend"):
+        _lower_for_cuda(lambda v: jaxring.allreduce(v, "i"), mesh,
+                        jnp.arange(16.0), P("i"), P())
+
+
+def test_nccl_algorithm_is_refused_on_cpu():
+    mesh = jax.make_mesh((4,), ("i",))
+    f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i", algorithm="nccl"),
+                              mesh=mesh, in_specs=P("i"), out_specs=P(),
+                              check_vma=False))
+    with pytest.raises(ValueError, match="CUDA backend only"):
+        f(jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("i"))))

@@ -1,0 +1,53 @@
+// What the CPU and CUDA FFI handlers share: XLA's element types as
+// jaxring's, and the checks of the attributes every allreduce carries (the
+// Python side validates them at trace time; these guard against a
+// hand-written custom call).
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "reduce.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxring {
+
+inline std::optional<ElemType> to_elem_type(xla::ffi::DataType t) {
+  namespace ffi = xla::ffi;
+  switch (t) {
+    case ffi::F16: return ElemType::kF16;
+    case ffi::BF16: return ElemType::kBF16;
+    case ffi::F32: return ElemType::kF32;
+    case ffi::F64: return ElemType::kF64;
+    case ffi::S8: return ElemType::kS8;
+    case ffi::S16: return ElemType::kS16;
+    case ffi::S32: return ElemType::kS32;
+    case ffi::S64: return ElemType::kS64;
+    case ffi::U8: return ElemType::kU8;
+    case ffi::U16: return ElemType::kU16;
+    case ffi::U32: return ElemType::kU32;
+    case ffi::U64: return ElemType::kU64;
+    default: return std::nullopt;
+  }
+}
+
+// Checks the element type, op, world size, rings, chunk size and timeout;
+// on success sets *type and *op. Returns the error message otherwise.
+inline std::optional<std::string> check_allreduce_attrs(
+    xla::ffi::DataType dtype, int64_t reduce_op, int64_t world_size,
+    int64_t num_rings, int64_t chunk_bytes, double timeout_s, ElemType* type,
+    ReduceOp* op) {
+  const std::optional<ElemType> t = to_elem_type(dtype);
+  if (!t) return "jaxring allreduce: unsupported dtype";
+  if (!reduce_op_from_int(reduce_op, op)) {
+    return "jaxring allreduce: unknown reduction op";
+  }
+  if (world_size < 1 || num_rings < 1 || chunk_bytes < 1 || timeout_s <= 0) {
+    return "jaxring allreduce: world_size, rings, chunk_bytes and timeout "
+           "must be positive";
+  }
+  *type = *t;
+  return std::nullopt;
+}
+
+}  // namespace jaxring
