@@ -25,6 +25,7 @@ _KEY = "jaxring/nccl/v1/{}/{}"
 _ID_WORDS = 16  # NCCL_UNIQUE_ID_BYTES / 8
 
 _lock = threading.Lock()
+_id_lock = threading.Lock()
 _ids: dict[tuple, bytes] = {}
 _registered = False
 
@@ -90,18 +91,19 @@ def _id_for(devices: Sequence, ring: int, timeout_s: float) -> bytes:
     """The unique id of ring `ring` over `devices` (in rank order)."""
     ids = [d.id for d in devices]
     key = _group_key(ids, ring)
-    with _lock:
+    # Held while the id is made or fetched, so that two threads lowering at
+    # once do not publish one key twice.
+    with _id_lock:
         if key in _ids:
             return _ids[key]
-    module = require("jaxring.allreduce")
-    owner = devices[0].process_index
-    processes = {d.process_index for d in devices}
-    if len(processes) == 1:
-        made = module.new_unique_id()
-    else:
-        made = _exchange(module, ids, ring, owner, timeout_s)
-    with _lock:
-        return _ids.setdefault(key, made)
+        module = require("jaxring.allreduce")
+        owner = devices[0].process_index
+        if len({d.process_index for d in devices}) == 1:
+            made = module.new_unique_id()
+        else:
+            made = _exchange(module, ids, ring, owner, timeout_s)
+        _ids[key] = made
+        return made
 
 
 def _exchange(module, device_ids, ring, owner: int, timeout_s: float) -> bytes:

@@ -16,6 +16,10 @@ MODE:
 * ``peer_missing``: process 1 never calls; process 0's call must fail
   after its timeout, and its next call must fail at once saying the
   communicator was aborted.
+* ``peer_dies``: both processes complete one allreduce, then process 1
+  exits; process 0's next call must raise (the watchdog aborts the
+  communicator after the timeout and the abort check stops the
+  computation) instead of hanging.
 
 Prints "OK" last on success. ``launch`` starts such a job.
 """
@@ -194,12 +198,30 @@ def peer_missing(job: Job) -> int:
     return 0 if ok else 1
 
 
+def peer_dies(job: Job) -> int:
+    f = job.allreduce_fn(timeout_s=5.0)
+    x = job.global_array(np.ones(1 << 20, np.float32))
+    job.local_result(f(x))  # both ranks: communicators up, one good call
+    if job.pid != 0:
+        sys.stdout.flush()
+        os._exit(0)  # dies without a word to its peer
+    t0 = time.perf_counter()
+    try:
+        job.local_result(f(x))
+    except Exception as e:  # XLA's error for the stopped computation
+        print(f"call after the peer died failed after {time.perf_counter() - t0:.1f} s: "
+              f"{str(e)[:300]}", flush=True)
+        return 0
+    print("call after the peer died returned", flush=True)
+    return 1
+
+
 def main() -> None:
     pid, nprocs, port, mode = (int(sys.argv[1]), int(sys.argv[2]),
                                int(sys.argv[3]), sys.argv[4])
     job = Job(pid, nprocs, port)
-    rc = {"correctness": correctness, "bench": bench,
-          "peer_missing": peer_missing}[mode](job)
+    rc = {"correctness": correctness, "bench": bench, "peer_missing": peer_missing,
+          "peer_dies": peer_dies}[mode](job)
     if rc == 0:
         print("OK", flush=True)
     sys.stdout.flush()

@@ -104,3 +104,11 @@ def test_processes_sharing_the_gpu_match_numpy(processes):
 def test_missing_peer_times_out_then_fails_fast():
     outs = run_workers(2, "peer_missing", timeout=120)
     assert "timed out" in outs[0] and "aborted" in outs[0]
+
+
+def test_peer_dying_mid_job_raises_instead_of_hanging():
+    (rc0, out0), (rc1, _) = gpu_worker.launch(2, "peer_dies", timeout=120)
+    print(out0[-3000:])
+    assert rc0 == 0 and rc1 == 0, out0[-3000:]
+    # The watchdog's reason reaches stderr (merged into the output).
+    assert "the communicator was aborted" in out0

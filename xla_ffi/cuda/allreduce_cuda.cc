@@ -17,7 +17,9 @@
 #include "../reduce.h"
 #include "checks.h"
 #include "communicators.h"
+#include "device_guard.h"
 #include "reduce_kernels.h"
+#include "watchdog.h"
 
 namespace ffi = xla::ffi;
 
@@ -65,6 +67,7 @@ struct CudaOp {
   int num_rings;
   int64_t chunk_bytes;
   double timeout_s;
+  int64_t op_id;
 };
 
 // Finds this device's (group, rank) in the device table: one (process,
@@ -206,10 +209,59 @@ Status enqueue_nccl(const CudaOp& op, const RingPlan& plan, int r,
   return wait_ready(c, op.timeout_s, "enqueueing NCCL's allreduce");
 }
 
+// Ring r's share of the operation on c->stream, by the chosen algorithm.
+Status enqueue_work(const CudaOp& op, const RingPlan& plan, int r,
+                    Communicator* c, void* scratch, const void* in, void* out) {
+  if (op.algorithm == CudaAlgorithm::kNccl) {
+    return enqueue_nccl(op, plan, r, c, in, out);
+  }
+  const int64_t esize = plan.elem_bytes();
+  const Span part = plan.part(r);
+  if (out != in && part.count > 0) {
+    JAXRING_CUDA_CHECK(cudaMemcpyAsync(
+        at(out, part.offset, esize), at(const_cast<void*>(in), part.offset, esize),
+        part.count * esize, cudaMemcpyDeviceToDevice, c->stream));
+  }
+  return enqueue_ring(op, plan, r, c, out, scratch);
+}
+
+// The largest chunk any ring receives in a reduce-scatter step: a chunk,
+// or a whole segment when segments are smaller.
+int64_t scratch_elems(const RingPlan& plan) {
+  int64_t most = 0;
+  for (int r = 0; r < plan.num_rings(); ++r) {
+    const int64_t segment =
+        (plan.part(r).count + plan.world_size() - 1) / plan.world_size();
+    most = std::max(most, std::min(plan.chunk_elems(), segment));
+  }
+  return most;
+}
+
+// After a failure with rings already forked: their streams may still run
+// the copy, reduce or NCCL kernels enqueued so far, and their operation
+// sequence no longer matches the peers'. Every ring of the operation is
+// aborted, and XLA's stream still waits for the forked ones, so that XLA
+// does not free or reuse buffers they touch.
+void fail_rings(cudaStream_t xla_stream, const std::vector<Communicator*>& comms,
+                int forked, const std::string& why) {
+  for (size_t r = 0; r < comms.size(); ++r) {
+    Communicator* c = comms[r];
+    abort_communicator(c, why);
+    if (static_cast<int>(r) < forked) {
+      cudaEventRecord(c->join, c->stream);
+      cudaStreamWaitEvent(xla_stream, c->join, 0);
+    }
+  }
+}
+
 Status run(cudaStream_t xla_stream, int device, ffi::ScratchAllocator& scratch,
            const CudaOp& op, ffi::Span<const int64_t> nccl_ids, const void* in,
            void* out, int64_t count) {
   const int64_t esize = elem_bytes(op.type);
+  // The ring streams, kernels and events belong to `device`; XLA's thread
+  // may have another device current.
+  DeviceGuard guard(device);
+  JAXRING_CUDA_CHECK(guard.status());
   // A world of one still goes through its communicators, streams and
   // events (the ring then only copies), so one GPU exercises every part.
   if (count == 0) return std::nullopt;
@@ -230,30 +282,39 @@ Status run(cudaStream_t xla_stream, int device, ffi::ScratchAllocator& scratch,
   std::vector<std::unique_lock<std::mutex>> locks;
   for (Communicator* c : comms) {
     locks.emplace_back(c->mu);
-    if (c->aborted) {
-      return "jaxring CUDA backend: this communicator was aborted earlier and "
-             "cannot be used again (restart the job): " + c->abort_reason;
+    if (c->aborted) return aborted_error(c);
+  }
+  // Every ring's scratch before the first fork, so that running out of
+  // memory fails before any work is enqueued. XLA's scratch memory is
+  // ordered on its stream, which waits for every ring (the join), so the
+  // rings' use of it ends before XLA reuses it.
+  std::vector<void*> scratch_of(op.num_rings, nullptr);
+  if (op.algorithm == CudaAlgorithm::kRing && op.world_size > 1) {
+    const int64_t bytes = scratch_elems(*plan) * esize;
+    for (int r = 0; r < op.num_rings && bytes > 0; ++r) {
+      std::optional<void*> buf = scratch.Allocate(bytes, 256);
+      if (!buf) return "jaxring CUDA backend: no scratch memory for a chunk";
+      scratch_of[r] = *buf;
     }
   }
-  const int64_t scratch_bytes = plan->chunk_elems() * esize;
   for (int r = 0; r < op.num_rings; ++r) {
     Communicator* c = comms[r];
     JAXRING_CUDA_CHECK(cudaEventRecord(c->fork, xla_stream));
     JAXRING_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->fork, 0));
-    if (op.algorithm == CudaAlgorithm::kNccl) {
-      JAXRING_RETURN_IF_FAILED(enqueue_nccl(op, *plan, r, c, in, out));
-    } else {
-      const Span part = plan->part(r);
-      if (out != in && part.count > 0) {
-        JAXRING_CUDA_CHECK(cudaMemcpyAsync(
-            at(out, part.offset, esize), at(const_cast<void*>(in), part.offset, esize),
-            part.count * esize, cudaMemcpyDeviceToDevice, c->stream));
-      }
-      // XLA's scratch memory is ordered on its stream, which waits for this
-      // ring below, so the ring's use of it ends before XLA reuses it.
-      std::optional<void*> buf = scratch.Allocate(scratch_bytes, 256);
-      if (!buf) return "jaxring CUDA backend: no scratch memory for a chunk";
-      JAXRING_RETURN_IF_FAILED(enqueue_ring(op, *plan, r, c, out, *buf));
+    std::ostringstream what;
+    what << "allreduce op " << op.op_id << ", ring " << r << " (rank "
+         << op.rank << " of " << op.world_size << ", group " << op.group
+         << ", device " << device << ")";
+    cudaEvent_t started = nullptr;
+    Status s = watch_start(c, device, &started);
+    if (!s) {
+      s = enqueue_work(op, *plan, r, c, scratch_of[r], in, out);
+      if (s) watch_cancel(device, started);
+    }
+    if (!s) s = watch_finish(c, device, started, op.timeout_s, what.str());
+    if (s) {
+      fail_rings(xla_stream, comms, r + 1, what.str() + ": " + *s);
+      return s;
     }
     JAXRING_CUDA_CHECK(cudaEventRecord(c->join, c->stream));
     JAXRING_CUDA_CHECK(cudaStreamWaitEvent(xla_stream, c->join, 0));
@@ -269,7 +330,6 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
                              double timeout_s, int64_t algorithm,
                              ffi::Span<const int64_t> device_table,
                              ffi::Span<const int64_t> nccl_ids) {
-  (void)op_id;
   if (out->element_type() != x.element_type() ||
       out->element_count() != x.element_count()) {
     return ffi::Error::InvalidArgument(
@@ -281,6 +341,7 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
                           device_table, nccl_ids, &op)) {
     return ffi::Error::InvalidArgument(*s);
   }
+  op.op_id = op_id;
   if (Status s = run(stream, device, scratch, op, nccl_ids, x.untyped_data(),
                      out->untyped_data(), static_cast<int64_t>(x.element_count()))) {
     return ffi::Error::Internal(*s);

@@ -7,29 +7,14 @@
 #include <thread>
 #include <utility>
 
+#include "device_guard.h"
+#include "watchdog.h"
+
 namespace jaxring::cuda {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Restores the calling thread's current device: the handlers run on XLA's
-// threads and must neither rely on nor change their current device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    status_ = cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t status_ = cudaSuccess;
-};
 
 struct Key {
   UniqueIdBytes id;
@@ -59,6 +44,15 @@ Status create(const UniqueIdBytes& id, int world_size, int rank, int device,
   JAXRING_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
   JAXRING_CUDA_CHECK(cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming));
   JAXRING_CUDA_CHECK(cudaEventCreateWithFlags(&c->join, cudaEventDisableTiming));
+  // Host memory the device reads: set when the communicator is aborted, so
+  // that work already enqueued behind it fails (watchdog.h).
+  void* flag = nullptr;
+  JAXRING_CUDA_CHECK(cudaHostAlloc(&flag, sizeof(int), cudaHostAllocMapped));
+  c->abort_flag_host = static_cast<volatile int*>(flag);
+  *c->abort_flag_host = 0;
+  void* on_device = nullptr;
+  JAXRING_CUDA_CHECK(cudaHostGetDevicePointer(&on_device, flag, 0));
+  c->abort_flag_device = static_cast<const int*>(on_device);
   return std::nullopt;
 }
 
@@ -75,6 +69,7 @@ void abort_communicator(Communicator* c, const std::string& why) {
   if (c->aborted) return;
   c->aborted = true;
   c->abort_reason = why;
+  if (c->abort_flag_host != nullptr) *c->abort_flag_host = 1;
   if (c->comm != nullptr) ncclCommAbort(c->comm);
   c->comm = nullptr;
 }
@@ -130,10 +125,7 @@ Status communicator_for(const UniqueIdBytes& id, int world_size, int rank,
     }
     c->ready = true;
   }
-  if (c->aborted) {
-    return "jaxring CUDA backend: this communicator was aborted earlier and "
-           "cannot be used again (restart the job): " + c->abort_reason;
-  }
+  if (c->aborted) return aborted_error(c);
   if (c->rank != rank || c->world_size != world_size) {
     return "jaxring CUDA backend: one NCCL unique id used with two different "
            "ranks or world sizes on one device";
@@ -142,13 +134,32 @@ Status communicator_for(const UniqueIdBytes& id, int world_size, int rank,
   return std::nullopt;
 }
 
+std::string aborted_error(const Communicator* c) {
+  return "jaxring CUDA backend: this communicator was aborted earlier and "
+         "cannot be used again (restart the job): " + c->abort_reason;
+}
+
 int destroy_communicators() {
+  stop_watchdog();
   std::lock_guard<std::mutex> lock(cache_mu);
   int n = 0;
   for (auto& [key, c] : cache) {
     std::lock_guard<std::mutex> clock(c->mu);
     DeviceGuard guard(c->device);
-    if (c->stream != nullptr) cudaStreamSynchronize(c->stream);
+    // Let the ring's work drain, for a few seconds at most: with a peer
+    // gone it never would, and the watchdog is already stopped.
+    if (c->stream != nullptr && !c->aborted) {
+      const auto deadline = Clock::now() + std::chrono::seconds(5);
+      cudaError_t q;
+      while ((q = cudaStreamQuery(c->stream)) == cudaErrorNotReady &&
+             Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (q != cudaSuccess) {
+        cudaGetLastError();
+        abort_communicator(c.get(), "its work did not drain at exit");
+      }
+    }
     if (c->comm != nullptr && !c->aborted) {
       // Finalize flushes the communicator's work (nonblocking: it returns
       // ncclInProgress); if that does not finish in a few seconds (a peer is
@@ -165,6 +176,9 @@ int destroy_communicators() {
     if (c->fork != nullptr) cudaEventDestroy(c->fork);
     if (c->join != nullptr) cudaEventDestroy(c->join);
     if (c->stream != nullptr) cudaStreamDestroy(c->stream);
+    if (c->abort_flag_host != nullptr) {
+      cudaFreeHost(const_cast<int*>(c->abort_flag_host));
+    }
     ++n;
   }
   cache.clear();

@@ -37,6 +37,10 @@ struct Communicator {
   // Held while enqueueing: NCCL communicators are not thread-safe, and two
   // executions may call on one device from different threads.
   std::mutex mu;
+  // 1 once aborted, in pinned host memory that kernels read through
+  // abort_flag_device (watchdog.h).
+  volatile int* abort_flag_host = nullptr;
+  const int* abort_flag_device = nullptr;
   bool ready = false;    // joined, with its stream and events
   bool aborted = false;
   std::string abort_reason;
@@ -59,8 +63,12 @@ Status communicator_for(const UniqueIdBytes& id, int world_size, int rank,
 // on a timeout or an asynchronous error, aborts it.
 Status wait_ready(Communicator* c, double timeout_s, const char* what);
 
-// Marks c aborted and aborts its NCCL communicator (c->mu must be held).
+// Marks c aborted, sets its abort flag and aborts its NCCL communicator
+// (c->mu must be held).
 void abort_communicator(Communicator* c, const std::string& why);
+
+// The error for a call on an aborted communicator (c->mu held).
+std::string aborted_error(const Communicator* c);
 
 // Finalizes and destroys every cached communicator (atexit, from Python,
 // while CUDA is still up). Returns how many were destroyed.

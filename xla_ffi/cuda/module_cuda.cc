@@ -14,6 +14,7 @@
 #include "checks.h"
 #include "communicators.h"
 #include "reduce_kernels.h"
+#include "watchdog.h"
 
 namespace nb = nanobind;
 
@@ -120,6 +121,8 @@ NB_MODULE(_jaxring_cuda, m) {
         "Finalizes and destroys every cached NCCL communicator.");
   m.def("communicator_count", &jaxring::cuda::communicator_count,
         "NCCL communicators in the cache.");
+  m.def("watched_count", &jaxring::cuda::watched_count,
+        "Ring operations the watchdog still follows (not finished yet).");
 
   m.def("nccl_version", []() {
     int v = 0;

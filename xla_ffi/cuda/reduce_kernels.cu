@@ -135,6 +135,11 @@ cudaError_t launch_op(ReduceOp op, void* dst, const void* src, int64_t n,
 cudaError_t launch_reduce(ElemType type, ReduceOp op, void* dst,
                           const void* src, int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
+  // An error left by an earlier call would otherwise be blamed on this
+  // launch by the cudaGetLastError after it.
+  if (const cudaError_t earlier = cudaPeekAtLastError(); earlier != cudaSuccess) {
+    return earlier;
+  }
   switch (type) {
     case ElemType::kF16: return launch_op<Half>(op, dst, src, n, stream);
     case ElemType::kBF16: return launch_op<BFloat16>(op, dst, src, n, stream);
