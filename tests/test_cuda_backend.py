@@ -152,20 +152,34 @@ def test_cpu_link_is_refused_on_cuda():
         jaxring.config.reset("cpu_link")
 
 
-def test_overlap_on_cuda_says_it_is_not_implemented():
+@needs_cuda_build
+def test_overlap_lowers_to_cuda_start_and_done_pairs():
     mesh = jax.make_mesh((4,), ("i",))
 
-    @jaxring.overlap(axis_name="i")
-    def step(w, x):
-        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
-        return jax.lax.pmean(g, "i")
+    @jaxring.overlap(axis_name="i", bucket_mb=0.001, first_bucket_mb=0.001)
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(h @ w)
+            return jnp.sum(h ** 2)
+        return jax.lax.pmean(jax.grad(loss)(ws), "i")
 
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("i")),
                               out_specs=P(), check_vma=False))
-    w = jnp.ones((8, 8))
-    x = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("i")))
-    with pytest.raises(NotImplementedError, match="no CUDA implementation"):
-        f.trace(w, x).lower(lowering_platforms=("cuda",))
+    ws = [jnp.ones((16, 16)) * 0.1 for _ in range(3)]
+    x = jax.device_put(jnp.ones((16, 16)), NamedSharding(mesh, P("i")))
+    calls = _custom_calls(f.trace(ws, x).lower(lowering_platforms=("cuda",)).as_text())
+    starts = [c for c in calls if "@jaxring_allreduce_start_cuda" in c]
+    dones = [c for c in calls if "@jaxring_allreduce_done_cuda" in c]
+    assert len(starts) == len(dones) >= 2, calls
+    # Each done names its start's op id; each start carries the ring's
+    # devices and ids like the plain allreduce.
+    assert sorted(_attr(c, "op_id") for c in starts) == \
+        sorted(_attr(c, "op_id") for c in dones)
+    for c in starts:
+        assert _attr(c, "world_size") == "4"
+        assert len(_ints(_attr(c, "device_table"))) == 8
 
 
 def test_unbuilt_backend_says_why(monkeypatch):

@@ -364,9 +364,10 @@ def _groups(devices, rank_table: np.ndarray, group_table: np.ndarray,
     return groups
 
 
-def _cuda_lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
-                   algorithm, topology, invariant):
-    del invariant
+def cuda_attributes(ctx, axes, op, rings, chunk_bytes, timeout_s, link,
+                    algorithm, topology, dtype) -> dict:
+    """The attributes every CUDA ring operation carries, with a fresh op id;
+    registers the CUDA targets first (or raises why there are none)."""
     cuda_backend.register()
     if link != (0.0, 0.0):
         raise ValueError(
@@ -382,16 +383,23 @@ def _cuda_lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
         raise NotImplementedError(
             "jaxring.allreduce: cannot tell which GPU runs each rank of this "
             "lowering (no device assignment).")
-    (aval,) = ctx.avals_in
-    chosen = resolve_cuda_algorithm(algorithm, aval.dtype)
+    chosen = resolve_cuda_algorithm(algorithm, dtype)
     groups = _groups(devices, rank_table, group_table, world)
-    attrs = dict(op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
-                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
-                 chunk_bytes=np.int64(chunk_bytes),
-                 timeout_s=np.float64(timeout_s),
-                 algorithm=np.int64(_CUDA_ALGORITHM_IDS[chosen]),
-                 device_table=cuda_backend.device_table(groups),
-                 nccl_ids=cuda_backend.unique_ids(groups, rings, timeout_s))
+    return dict(op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
+                reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
+                chunk_bytes=np.int64(chunk_bytes),
+                timeout_s=np.float64(timeout_s),
+                algorithm=np.int64(_CUDA_ALGORITHM_IDS[chosen]),
+                device_table=cuda_backend.device_table(groups),
+                nccl_ids=cuda_backend.unique_ids(groups, rings, timeout_s))
+
+
+def _cuda_lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
+                   algorithm, topology, invariant):
+    del invariant
+    (aval,) = ctx.avals_in
+    attrs = cuda_attributes(ctx, axes, op, rings, chunk_bytes, timeout_s, link,
+                            algorithm, topology, aval.dtype)
     return jax.ffi.ffi_lowering("jaxring_allreduce_cuda")(ctx, x, **attrs)
 
 

@@ -24,6 +24,7 @@ gradients have been traced.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -110,31 +111,35 @@ def _done_abstract_eval(handle, *deps, pair, out_avals):
 done_p.def_abstract_eval(_done_abstract_eval)
 
 
-def _done_lowering(ctx, handle, *deps, pair, out_avals):
+def _done_lowering(ctx, handle, *deps, pair, out_avals,
+                   target="jaxring_allreduce_done_cpu"):
     del out_avals
     op_id = _op_id_of_pair.get(pair)
     if op_id is None:  # a done is lowered after its start: its operand
         raise RuntimeError(f"jaxring: allreduce done of pair {pair} lowered "
                            "before its start")
-    call = jax.ffi.ffi_lowering("jaxring_allreduce_done_cpu")
+    call = jax.ffi.ffi_lowering(target)
     return call(ctx, handle, *deps, op_id=np.int64(op_id))
 
 
 call_sites.register_lowering(done_p, _done_lowering, platform="cpu")
 
 
-def _cuda_split_phase_lowering(ctx, *args, **params):
-    # The CUDA start/done pair (start enqueues on the ring streams, done
-    # makes XLA's stream wait) is not built yet: refuse clearly rather than
-    # run the overlapped step some other way.
-    raise NotImplementedError(
-        "jaxring.overlap's split-phase allreduce (start/done) has no CUDA "
-        "implementation yet; on GPUs, use jaxring.allreduce / lax.psum without "
-        "jaxring.overlap for now.")
+def _start_cuda_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s,
+                         link, algorithm, topology, pair, label, num_deps):
+    attrs = _ar.cuda_attributes(ctx, axes, op, rings, chunk_bytes, timeout_s,
+                                link, algorithm, topology,
+                                ctx.avals_in[num_deps].dtype)
+    _op_id_of_pair[pair] = int(attrs["op_id"])
+    timeline.name_op(attrs["op_id"], label)
+    attrs["num_deps"] = np.int64(num_deps)
+    return jax.ffi.ffi_lowering("jaxring_allreduce_start_cuda")(ctx, *xs, **attrs)
 
 
-call_sites.register_lowering(start_p, _cuda_split_phase_lowering, platform="cuda")
-call_sites.register_lowering(done_p, _cuda_split_phase_lowering, platform="cuda")
+call_sites.register_lowering(start_p, _start_cuda_lowering, platform="cuda")
+call_sites.register_lowering(
+    done_p, functools.partial(_done_lowering, target="jaxring_allreduce_done_cuda"),
+    platform="cuda")
 
 
 # ---- helpers used by overlap ------------------------------------------------

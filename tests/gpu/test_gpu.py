@@ -101,6 +101,10 @@ def test_processes_sharing_the_gpu_match_numpy(processes):
     run_workers(processes, "correctness")
 
 
+def test_overlap_step_matches_pmean_at_the_end():
+    run_workers(2, "overlap")
+
+
 def test_missing_peer_times_out_then_fails_fast():
     outs = run_workers(2, "peer_missing", timeout=120)
     assert "timed out" in outs[0] and "aborted" in outs[0]

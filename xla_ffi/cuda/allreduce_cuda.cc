@@ -1,326 +1,19 @@
 #include "allreduce_cuda.h"
 
 #include <cuda_runtime.h>
-#include <nccl.h>
 
-#include <algorithm>
-#include <atomic>
-#include <cstring>
-#include <mutex>
 #include <optional>
-#include <sstream>
-#include <stdexcept>
 #include <vector>
 
-#include "../ffi_common.h"
-#include "../plan.h"
-#include "../reduce.h"
 #include "checks.h"
 #include "communicators.h"
-#include "device_guard.h"
-#include "reduce_kernels.h"
-#include "watchdog.h"
+#include "ring_ops.h"
 
 namespace ffi = xla::ffi;
 
 namespace jaxring::cuda {
 
 namespace {
-
-std::atomic<int> process_index{0};
-
-std::optional<ncclDataType_t> nccl_type(ElemType t) {
-  switch (t) {
-    case ElemType::kF16: return ncclFloat16;
-    case ElemType::kBF16: return ncclBfloat16;
-    case ElemType::kF32: return ncclFloat32;
-    case ElemType::kF64: return ncclFloat64;
-    case ElemType::kS8: return ncclInt8;
-    case ElemType::kU8: return ncclUint8;
-    case ElemType::kS32: return ncclInt32;
-    case ElemType::kU32: return ncclUint32;
-    case ElemType::kS64: return ncclInt64;
-    case ElemType::kU64: return ncclUint64;
-    case ElemType::kS16: case ElemType::kU16: return std::nullopt;
-  }
-  return std::nullopt;
-}
-
-ncclRedOp_t nccl_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum: return ncclSum;
-    case ReduceOp::kProd: return ncclProd;
-    case ReduceOp::kMin: return ncclMin;
-    case ReduceOp::kMax: return ncclMax;
-  }
-  return ncclSum;
-}
-
-// What one call does, checked and resolved from its attributes.
-struct CudaOp {
-  ElemType type;
-  ReduceOp op;
-  CudaAlgorithm algorithm;
-  int world_size;
-  int rank;
-  int group;
-  int num_rings;
-  int64_t chunk_bytes;
-  double timeout_s;
-  int64_t op_id;
-};
-
-// Finds this device's (group, rank) in the device table: one (process,
-// device ordinal) pair per rank, world_size ranks per group.
-Status locate(ffi::Span<const int64_t> device_table, int64_t world_size,
-              int device, int* group, int* rank) {
-  const int me = process_index.load();
-  const int64_t rows = static_cast<int64_t>(device_table.size()) / 2;
-  int found = 0;
-  for (int64_t i = 0; i < rows; ++i) {
-    if (device_table[2 * i] == me && device_table[2 * i + 1] == device) {
-      *group = static_cast<int>(i / world_size);
-      *rank = static_cast<int>(i % world_size);
-      ++found;
-    }
-  }
-  if (found == 1) return std::nullopt;
-  std::ostringstream os;
-  os << "jaxring CUDA backend: device " << device << " of process " << me
-     << (found == 0 ? " is not among" : " appears more than once in")
-     << " this allreduce's devices";
-  return os.str();
-}
-
-Status describe(ffi::DataType dtype, int device, int64_t world_size,
-                int64_t reduce_op, int64_t num_rings, int64_t chunk_bytes,
-                double timeout_s, int64_t algorithm,
-                ffi::Span<const int64_t> device_table,
-                ffi::Span<const int64_t> nccl_ids, CudaOp* op) {
-  if (auto error = check_allreduce_attrs(dtype, reduce_op, world_size, num_rings,
-                                         chunk_bytes, timeout_s, &op->type,
-                                         &op->op)) {
-    return error;
-  }
-  if (algorithm != static_cast<int64_t>(CudaAlgorithm::kRing) &&
-      algorithm != static_cast<int64_t>(CudaAlgorithm::kNccl)) {
-    return "jaxring allreduce: unknown algorithm for the CUDA backend";
-  }
-  if (device_table.size() % (2 * world_size) != 0) {
-    return "jaxring allreduce: the device table is not whole groups";
-  }
-  const int64_t groups = device_table.size() / (2 * world_size);
-  constexpr int64_t kIdWords = NCCL_UNIQUE_ID_BYTES / sizeof(int64_t);
-  if (static_cast<int64_t>(nccl_ids.size()) != groups * num_rings * kIdWords) {
-    return "jaxring allreduce: expected one NCCL unique id per group and ring";
-  }
-  op->algorithm = static_cast<CudaAlgorithm>(algorithm);
-  op->world_size = static_cast<int>(world_size);
-  op->num_rings = static_cast<int>(num_rings);
-  op->chunk_bytes = chunk_bytes;
-  op->timeout_s = timeout_s;
-  if (op->algorithm == CudaAlgorithm::kNccl && !nccl_type(op->type)) {
-    return std::string("jaxring allreduce: algorithm 'nccl' has no ") +
-           elem_type_name(op->type) + " type; use algorithm 'ring'";
-  }
-  return locate(device_table, world_size, device, &op->group, &op->rank);
-}
-
-UniqueIdBytes id_of(ffi::Span<const int64_t> nccl_ids, int group, int ring,
-                    int num_rings) {
-  constexpr int64_t kIdWords = NCCL_UNIQUE_ID_BYTES / sizeof(int64_t);
-  UniqueIdBytes id;
-  const int64_t* words = nccl_ids.begin() + (group * num_rings + ring) * kIdWords;
-  std::memcpy(id.data(), words, NCCL_UNIQUE_ID_BYTES);
-  return id;
-}
-
-char* at(void* base, int64_t elem, int64_t esize) {
-  return static_cast<char*>(base) + elem * esize;
-}
-
-// Enqueues ring r's share of the chunked ring allreduce for this rank on
-// c->stream: the reduce-scatter receives each chunk into scratch and
-// reduces it into the output, the all-gather receives straight into it.
-// Chunks of one ring follow each other on the ring's stream; the rings run
-// side by side.
-Status enqueue_ring(const CudaOp& op, const RingPlan& plan, int r,
-                    Communicator* c, void* out, void* scratch) {
-  const int64_t esize = plan.elem_bytes();
-  const int pos = plan.position(r, op.rank);
-  const int next = plan.next_rank(r, op.rank);
-  const int prev = plan.prev_rank(r, op.rank);
-  for (int t = 0; t < plan.num_steps(); ++t) {
-    const bool reduce = plan.is_reduce_step(t);
-    const int send_seg = plan.send_segment(pos, t);
-    const int recv_seg = plan.recv_segment(pos, t);
-    for (int64_t ch = 0; ch < plan.num_chunks(r); ++ch) {
-      const Span send = plan.chunk(r, send_seg, ch);
-      const Span recv = plan.chunk(r, recv_seg, ch);
-      if (send.count == 0 && recv.count == 0) continue;
-      void* recv_into = reduce ? scratch : at(out, recv.offset, esize);
-      // The group is always closed, also when a call in it fails, so that
-      // this thread's next NCCL call is not left inside it.
-      JAXRING_NCCL_CHECK(ncclGroupStart());
-      ncclResult_t result = ncclSuccess;
-      if (send.count > 0) {
-        result = ncclSend(at(out, send.offset, esize), send.count * esize,
-                          ncclUint8, next, c->comm, c->stream);
-      }
-      if (recv.count > 0 && (result == ncclSuccess || result == ncclInProgress)) {
-        result = ncclRecv(recv_into, recv.count * esize, ncclUint8, prev, c->comm,
-                          c->stream);
-      }
-      const ncclResult_t end = ncclGroupEnd();
-      JAXRING_NCCL_CHECK_AS(result, "ncclSend/ncclRecv of a ring step");
-      JAXRING_NCCL_CHECK_AS(end, "ncclGroupEnd of a ring step");
-      JAXRING_RETURN_IF_FAILED(wait_ready(c, op.timeout_s, "enqueueing a ring step"));
-      if (reduce && recv.count > 0) {
-        JAXRING_CUDA_CHECK(launch_reduce(op.type, op.op,
-                                         at(out, recv.offset, esize), scratch,
-                                         recv.count, c->stream));
-      }
-    }
-  }
-  return std::nullopt;
-}
-
-// NCCL's allreduce over ring r's part, chunk by chunk, on the same
-// communicator and stream as the ring would use.
-Status enqueue_nccl(const CudaOp& op, const RingPlan& plan, int r,
-                    Communicator* c, const void* in, void* out) {
-  const int64_t esize = plan.elem_bytes();
-  const Span part = plan.part(r);
-  const int64_t step = plan.chunk_elems();
-  JAXRING_NCCL_CHECK(ncclGroupStart());
-  ncclResult_t result = ncclSuccess;
-  for (int64_t off = part.offset;
-       off < part.offset + part.count &&
-       (result == ncclSuccess || result == ncclInProgress);
-       off += step) {
-    const int64_t n = std::min(step, part.offset + part.count - off);
-    result = ncclAllReduce(at(const_cast<void*>(in), off, esize), at(out, off, esize),
-                           n, *nccl_type(op.type), nccl_op(op.op), c->comm,
-                           c->stream);
-  }
-  const ncclResult_t end = ncclGroupEnd();  // closed also after a failure
-  JAXRING_NCCL_CHECK_AS(result, "ncclAllReduce");
-  JAXRING_NCCL_CHECK_AS(end, "ncclGroupEnd of ncclAllReduce");
-  return wait_ready(c, op.timeout_s, "enqueueing NCCL's allreduce");
-}
-
-// Ring r's share of the operation on c->stream, by the chosen algorithm.
-Status enqueue_work(const CudaOp& op, const RingPlan& plan, int r,
-                    Communicator* c, void* scratch, const void* in, void* out) {
-  if (op.algorithm == CudaAlgorithm::kNccl) {
-    return enqueue_nccl(op, plan, r, c, in, out);
-  }
-  const int64_t esize = plan.elem_bytes();
-  const Span part = plan.part(r);
-  if (out != in && part.count > 0) {
-    JAXRING_CUDA_CHECK(cudaMemcpyAsync(
-        at(out, part.offset, esize), at(const_cast<void*>(in), part.offset, esize),
-        part.count * esize, cudaMemcpyDeviceToDevice, c->stream));
-  }
-  return enqueue_ring(op, plan, r, c, out, scratch);
-}
-
-// The largest chunk any ring receives in a reduce-scatter step: a chunk,
-// or a whole segment when segments are smaller.
-int64_t scratch_elems(const RingPlan& plan) {
-  int64_t most = 0;
-  for (int r = 0; r < plan.num_rings(); ++r) {
-    const int64_t segment =
-        (plan.part(r).count + plan.world_size() - 1) / plan.world_size();
-    most = std::max(most, std::min(plan.chunk_elems(), segment));
-  }
-  return most;
-}
-
-// After a failure with rings already forked: their streams may still run
-// the copy, reduce or NCCL kernels enqueued so far, and their operation
-// sequence no longer matches the peers'. Every ring of the operation is
-// aborted, and XLA's stream still waits for the forked ones, so that XLA
-// does not free or reuse buffers they touch.
-void fail_rings(cudaStream_t xla_stream, const std::vector<Communicator*>& comms,
-                int forked, const std::string& why) {
-  for (size_t r = 0; r < comms.size(); ++r) {
-    Communicator* c = comms[r];
-    abort_communicator(c, why);
-    if (static_cast<int>(r) < forked) {
-      cudaEventRecord(c->join, c->stream);
-      cudaStreamWaitEvent(xla_stream, c->join, 0);
-    }
-  }
-}
-
-Status run(cudaStream_t xla_stream, int device, ffi::ScratchAllocator& scratch,
-           const CudaOp& op, ffi::Span<const int64_t> nccl_ids, const void* in,
-           void* out, int64_t count) {
-  const int64_t esize = elem_bytes(op.type);
-  // The ring streams, kernels and events belong to `device`; XLA's thread
-  // may have another device current.
-  DeviceGuard guard(device);
-  JAXRING_CUDA_CHECK(guard.status());
-  // A world of one still goes through its communicators, streams and
-  // events (the ring then only copies), so one GPU exercises every part.
-  if (count == 0) return std::nullopt;
-  std::optional<RingPlan> plan;
-  try {
-    plan.emplace(op.world_size, op.num_rings, count, esize, op.chunk_bytes);
-  } catch (const std::invalid_argument& e) {
-    return std::string("jaxring allreduce: ") + e.what();
-  }
-  std::vector<Communicator*> comms(op.num_rings);
-  for (int r = 0; r < op.num_rings; ++r) {
-    JAXRING_RETURN_IF_FAILED(communicator_for(
-        id_of(nccl_ids, op.group, r, op.num_rings), op.world_size, op.rank,
-        device, op.timeout_s, &comms[r]));
-  }
-  // Each ring's communicator is distinct; taking their locks in ring order
-  // keeps two concurrent calls from deadlocking.
-  std::vector<std::unique_lock<std::mutex>> locks;
-  for (Communicator* c : comms) {
-    locks.emplace_back(c->mu);
-    if (c->aborted) return aborted_error(c);
-  }
-  // Every ring's scratch before the first fork, so that running out of
-  // memory fails before any work is enqueued. XLA's scratch memory is
-  // ordered on its stream, which waits for every ring (the join), so the
-  // rings' use of it ends before XLA reuses it.
-  std::vector<void*> scratch_of(op.num_rings, nullptr);
-  if (op.algorithm == CudaAlgorithm::kRing && op.world_size > 1) {
-    const int64_t bytes = scratch_elems(*plan) * esize;
-    for (int r = 0; r < op.num_rings && bytes > 0; ++r) {
-      std::optional<void*> buf = scratch.Allocate(bytes, 256);
-      if (!buf) return "jaxring CUDA backend: no scratch memory for a chunk";
-      scratch_of[r] = *buf;
-    }
-  }
-  for (int r = 0; r < op.num_rings; ++r) {
-    Communicator* c = comms[r];
-    JAXRING_CUDA_CHECK(cudaEventRecord(c->fork, xla_stream));
-    JAXRING_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->fork, 0));
-    std::ostringstream what;
-    what << "allreduce op " << op.op_id << ", ring " << r << " (rank "
-         << op.rank << " of " << op.world_size << ", group " << op.group
-         << ", device " << device << ")";
-    cudaEvent_t started = nullptr;
-    Status s = watch_start(c, device, &started);
-    if (!s) {
-      s = enqueue_work(op, *plan, r, c, scratch_of[r], in, out);
-      if (s) watch_cancel(device, started);
-    }
-    if (!s) s = watch_finish(c, device, started, op.timeout_s, what.str());
-    if (s) {
-      fail_rings(xla_stream, comms, r + 1, what.str() + ": " + *s);
-      return s;
-    }
-    JAXRING_CUDA_CHECK(cudaEventRecord(c->join, c->stream));
-    JAXRING_CUDA_CHECK(cudaStreamWaitEvent(xla_stream, c->join, 0));
-  }
-  return std::nullopt;
-}
 
 ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
                              ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
@@ -336,22 +29,36 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
         "jaxring allreduce: the result must have the operand's type and size");
   }
   CudaOp op;
-  if (Status s = describe(x.element_type(), device, world_size, reduce_op,
+  if (Status s = describe(x.element_type(), device, op_id, world_size, reduce_op,
                           num_rings, chunk_bytes, timeout_s, algorithm,
                           device_table, nccl_ids, &op)) {
     return ffi::Error::InvalidArgument(*s);
   }
-  op.op_id = op_id;
-  if (Status s = run(stream, device, scratch, op, nccl_ids, x.untyped_data(),
-                     out->untyped_data(), static_cast<int64_t>(x.element_count()))) {
+  RingIssue how;
+  // XLA's scratch memory is ordered on its stream, which waits for every
+  // ring (below), so the rings' use of it ends before XLA reuses it.
+  how.scratch = [&scratch](int64_t bytes, std::vector<void*>* out) -> Status {
+    for (void*& p : *out) {
+      std::optional<void*> buf = scratch.Allocate(bytes, 256);
+      if (!buf) return "jaxring CUDA backend: no scratch memory for a chunk";
+      p = *buf;
+    }
+    return std::nullopt;
+  };
+  how.join = [stream](int, Communicator* c) -> Status {
+    JAXRING_CUDA_CHECK(cudaEventRecord(c->join, c->stream));
+    JAXRING_CUDA_CHECK(cudaStreamWaitEvent(stream, c->join, 0));
+    return std::nullopt;
+  };
+  if (Status s = issue_allreduce(stream, device, op, nccl_ids, x.untyped_data(),
+                                 out->untyped_data(),
+                                 static_cast<int64_t>(x.element_count()), how)) {
     return ffi::Error::Internal(*s);
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
-
-void set_process_index(int index) { process_index.store(index); }
 
 // Not marked command-buffer compatible: the handler picks communicators and
 // records events at run time, which a captured CUDA graph would replay

@@ -12,14 +12,6 @@
 
 namespace jaxring::cuda {
 
-// Values of the custom call's "algorithm" attribute on the CUDA backend
-// (the CPU backend's direct algorithm, 1, does not exist here).
-enum class CudaAlgorithm : int { kRing = 0, kNccl = 2 };
-
-// This process's index in a multi-process job (jax.process_index()), which
-// the handler looks up with its device ordinal in the device table.
-void set_process_index(int index);
-
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllreduceCuda);
 
 }  // namespace jaxring::cuda

@@ -11,6 +11,8 @@
 
 #include "../reduce.h"
 #include "allreduce_cuda.h"
+#include "ring_ops.h"
+#include "split_phase_cuda.h"
 #include "checks.h"
 #include "communicators.h"
 #include "reduce_kernels.h"
@@ -105,6 +107,10 @@ NB_MODULE(_jaxring_cuda, m) {
     nb::dict d;
     d["jaxring_allreduce_cuda"] =
         nb::capsule(reinterpret_cast<void*>(jaxring::cuda::AllreduceCuda));
+    d["jaxring_allreduce_start_cuda"] =
+        nb::capsule(reinterpret_cast<void*>(jaxring::cuda::AllreduceStartCuda));
+    d["jaxring_allreduce_done_cuda"] =
+        nb::capsule(reinterpret_cast<void*>(jaxring::cuda::AllreduceDoneCuda));
     return d;
   }, "FFI handler capsules by target name, for platform CUDA.");
 
@@ -121,6 +127,8 @@ NB_MODULE(_jaxring_cuda, m) {
         "Finalizes and destroys every cached NCCL communicator.");
   m.def("communicator_count", &jaxring::cuda::communicator_count,
         "NCCL communicators in the cache.");
+  m.def("split_phase_pending", &jaxring::cuda::split_phase_pending_cuda,
+        "Split-phase starts whose done has not run yet.");
   m.def("watched_count", &jaxring::cuda::watched_count,
         "Ring operations the watchdog still follows (not finished yet).");
 

@@ -1,0 +1,68 @@
+// The CUDA allreduce as the FFI handlers issue it: the checked description
+// of one call, and the issuing of its rings. The synchronous handler
+// (allreduce_cuda.cc) and the split-phase start (split_phase_cuda.cc) differ
+// only in where scratch comes from and in who waits for the rings.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "../reduce.h"
+#include "checks.h"
+#include "communicators.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxring::cuda {
+
+// Values of the custom calls' "algorithm" attribute on the CUDA backend
+// (the CPU backend's direct algorithm, 1, does not exist here).
+enum class CudaAlgorithm : int { kRing = 0, kNccl = 2 };
+
+// This process's index in a multi-process job (jax.process_index()), which
+// the handlers look up with their device ordinal in the device table.
+void set_process_index(int index);
+
+// What one call does, checked and resolved from its attributes.
+struct CudaOp {
+  ElemType type;
+  ReduceOp op;
+  CudaAlgorithm algorithm;
+  int world_size;
+  int rank;
+  int group;
+  int num_rings;
+  int64_t chunk_bytes;
+  double timeout_s;
+  int64_t op_id;
+};
+
+// Checks the attributes and finds this device's rank and group.
+Status describe(xla::ffi::DataType dtype, int device, int64_t op_id,
+                int64_t world_size, int64_t reduce_op, int64_t num_rings,
+                int64_t chunk_bytes, double timeout_s, int64_t algorithm,
+                xla::ffi::Span<const int64_t> device_table,
+                xla::ffi::Span<const int64_t> nccl_ids, CudaOp* op);
+
+struct RingIssue {
+  // Sets (*out)[r] to `bytes` of scratch for each ring (called once, before
+  // the first fork). The memory must outlive the rings' work.
+  std::function<Status(int64_t bytes, std::vector<void*>* out)> scratch;
+  // Called after ring r's work is enqueued on c->stream, to make whoever
+  // consumes the result wait for it.
+  std::function<Status(int r, Communicator* c)> join;
+};
+
+// Issues the allreduce of `count` elements from `in` into `out` (which may
+// alias) on the rings' streams, forked from xla_stream: takes the rings'
+// communicators (joining them on first use) and holds their locks while it
+// enqueues, with `device` current. Never waits for the GPU. On a failure
+// after the first fork, aborts the rings and still makes xla_stream wait
+// for the ones forked.
+Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
+                       xla::ffi::Span<const int64_t> nccl_ids, const void* in,
+                       void* out, int64_t count, const RingIssue& how);
+
+}  // namespace jaxring::cuda

@@ -1,0 +1,227 @@
+#include "split_phase_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "checks.h"
+#include "communicators.h"
+#include "device_guard.h"
+#include "ring_ops.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxring::cuda {
+
+namespace {
+
+struct Started {
+  void* buffer = nullptr;            // the operands, reduced in place
+  std::vector<void*> scratch;        // one chunk per ring (ring algorithm)
+  std::vector<cudaEvent_t> joins;    // one per ring, recorded after its work
+  int64_t bytes = 0;
+};
+
+std::mutex mu;
+std::map<std::pair<int, int64_t>, std::deque<Started>> started;
+int pending = 0;
+
+// Frees what a start allocated, ordered on `stream` (after what it already
+// holds), and destroys its events once they have completed.
+void release(Started& s, cudaStream_t stream) {
+  for (cudaEvent_t e : s.joins) cudaEventDestroy(e);
+  if (s.buffer != nullptr) cudaFreeAsync(s.buffer, stream);
+  for (void* p : s.scratch) {
+    if (p != nullptr) cudaFreeAsync(p, stream);
+  }
+}
+
+Status start(cudaStream_t stream, int device, ffi::RemainingArgs args,
+             int64_t num_deps, const CudaOp& op_in,
+             ffi::Span<const int64_t> nccl_ids, Started* s) {
+  CudaOp op = op_in;
+  DeviceGuard guard(device);
+  JAXRING_CUDA_CHECK(guard.status());
+  // The operands (after the ordering dependencies), back to back.
+  std::vector<std::pair<const void*, int64_t>> parts;
+  for (size_t i = static_cast<size_t>(num_deps); i < args.size(); ++i) {
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value()) return "jaxring allreduce start: an operand is not a buffer";
+    parts.emplace_back(buf->untyped_data(), static_cast<int64_t>(buf->size_bytes()));
+    s->bytes += static_cast<int64_t>(buf->size_bytes());
+  }
+  const int64_t esize = elem_bytes(op.type);
+  if (s->bytes == 0) return std::nullopt;
+  JAXRING_CUDA_CHECK(cudaMallocAsync(&s->buffer, s->bytes, stream));
+  int64_t offset = 0;
+  for (const auto& [ptr, n] : parts) {
+    JAXRING_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(s->buffer) + offset, ptr,
+                                       n, cudaMemcpyDeviceToDevice, stream));
+    offset += n;
+  }
+  RingIssue how;
+  how.scratch = [&](int64_t bytes, std::vector<void*>* out) -> Status {
+    for (void*& p : *out) {
+      JAXRING_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream));
+      s->scratch.push_back(p);
+    }
+    return std::nullopt;
+  };
+  how.join = [&](int, Communicator* c) -> Status {
+    cudaEvent_t e;
+    JAXRING_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    s->joins.push_back(e);
+    JAXRING_CUDA_CHECK(cudaEventRecord(e, c->stream));
+    return std::nullopt;
+  };
+  return issue_allreduce(stream, device, op, nccl_ids, s->buffer, s->buffer,
+                         s->bytes / esize, how);
+}
+
+ffi::Error AllreduceStartCudaImpl(cudaStream_t stream, int32_t device,
+                                  ffi::RemainingArgs args,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> handle,
+                                  int64_t op_id, int64_t world_size,
+                                  int64_t reduce_op, int64_t num_rings,
+                                  int64_t chunk_bytes, double timeout_s,
+                                  int64_t algorithm, int64_t num_deps,
+                                  ffi::Span<const int64_t> device_table,
+                                  ffi::Span<const int64_t> nccl_ids) {
+  if (num_deps < 0 || static_cast<size_t>(num_deps) >= args.size()) {
+    return ffi::Error::InvalidArgument(
+        "jaxring allreduce start: no operands after the dependencies");
+  }
+  auto first = args.get<ffi::AnyBuffer>(static_cast<size_t>(num_deps));
+  if (!first.has_value()) {
+    return ffi::Error::InvalidArgument("jaxring allreduce start: bad operand");
+  }
+  for (size_t i = static_cast<size_t>(num_deps); i < args.size(); ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (!b.has_value() || b->element_type() != first->element_type()) {
+      return ffi::Error::InvalidArgument(
+          "jaxring allreduce start: operands mix dtypes");
+    }
+  }
+  CudaOp op;
+  if (Status e = describe(first->element_type(), device, op_id, world_size,
+                          reduce_op, num_rings, chunk_bytes, timeout_s,
+                          algorithm, device_table, nccl_ids, &op)) {
+    return ffi::Error::InvalidArgument(*e);
+  }
+  Started s;
+  if (Status e = start(stream, device, args, num_deps, op, nccl_ids, &s)) {
+    DeviceGuard guard(device);
+    release(s, stream);
+    return ffi::Error::Internal(*e);
+  }
+  // The handle's value is not used: done finds the start by (device, op).
+  if (cudaMemsetAsync(handle->untyped_data(), 0, sizeof(int32_t), stream) !=
+      cudaSuccess) {
+    DeviceGuard guard(device);
+    release(s, stream);
+    return ffi::Error::Internal("jaxring allreduce start: cudaMemsetAsync failed");
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  started[{device, op_id}].push_back(std::move(s));
+  ++pending;
+  return ffi::Error::Success();
+}
+
+Status done(cudaStream_t stream, int device, Started& s,
+            ffi::RemainingRets results) {
+  DeviceGuard guard(device);
+  JAXRING_CUDA_CHECK(guard.status());
+  for (cudaEvent_t e : s.joins) JAXRING_CUDA_CHECK(cudaStreamWaitEvent(stream, e, 0));
+  int64_t offset = 0;
+  for (size_t i = 0; i < results.size(); ++i) {
+    auto out = results.get<ffi::AnyBuffer>(i);
+    if (!out.has_value()) return "jaxring allreduce done: a result is not a buffer";
+    const int64_t n = static_cast<int64_t>((*out)->size_bytes());
+    if (offset + n > s.bytes) {
+      return "jaxring allreduce done: the results are larger than the operands";
+    }
+    if (n > 0) {
+      JAXRING_CUDA_CHECK(cudaMemcpyAsync((*out)->untyped_data(),
+                                         static_cast<char*>(s.buffer) + offset, n,
+                                         cudaMemcpyDeviceToDevice, stream));
+    }
+    offset += n;
+  }
+  if (offset != s.bytes) {
+    return "jaxring allreduce done: the results do not match the operands";
+  }
+  return std::nullopt;
+}
+
+ffi::Error AllreduceDoneCudaImpl(cudaStream_t stream, int32_t device,
+                                 ffi::Buffer<ffi::S32> handle,
+                                 ffi::RemainingArgs deps,
+                                 ffi::RemainingRets results, int64_t op_id) {
+  (void)handle;
+  (void)deps;  // ordering only
+  Started s;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = started.find({device, op_id});
+    if (it == started.end() || it->second.empty()) {
+      std::ostringstream os;
+      os << "jaxring allreduce done: no matching start on device " << device
+         << " for op " << op_id;
+      return ffi::Error::Internal(os.str());
+    }
+    s = std::move(it->second.front());
+    it->second.pop_front();
+    if (it->second.empty()) started.erase(it);
+    --pending;
+  }
+  Status e = done(stream, device, s, results);
+  DeviceGuard guard(device);
+  release(s, stream);  // after the copies, on the same stream
+  if (e) return ffi::Error::Internal(*e);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+int split_phase_pending_cuda() {
+  std::lock_guard<std::mutex> lock(mu);
+  return pending;
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllreduceStartCuda, AllreduceStartCudaImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .RemainingArgs()               // num_deps dependencies, then operands
+        .Ret<ffi::Buffer<ffi::S32>>()  // handle for done (its value unused)
+        .Attr<int64_t>("op_id")
+        .Attr<int64_t>("world_size")
+        .Attr<int64_t>("reduce_op")
+        .Attr<int64_t>("num_rings")
+        .Attr<int64_t>("chunk_bytes")
+        .Attr<double>("timeout_s")
+        .Attr<int64_t>("algorithm")
+        .Attr<int64_t>("num_deps")
+        .Attr<ffi::Span<const int64_t>>("device_table")
+        .Attr<ffi::Span<const int64_t>>("nccl_ids"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllreduceDoneCuda, AllreduceDoneCudaImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::Buffer<ffi::S32>>()  // handle from start
+        .RemainingArgs()               // ordering dependencies
+        .RemainingRets()               // the results, shaped like the operands
+        .Attr<int64_t>("op_id"));
+
+}  // namespace jaxring::cuda
