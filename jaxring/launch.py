@@ -1,6 +1,7 @@
 """Starts N local processes of one multi-controller JAX job, like torchrun.
 
     python -m jaxring.launch -n 4 train.py --steps 100
+    python -m jaxring.launch -n 4 -m jaxring.tune --quick
 
 Each process gets the coordinator's address, the number of processes and its
 own index, initializes ``jax.distributed`` and runs the script. Every output
@@ -68,9 +69,21 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def parse_args(argv):
+    # `-m MODULE args...` takes the script's place, as with python itself:
+    # everything after the module's name is the module's, so it is split
+    # off before the launcher's own options are parsed.
+    module, module_args = None, []
+    for i, a in enumerate(argv):
+        if a == "-m":
+            if i + 1 < len(argv):
+                module, module_args, argv = argv[i + 1], argv[i + 2:], argv[:i]
+            break
+        if not a.startswith("-") and (i == 0 or argv[i - 1] not in _VALUED):
+            break  # the script: what follows is its own
     ap = argparse.ArgumentParser(
         prog="python -m jaxring.launch",
-        description="Run a JAX script as N local processes of one job.")
+        description="Run a JAX script (or -m module) as N local processes "
+                    "of one job.")
     ap.add_argument("-n", "--nproc", type=int, required=True,
                     help="number of processes")
     ap.add_argument("--devices-per-process", type=int, default=None,
@@ -82,15 +95,28 @@ def parse_args(argv):
     ap.add_argument("--prefix-command", default=None, metavar="TEMPLATE",
                     help="run each process under this command, with {rank} "
                          "replaced, e.g. 'ip netns exec node{rank}'")
-    ap.add_argument("script", help="the Python script to run")
+    ap.add_argument("-m", dest="module", metavar="MODULE", default=None,
+                    help="run this module, as python -m does, instead of a "
+                         "script; the arguments after it are the module's")
+    ap.add_argument("script", nargs="?", help="the Python script to run")
     ap.add_argument("args", nargs=argparse.REMAINDER,
                     help="arguments passed to the script")
     args = ap.parse_args(argv)
+    if module is not None:
+        if args.script is not None:
+            ap.error("give a script or -m MODULE, not both")
+        args.module, args.args = module, module_args
+    elif args.script is None:
+        ap.error("give the script to run (or -m MODULE)")
     if args.nproc < 1:
         ap.error("-n must be at least 1")
     if args.devices_per_process is not None and args.devices_per_process < 1:
         ap.error("--devices-per-process must be at least 1")
     return args
+
+
+# The launcher's options that take a value (so that value is not the script).
+_VALUED = {"-n", "--nproc", "--devices-per-process", "--coordinator", "--prefix-command"}
 
 
 def child_env(base: dict, rank: int, nproc: int, coordinator: str,
@@ -120,7 +146,8 @@ def main(argv=None) -> int:
                   if args.prefix_command else [])
         p = subprocess.Popen(
             [*prefix, sys.executable, "-m", "jaxring._src.launched",
-             os.path.abspath(args.script), *args.args],
+             *(["-m", args.module] if args.module else [os.path.abspath(args.script)]),
+             *args.args],
             env=child_env(os.environ, rank, args.nproc, coordinator,
                           args.devices_per_process),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -1,18 +1,27 @@
 """Autotuner: measures the cost model's parameters on this machine and picks,
-per message size, the algorithm, ring count and chunk size.
+per message size, the algorithm, ring count, chunk size and plan.
 
 Usage:
     python -m jaxring.tune [--devices 8] [--min-bytes 4K] [--max-bytes 64M]
                            [--quick] [--out PATH] [--load PATH]
+    python -m jaxring.launch -n 4 -m jaxring.tune [--quick] ...
 
-It times jaxring.allreduce on the virtual CPU devices of this process for
-every candidate (ring counts x chunk sizes, and the direct algorithm) at
-every size, fits the model's parameters to those times (jaxring/_src/
-tuning.py), and prints, per size, the model's predicted time next to the
-measured one for every candidate, the model's choice and the measured best.
-The table is written to the cache (~/.cache/jaxring/tuning.json, or --out),
-under a key for this topology, where jaxring.allreduce finds it: settings
-left at their defaults then come from it (jaxring.config.tuning).
+It times jaxring.allreduce for every candidate (ring counts x chunk sizes,
+and the direct algorithm in one process) at every size, fits the model's
+parameters to those times (jaxring/_src/tuning.py), and prints, per size,
+the model's predicted time next to the measured one for every candidate,
+the model's choice and the measured best. The table is written to the cache
+(~/.cache/jaxring/tuning.json, or --out), under a key for this topology,
+where jaxring.allreduce finds it: settings left at their defaults then come
+from it (jaxring.config.tuning).
+
+In one process it runs on --devices virtual CPU devices. As a job of
+several processes (jax.distributed initialized, as the launcher does) it
+runs on every device of the job; where the ranks form several tiers
+(devices of a process, processes of a host, hosts) each candidate is
+measured both as a flat ring and as the tiered plan, and the model gets an
+(alpha, beta) per tier. Process 0 fits and reports; every process gets the
+same table, and one process per host writes it.
 
 --load PATH reads the parameters from a tuning file instead of measuring,
 and prints the choices they imply.
@@ -44,39 +53,77 @@ def _gamma(nbytes: int = 16 << 20, repeats: int = 5) -> float:
     return min(times) / nbytes * 2 / 3
 
 
-def measure(devices: int, sizes: list[int], choices, rounds: int, min_time: float):
+def _in_job() -> bool:
+    """Whether this process is one of several of a jax.distributed job."""
+    from jax._src import distributed
+    return distributed.global_state.client is not None
+
+
+def _agree(value, tag: str):
+    """Process 0's value, on every process of the job (the same number of
+    collective calls must run everywhere)."""
+    import json
+
+    from jax._src import distributed
+    state = distributed.global_state
+    if state.client is None:
+        return value
+    key = f"jaxring/tune/{tag}"
+    if state.process_id == 0:
+        state.client.key_value_set(key, json.dumps(value))
+    return json.loads(state.client.blocking_key_value_get(key, 600_000))
+
+
+def job_tiers(devices) -> tuple:
+    """The tiers the default topology finds for a ring over these devices
+    (() for one tier)."""
+    import numpy as np
+
+    from jaxring._src import distributed, topology
+    if len({d.process_index for d in devices}) > 1:
+        distributed.ensure_tcp_transport(120.0)
+    rank_process = np.array([d.process_index for d in devices], np.int64)
+    return topology.resolve("auto", len(devices), rank_process)
+
+
+def measure(devices, sizes: list[int], choices, rounds: int, min_time: float):
     """(choice, bytes, median seconds per call) for every choice and size,
     the choices taking turns in each round."""
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import jaxring
 
-    mesh = jax.make_mesh((devices,), ("i",), devices=jax.devices()[:devices])
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("i",))
 
     def program(c):
         return jax.jit(jax.shard_map(
             lambda v: jaxring.allreduce(v, "i", rings=c.rings, chunk_bytes=c.chunk_bytes,
-                                        algorithm=c.algorithm),
+                                        algorithm=c.algorithm, topology=c.topology),
             mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
 
     fns = [program(c) for c in choices]
+    sharding = NamedSharding(mesh, P("i"))
     out = []
     for nbytes in sizes:
-        x = jax.device_put(np.ones((devices, nbytes // 4), np.float32),
-                           NamedSharding(mesh, P("i")))
+        count = nbytes // 4
+        x = jax.make_array_from_callback(
+            (n, count), sharding, lambda idx: np.ones((1, count), np.float32))
         for f in fns:
             jax.block_until_ready(f(x))  # compile and warm up
         probe = max(_time_calls(f, x, 2) for f in fns)
-        iters = int(min(200, max(2, min_time / rounds / max(probe, 1e-7))))
+        iters = _agree(int(min(200, max(2, min_time / rounds / max(probe, 1e-7)))),
+                       f"iters/{nbytes}")
         samples = [[] for _ in fns]
         for _ in range(rounds):
             for i, f in enumerate(fns):
                 samples[i].append(_time_calls(f, x, iters))
         for c, s in zip(choices, samples):
             out.append((c, nbytes, statistics.median(s)))
-        print(f"# measured {_fmt_bytes(nbytes)}", file=sys.stderr, flush=True)
+        if jax.process_index() == 0:
+            print(f"# measured {_fmt_bytes(nbytes)}", file=sys.stderr, flush=True)
         del x
     return out
 
@@ -84,7 +131,17 @@ def measure(devices: int, sizes: list[int], choices, rounds: int, min_time: floa
 def _name(c) -> str:
     if c.algorithm == "direct":
         return "direct"
-    return f"ring r={c.rings} c={_fmt_bytes(c.chunk_bytes).replace(' ', '')}"
+    plan = "tiered" if c.topology == "auto" else "ring"
+    return f"{plan} r={c.rings} c={_fmt_bytes(c.chunk_bytes).replace(' ', '')}"
+
+
+def _describe(params) -> str:
+    if not params.tiers:
+        return (f"alpha {params.alpha_s * 1e6:.2f} us, "
+                f"beta {params.beta_s_per_byte * 1e9:.3f} ns/B")
+    return "; ".join(
+        f"tier {i} ({size} ranks, link shared by {shared}): alpha {a * 1e6:.2f} us, "
+        f"beta {b * 1e9:.3f} ns/B" for i, (size, a, b, shared) in enumerate(params.tiers))
 
 
 def report(params, measured, world: int, out=sys.stdout) -> dict:
@@ -95,8 +152,7 @@ def report(params, measured, world: int, out=sys.stdout) -> dict:
     for c, n, t in measured:
         by_size.setdefault(n, []).append((c, t))
     errors, regrets, rows = [], [], []
-    print(f"# model: call {params.call_s * 1e6:.1f} us, alpha {params.alpha_s * 1e6:.2f} us, "
-          f"beta {params.beta_s_per_byte * 1e9:.3f} ns/B, gamma "
+    print(f"# model: call {params.call_s * 1e6:.1f} us, {_describe(params)}, gamma "
           f"{params.gamma_s_per_byte * 1e9:.3f} ns/B; direct: call "
           f"{params.direct_call_s * 1e6:.1f} us, {params.direct_s_per_byte * 1e9:.3f} ns/B",
           file=out)
@@ -128,7 +184,8 @@ def report(params, measured, world: int, out=sys.stdout) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
+    ap.add_argument("--devices", type=int, default=None,
+                    help="virtual CPU devices (one process; default 8)")
     ap.add_argument("--min-bytes", type=_parse_bytes, default=4 << 10)
     ap.add_argument("--max-bytes", type=_parse_bytes, default=64 << 20)
     ap.add_argument("--rounds", type=int, default=3)
@@ -142,35 +199,72 @@ def main(argv=None) -> int:
                     help="take the parameters from this tuning file, measure nothing")
     args = ap.parse_args(argv)
     from jaxring._src import runtime, tuning
-    if args.devices < 2:
+    in_job = _in_job()
+    if in_job and args.devices is not None:
+        ap.error("--devices is for one process; a job tunes every device it has "
+                 "(jaxring.launch --devices-per-process sets them)")
+    if in_job and args.load:
+        ap.error("--load reads a file: run it in one process")
+    devices_n = 8 if args.devices is None else args.devices
+    if not in_job and devices_n < 2:
         ap.error("--devices must be at least 2")
     sizes = []
     n = args.min_bytes
     while n <= args.max_bytes:
         sizes.append(max(4, n // 4 * 4))
         n *= 4
-    choices = tuning.candidates(args.devices, in_one_process=True, quick=args.quick)
-    table_key = tuning.key("cpu", args.devices, 1)
     if args.load:
+        table_key = tuning.key("cpu", devices_n, 1)
         table = tuning.load(args.load).get(table_key)
         if table is None:
             raise SystemExit(f"{args.load} has no table for {table_key}")
-        params = tuning.Params(**table["params"])
-        for size, c in tuning.select(params, choices, args.devices, sizes).items():
+        params = tuning.Params.from_dict(table["params"])
+        choices = tuning.candidates(devices_n, in_one_process=True, quick=args.quick)
+        for size, c in tuning.select(params, choices, devices_n, sizes).items():
             print(f"{_fmt_bytes(size):>10}: {_name(c)}, predicted "
-                  f"{tuning.predict(params, c, args.devices, size) * 1e6:.1f} us")
+                  f"{tuning.predict(params, c, devices_n, size) * 1e6:.1f} us")
         return 0
-    runtime.use_cpu_devices(args.devices)
-    measured = measure(args.devices, sizes, choices, args.rounds, args.min_time)
-    params = tuning.fit(measured, args.devices, _gamma())
-    print(f"# {args.devices} virtual CPU devices, float32, median of {args.rounds} "
-          "alternating rounds per candidate")
-    report(params, measured, args.devices)
-    selection = tuning.select(params, choices, args.devices, sizes)
+    if not in_job:
+        runtime.use_cpu_devices(devices_n)
+    import jax
+    devices = jax.devices() if in_job else jax.devices()[:devices_n]
+    world, processes = len(devices), jax.process_count()
+    if world < 2:
+        raise SystemExit("jaxring.tune: the job has one device; an allreduce "
+                         "needs at least 2")
+    dims = job_tiers(devices) if processes > 1 else ()
+    choices = tuning.candidates(world, in_one_process=processes == 1,
+                                quick=args.quick, tiered=bool(dims))
+    measured = measure(devices, sizes, choices, args.rounds, args.min_time)
+    table_key = tuning.key(jax.default_backend(), world, processes)
+    me = jax.process_index()
+    table_entry = None
+    if me == 0:
+        params = tuning.fit(measured, world, _gamma(), dims)
+        where = (f"{world} virtual CPU devices" if processes == 1 else
+                 f"{world} devices in {processes} processes, tiers "
+                 f"{'x'.join(map(str, dims)) if dims else 'flat (one tier)'}")
+        print(f"# {where}, float32, median of {args.rounds} alternating rounds "
+              "per candidate")
+        report(params, measured, world)
+        table_entry = tuning.entry(params, tuning.select(params, choices, world, sizes))
+    table_entry = _agree(table_entry, "table")
     path = args.out or tuning.cache_path()
-    tuning.save(path, table_key, tuning.entry(params, selection))
-    print(f"# table for {table_key} written to {path}")
+    if _writes_for_host(me):
+        tuning.save(path, table_key, table_entry)
+    if me == 0:
+        print(f"# table for {table_key} written to {path}"
+              + (" (by one process on each host)" if processes > 1 else ""))
     return 0
+
+
+def _writes_for_host(me: int) -> bool:
+    """One process per host writes the table (the same one everywhere)."""
+    from jaxring._src import distributed
+    hosts = distributed.process_hosts()
+    if not hosts:
+        return True
+    return min(p for p, h in hosts.items() if h == hosts[me]) == me
 
 
 if __name__ == "__main__":

@@ -80,13 +80,16 @@ def _tool_of(words):
 
 
 def _options(words):
-    """The options before the first script argument (`x.py`) or `--`."""
+    """The options before the first script argument (`x.py`), `--`, or the
+    launcher's `-m MODULE` (what follows it is the module's)."""
     opts = []
     for w in words:
         if w == "--" or w.endswith(".py"):
             break
         if w.startswith("-"):
             opts.append(w.split("=")[0])
+        if w == "-m":
+            break
     return tuple(opts)
 
 

@@ -130,11 +130,35 @@ def test_launcher_prefixes_output_and_passes_arguments(tmp_path):
     assert "hello 1 2 ['a', '--flag']" in by_rank[1]
 
 
+def test_launcher_runs_a_module_with_its_own_arguments(tmp_path):
+    (tmp_path / "hello_module.py").write_text(
+        "import sys, jax\n"
+        "print('module', __name__, jax.process_index(), sys.argv[1:])\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxring.launch", "-n", "2", "--devices-per-process", "1",
+         "-m", "hello_module", "-n", "7", "-m", "x"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    by_rank = lines_by_rank(r.stdout)
+    # Everything after the module's name is the module's, -n and -m too.
+    assert "module __main__ 0 ['-n', '7', '-m', 'x']" in by_rank[0]
+    assert "module __main__ 1 ['-n', '7', '-m', 'x']" in by_rank[1]
+    # A script's arguments may hold -m as well.
+    args = launch.parse_args(["-n", "2", "train.py", "-m", "x"])
+    assert (args.script, args.module, args.args) == ("train.py", None, ["-m", "x"])
+    args = launch.parse_args(["-n", "2", "-m", "mod", "x.py"])
+    assert (args.script, args.module, args.args) == (None, "mod", ["x.py"])
+
+
 def test_launcher_rejects_bad_arguments():
     r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "0", "x.py"],
                        capture_output=True, text=True, timeout=60,
                        cwd=tempfile.gettempdir())
     assert r.returncode != 0 and "-n must be at least 1" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "2"],
+                       capture_output=True, text=True, timeout=60,
+                       cwd=tempfile.gettempdir())
+    assert r.returncode != 0 and "give the script to run (or -m MODULE)" in r.stderr
 
 
 class Job:

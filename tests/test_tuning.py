@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -26,6 +27,39 @@ def test_fit_recovers_the_parameters_of_model_generated_times():
     got = tuning.fit(measured, 8, TRUE.gamma_s_per_byte)
     for name, want in vars(TRUE).items():
         assert getattr(got, name) == pytest.approx(want, rel=1e-6), name
+
+
+# Two tiers: 2 ranks in each group of a fast tier, 2 groups on a slow one
+# whose link the 2 ranks of a group share.
+DIMS = (2, 2)
+TRUE_TIERED = Params(call_s=3e-4, alpha_s=1e-4, beta_s_per_byte=8e-9, gamma_s_per_byte=1e-10,
+                     direct_call_s=0.0, direct_s_per_byte=0.0,
+                     tiers=((2, 2e-5, 5e-10, 1), (2, 1e-4, 8e-9, 2)))
+
+
+def test_fit_recovers_each_tiers_parameters_from_flat_and_tiered_times():
+    choices = tuning.candidates(4, in_one_process=False, tiered=True)
+    assert {c.topology for c in choices} == {"flat", "auto"}
+    assert all(c.algorithm == "ring" for c in choices)
+    measured = [(c, n, tuning.predict(TRUE_TIERED, c, 4, n)) for c in choices for n in SIZES]
+    got = tuning.fit(measured, 4, TRUE_TIERED.gamma_s_per_byte, DIMS)
+    assert got.call_s == pytest.approx(TRUE_TIERED.call_s, rel=1e-6)
+    assert len(got.tiers) == 2
+    for g, w in zip(got.tiers, TRUE_TIERED.tiers):
+        assert g[0] == w[0] and g[3] == w[3]
+        assert g[1:3] == pytest.approx(w[1:3], rel=1e-6)
+    # The flat ring runs at the pace of the slow tier and sends 1.5 n over
+    # each group's link; the tiered plan n: tiered wins for large messages.
+    big = tuning.select(got, choices, 4, [64 << 20])[64 << 20]
+    assert big.topology == "auto"
+    flat = min((c for c in choices if c.topology == "flat"),
+               key=lambda c: tuning.predict(got, c, 4, 64 << 20))
+    assert tuning.predict(got, flat, 4, 64 << 20) > 1.3 * tuning.predict(got, big, 4, 64 << 20)
+
+
+def test_tier_link_sharing_is_the_product_of_the_tighter_tiers():
+    assert tuning.shared_links((4, 2, 8)) == (1, 4, 8)
+    assert tuning.shared_links((2,)) == (1,)
 
 
 def test_fit_keeps_parameters_non_negative():
@@ -57,7 +91,7 @@ def test_file_round_trip_keeps_other_topologies(tmp_path):
     tuning.save(path, "cpu/ranks=8/processes=1", tuning.entry(TRUE, sel))
     tables = tuning.load(path)
     assert sorted(tables) == ["cpu/ranks=4/processes=1", "cpu/ranks=8/processes=1"]
-    assert Params(**tables["cpu/ranks=4/processes=1"]["params"]) == TRUE
+    assert Params.from_dict(tables["cpu/ranks=4/processes=1"]["params"]) == TRUE
     assert tuning.tuned_choice(path, "cpu/ranks=4/processes=1", 100) == Choice("ring", 3, 12345)
     assert tuning.tuned_choice(path, "cpu/ranks=2/processes=1", 100) is None
     assert tuning.tuned_choice("off", "cpu/ranks=4/processes=1", 100) is None
@@ -104,6 +138,32 @@ def test_allreduce_takes_unset_settings_from_the_table(tmp_path):
     assert lowered(16) == default
 
 
+def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
+    from jaxring._src.allreduce import _tuned
+    path = str(tmp_path / "t.json")
+    tuning.save(path, tuning.key("cpu", 4, 1), tuning.entry(TRUE, {
+        1024: Choice("ring", 3, 12345, "auto"), 1 << 20: Choice("ring", 1, 4096, "flat")}))
+    everything = {"rings", "chunk_bytes", "algorithm", "topology"}
+    jaxring.config.update("tuning", path)
+    try:
+        assert _tuned(everything, 4, 100, 2, 1 << 20, "auto", "flat") == (3, 12345, "ring", "auto")
+        assert _tuned(everything, 4, 1 << 19, 2, 1 << 20, "auto", "auto") == (1, 4096, "ring", "flat")
+        # A topology that was given stays.
+        assert _tuned(everything - {"topology"}, 4, 100, 2, 1 << 20, "auto", (2, 2))[3] == (2, 2)
+    finally:
+        jaxring.config.reset("tuning")
+    # A table entry whose topology is neither "flat" nor "auto" is refused.
+    tuning.save(path, tuning.key("cpu", 4, 1),
+                tuning.entry(TRUE, {1024: Choice("ring", 3, 12345, "2x2")}))
+    tuning._loaded.clear()
+    jaxring.config.update("tuning", path)
+    try:
+        with pytest.raises(ValueError, match="jaxring tuning table: topology must be"):
+            _tuned(everything, 4, 100, 2, 1 << 20, "auto", "auto")
+    finally:
+        jaxring.config.reset("tuning")
+
+
 def test_tune_command_measures_fits_and_writes_a_table(tmp_path):
     out = tmp_path / "tuning.json"
     res = subprocess.run(
@@ -120,3 +180,40 @@ def test_tune_command_measures_fits_and_writes_a_table(tmp_path):
          "--load", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "predicted" in res.stdout and "16 KiB" in res.stdout
+
+
+def test_tune_across_processes_measures_both_plans_and_the_job_uses_its_table(tmp_path):
+    """Under the launcher (2 processes x 2 devices, one host: tiers 2x2) the
+    tuner measures flat and tiered candidates, fits a tier each, and writes
+    one table; a job then lowers what the table says, flat or tiered."""
+    out = tmp_path / "tuning.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "jaxring.launch", "-n", "2", "--devices-per-process", "2",
+         "-m", "jaxring.tune", "--quick", "--max-bytes", "16K", "--rounds", "1",
+         "--min-time", "0.02", "--out", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "[0] # 4 devices in 2 processes, tiers 2x2" in res.stdout
+    assert "tiered r=1" in res.stdout and "ring r=1" in res.stdout
+    assert "[1] # model" not in res.stdout  # process 0 reports
+    tables = tuning.load(str(out))
+    entry = tables["cpu/ranks=4/processes=2"]
+    params = Params.from_dict(entry["params"])
+    assert [(t[0], t[3]) for t in params.tiers] == [(2, 1), (2, 2)]
+    assert sorted(entry["choices"]) == ["16384", "4096"]
+    # Make the two sizes differ in plan and rings, so both paths are seen.
+    entry["choices"]["4096"].update(topology="flat", rings=2)
+    entry["choices"]["16384"].update(topology="auto", rings=1)
+    tuning.save(str(out), "cpu/ranks=4/processes=2", entry)
+    script = Path(__file__).parent / "multiprocess" / "tuned_lowering.py"
+    res = subprocess.run(
+        [sys.executable, "-m", "jaxring.launch", "-n", "2", "--devices-per-process", "2",
+         str(script), str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = [l.split("] ", 1)[1] for l in res.stdout.splitlines() if "CHOICE" in l]
+    assert len(lines) == 4, res.stdout
+    for line in lines:
+        _, _, table, lowered = line.split()
+        assert table.split("=")[1] == lowered.split("=")[1], line
+    assert any(l.endswith(",flat") for l in lines) and any(l.endswith(",auto") for l in lines)
+    assert res.stdout.count("DONE") == 2

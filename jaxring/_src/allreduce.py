@@ -494,7 +494,7 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
     axes = _axes_tuple(axis_name)
     # What a tuning table may fill in: settings neither passed nor set.
     tunable = {name for name, arg in (("rings", rings), ("chunk_bytes", chunk_bytes),
-                                      ("algorithm", algorithm))
+                                      ("algorithm", algorithm), ("topology", topology))
                if arg is None and not config.is_explicit(name)}
     rings = validate("rings", config.rings if rings is None else rings,
                      "jaxring.allreduce")
@@ -527,11 +527,11 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
     world = math.prod(core.get_axis_env().axis_size(a) for a in axes)
     for dtype, idx in by_dtype.items():
         nbytes = sum(math.prod(leaves[i].shape) for i in idx) * dtype.itemsize
-        g_rings, g_chunk, g_algorithm = _tuned(tunable, world, nbytes, rings,
-                                               chunk_bytes, algorithm)
+        g_rings, g_chunk, g_algorithm, g_topology = _tuned(
+            tunable, world, nbytes, rings, chunk_bytes, algorithm, topology)
         reduced = _reduce_leaf_group([leaves[i] for i in idx], axes, ring_op,
                                      g_rings, g_chunk, timeout_s, g_algorithm,
-                                     topology)
+                                     g_topology)
         for i, r in zip(idx, reduced):
             out[i] = r
     if op == "mean":
@@ -541,15 +541,15 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
 
 
 def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
-           algorithm: str) -> tuple[int, int, str]:
-    """rings, chunk_bytes and algorithm, with the tuning table's choice for
-    this message size in place of those left at their defaults."""
+           algorithm: str, topology: Any) -> tuple[int, int, str, Any]:
+    """rings, chunk_bytes, algorithm and topology, with the tuning table's
+    choice for this message size in place of those left at their defaults."""
     if not tunable:
-        return rings, chunk_bytes, algorithm
+        return rings, chunk_bytes, algorithm, topology
     key = _tuning.key(jax.default_backend(), world, jax.process_count())
     choice = _tuning.tuned_choice(config.tuning, key, nbytes)
     if choice is None:
-        return rings, chunk_bytes, algorithm
+        return rings, chunk_bytes, algorithm, topology
     if "rings" in tunable:
         rings = choice.rings
     if "chunk_bytes" in tunable:
@@ -558,7 +558,11 @@ def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
         # "auto" still takes the ring where direct does not apply (a ring
         # across processes, link emulation).
         algorithm = "auto" if choice.algorithm == "direct" else choice.algorithm
-    return rings, chunk_bytes, algorithm
+    if "topology" in tunable:
+        # "flat" or "auto": the table never names tiers, so it cannot ask
+        # for tiers this layout does not have.
+        topology = validate("topology", choice.topology, "jaxring tuning table")
+    return rings, chunk_bytes, algorithm, topology
 
 
 def pmean(x, axis_name, **kwargs):

@@ -1,7 +1,8 @@
 """What ``python -m jaxring.launch`` runs in each process it starts.
 
 Initializes jax.distributed from the environment the launcher set, then runs
-the user's script as ``__main__``, so a script written for one process runs
+the user's script (or, after ``-m``, module) as ``__main__``, so a script
+written for one process runs
 unchanged as one process of N. The script must not call
 ``jax.distributed.initialize`` itself. It runs inside
 ``jaxring.translate_errors``, so a failed allreduce that the script does not
@@ -33,9 +34,12 @@ def _die_with_launcher() -> None:
 
 
 def main() -> None:
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m jaxring._src.launched script.py [args]")
-    script, args = sys.argv[1], sys.argv[2:]
+    if len(sys.argv) < 2 or (sys.argv[1] == "-m" and len(sys.argv) < 3):
+        raise SystemExit("usage: python -m jaxring._src.launched "
+                         "(script.py | -m module) [args]")
+    module = sys.argv[2] if sys.argv[1] == "-m" else None
+    script = None if module else sys.argv[1]
+    args = sys.argv[3:] if module else sys.argv[2:]
     _die_with_launcher()
     import jax
 
@@ -46,13 +50,16 @@ def main() -> None:
         coordinator_address=os.environ["JAXRING_COORDINATOR"],
         num_processes=int(os.environ["JAXRING_NUM_PROCESSES"]),
         process_id=int(os.environ["JAXRING_PROCESS_ID"]))
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    sys.argv = [script or module, *args]
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
     from jaxring._src.errors import translate_errors
 
     try:
         with translate_errors():
-            runpy.run_path(script, run_name="__main__")
+            if module:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
             _exit_now(e.code if isinstance(e.code, int) else 1,

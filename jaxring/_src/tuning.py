@@ -2,13 +2,21 @@
 the choice per message size, and the table that carries both.
 
 ``python -m jaxring.tune`` measures; this module fits and chooses. A choice
-is (algorithm, rings, chunk_bytes). Its predicted time is
+is (algorithm, rings, chunk_bytes, topology). Its predicted time is
 
-* ring: ``call_s + cost_model.flat_ring_time(...)`` with the tier's
-  (alpha, beta) and the reduction cost gamma: the cost model plus the fixed
-  cost of one call (dispatch, joining, completion), which on CPU is the
-  largest term below about a megabyte;
+* ring: ``call_s`` plus the cost model's time of the plan
+  (``cost_model.flat_ring_time`` for topology ``"flat"``,
+  ``cost_model.tiered_time`` for ``"auto"``, the tiers jaxring derives from
+  where the ranks run) with each tier's (alpha, beta) and the reduction cost
+  gamma. ``call_s`` is the fixed cost of one call (dispatch, joining,
+  completion), which on CPU is the largest term below about a megabyte;
 * direct: ``direct_call_s + nbytes * direct_s_per_byte``.
+
+In one process there is one tier, with ``alpha_s`` and ``beta_s_per_byte``.
+Across processes whose ranks form several tiers, ``tiers`` holds each one's
+(size, alpha, beta, shared_by), fitted together from flat and tiered
+measurements: the flat ring's times pin the loosest tier, the tiered plan's
+the rest.
 
 A table holds, per topology key (platform, ranks, processes), the fitted
 parameters and the choice for each measured size; an allreduce of n bytes
@@ -41,6 +49,9 @@ class Choice:
     algorithm: str       # "ring" or "direct"
     rings: int
     chunk_bytes: int
+    # "flat": one ring over every rank; "auto": the tiered plan over the
+    # tiers jaxring derives (a flat ring where it finds one tier).
+    topology: str = "flat"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,25 +62,64 @@ class Params:
     gamma_s_per_byte: float
     direct_call_s: float
     direct_s_per_byte: float
+    # Several tiers: (size, alpha_s, beta_s_per_byte, shared_by) of each,
+    # tightest first; alpha_s and beta_s_per_byte then repeat the loosest.
+    tiers: tuple = ()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Params":
+        d = dict(d)
+        d["tiers"] = tuple(tuple(t) for t in d.get("tiers", ()))
+        return cls(**d)
 
 
-def candidates(world: int, in_one_process: bool, quick: bool = False) -> list[Choice]:
-    """The choices the tuner measures: ring counts x chunk sizes, and the
-    direct algorithm where every rank is in this process."""
+def candidates(world: int, in_one_process: bool, quick: bool = False,
+               tiered: bool = False) -> list[Choice]:
+    """The choices the tuner measures: ring counts x chunk sizes (each as a
+    flat ring and, with ``tiered``, as the tiered plan), and the direct
+    algorithm where every rank is in this process."""
     rings = (1, 2) if quick else (1, 2, 4)
     chunks = (256 << 10, 1 << 20) if quick else (64 << 10, 256 << 10, 1 << 20, 4 << 20)
-    out = [Choice("ring", r, c) for r, c in itertools.product(rings, chunks)]
+    plans = ("flat", "auto") if tiered else ("flat",)
+    out = [Choice("ring", r, c, t) for t, r, c in itertools.product(plans, rings, chunks)]
     if in_one_process and world > 1:
         out.append(Choice("direct", 2, 1 << 20))
     return out
 
 
-def _ring_terms(choice: Choice, world: int, nbytes: float, gamma: float):
-    """(alpha coefficient, beta coefficient, gamma part) of the ring's time."""
-    def t(alpha, beta, g):
-        m = cost_model.Machine((cost_model.Tier(world, alpha, beta),), g)
-        return cost_model.flat_ring_time(m, nbytes, choice.rings, choice.chunk_bytes)
-    return t(1.0, 0.0, 0.0), t(0.0, 1.0, 0.0), t(0.0, 0.0, gamma)
+def shared_links(dims) -> tuple[int, ...]:
+    """Ranks sharing one link on each tier, as the tuner assumes it: every
+    rank of a group of the tighter tiers leaves through one link of the
+    next (one NIC per host, one connection per pair of processes)."""
+    return tuple(math.prod(dims[:i]) for i in range(len(dims)))
+
+
+def _layout(params: Params, world: int) -> list[tuple[int, int]]:
+    """(size, shared_by) of each tier the parameters describe."""
+    if params.tiers:
+        return [(int(t[0]), int(t[3])) for t in params.tiers]
+    return [(world, 1)]
+
+
+def _ring_terms(choice: Choice, layout, nbytes: float, gamma: float):
+    """The ring's time as a linear function of the tiers' parameters: the
+    coefficients of (alpha_0, beta_0, alpha_1, beta_1, ...), and the
+    reduction's part."""
+    def t(values, g):
+        tiers = tuple(cost_model.Tier(size, values[2 * i], values[2 * i + 1], shared)
+                      for i, (size, shared) in enumerate(layout))
+        m = cost_model.Machine(tiers, g)
+        plan = cost_model.tiered_time if choice.topology == "auto" else cost_model.flat_ring_time
+        return plan(m, nbytes, choice.rings, choice.chunk_bytes)
+    k = 2 * len(layout)
+    coefficients = [t([1.0 if j == i else 0.0 for j in range(k)], 0.0) for i in range(k)]
+    return coefficients, t([0.0] * k, gamma)
+
+
+def _tier_values(params: Params) -> list[float]:
+    if params.tiers:
+        return [v for t in params.tiers for v in (t[1], t[2])]
+    return [params.alpha_s, params.beta_s_per_byte]
 
 
 def predict(params: Params, choice: Choice, world: int, nbytes: float) -> float:
@@ -77,8 +127,9 @@ def predict(params: Params, choice: Choice, world: int, nbytes: float) -> float:
         return 0.0
     if choice.algorithm == "direct":
         return params.direct_call_s + nbytes * params.direct_s_per_byte
-    a, b, g = _ring_terms(choice, world, nbytes, params.gamma_s_per_byte)
-    return params.call_s + params.alpha_s * a + params.beta_s_per_byte * b + g
+    coefficients, g = _ring_terms(choice, _layout(params, world), nbytes,
+                                  params.gamma_s_per_byte)
+    return params.call_s + g + sum(c * v for c, v in zip(coefficients, _tier_values(params)))
 
 
 def _nonnegative_fit(rows: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -100,31 +151,41 @@ def _nonnegative_fit(rows: np.ndarray, target: np.ndarray) -> np.ndarray:
 
 
 def fit(measurements: Iterable[tuple[Choice, float, float]], world: int,
-        gamma_s_per_byte: float) -> Params:
+        gamma_s_per_byte: float, dims: tuple = ()) -> Params:
     """Parameters from (choice, bytes, seconds) measurements. Relative
     errors are minimised (each row is divided by its time), so small
     messages count as much as large ones. gamma is measured apart: for one
-    tier it is not separable from beta in allreduce times."""
+    tier it is not separable from beta in allreduce times.
+
+    ``dims``, the tiers (tightest first) of ranks spread over processes,
+    fits an (alpha, beta) per tier, with the link sharing of
+    :func:`shared_links`; without it there is one tier of ``world`` ranks."""
+    layout = (list(zip(dims, shared_links(dims))) if len(dims) > 1
+              else [(world, 1)])
     ring_rows, ring_t, ring_w, direct_rows, direct_t = [], [], [], [], []
     for choice, nbytes, seconds in measurements:
         if choice.algorithm == "direct":
             direct_rows.append([1.0, nbytes])
             direct_t.append(seconds)
             continue
-        a, b, g = _ring_terms(choice, world, nbytes, gamma_s_per_byte)
-        ring_rows.append([1.0, a, b])
+        coefficients, g = _ring_terms(choice, layout, nbytes, gamma_s_per_byte)
+        ring_rows.append([1.0, *coefficients])
         ring_t.append(seconds - g)  # the rest the fit must explain
         ring_w.append(1.0 / max(seconds, 1e-9))
-    call = alpha = beta = d_call = d_byte = 0.0
+    call, tier_values, d_call, d_byte = 0.0, [0.0] * (2 * len(layout)), 0.0, 0.0
     if ring_rows:
         r, t, w = np.array(ring_rows), np.array(ring_t), np.array(ring_w)
-        call, alpha, beta = _nonnegative_fit(r * w[:, None], t * w)
+        call, *tier_values = _nonnegative_fit(r * w[:, None], t * w)
     if direct_rows:
         r, t = np.array(direct_rows), np.array(direct_t)
         w = 1.0 / np.maximum(t, 1e-9)
         d_call, d_byte = _nonnegative_fit(r * w[:, None], t * w)
-    return Params(float(call), float(alpha), float(beta), float(gamma_s_per_byte),
-                  float(d_call), float(d_byte))
+    tiers = ()
+    if len(layout) > 1:
+        tiers = tuple((size, float(tier_values[2 * i]), float(tier_values[2 * i + 1]), shared)
+                      for i, (size, shared) in enumerate(layout))
+    return Params(float(call), float(tier_values[-2]), float(tier_values[-1]),
+                  float(gamma_s_per_byte), float(d_call), float(d_byte), tiers)
 
 
 def select(params: Params, choices: list[Choice], world: int,
