@@ -18,6 +18,9 @@ __global__ void abort_check(const int* abort_flag) {
 }  // namespace
 
 cudaError_t launch_abort_check(const int* abort_flag, cudaStream_t stream) {
+  // Clears an error left by an earlier, unrelated runtime call, which the
+  // cudaGetLastError below would otherwise blame on this launch.
+  (void)cudaGetLastError();
   abort_check<<<1, 1, 0, stream>>>(abort_flag);
   return cudaGetLastError();
 }

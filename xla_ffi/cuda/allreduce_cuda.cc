@@ -45,11 +45,13 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
     }
     return std::nullopt;
   };
-  how.join = [stream](int, Communicator* c) -> Status {
+  // Each ring records its join; issue_allreduce makes XLA's stream wait on
+  // every ring's join once the last ring is issued.
+  how.join = [](int, Communicator* c) -> Status {
     JAXRING_CUDA_CHECK(cudaEventRecord(c->join, c->stream));
-    JAXRING_CUDA_CHECK(cudaStreamWaitEvent(stream, c->join, 0));
     return std::nullopt;
   };
+  how.xla_stream_waits = true;
   if (Status s = issue_allreduce(stream, device, op, nccl_ids, x.untyped_data(),
                                  out->untyped_data(),
                                  static_cast<int64_t>(x.element_count()), how)) {

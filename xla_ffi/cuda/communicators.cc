@@ -176,7 +176,10 @@ int destroy_communicators() {
     if (c->fork != nullptr) cudaEventDestroy(c->fork);
     if (c->join != nullptr) cudaEventDestroy(c->join);
     if (c->stream != nullptr) cudaStreamDestroy(c->stream);
-    if (c->abort_flag_host != nullptr) {
+    // An aborted communicator's stream was not drained: an abort check
+    // kernel on it may still read the flag, so its pinned word is left
+    // allocated rather than freed under that kernel.
+    if (c->abort_flag_host != nullptr && !c->aborted) {
       cudaFreeHost(const_cast<int*>(c->abort_flag_host));
     }
     ++n;

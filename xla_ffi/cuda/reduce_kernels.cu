@@ -104,10 +104,14 @@ cudaError_t launch_typed(void* dst_v, const void* src_v, int64_t n,
   int64_t done = 0;
   const bool aligned = (reinterpret_cast<uintptr_t>(dst) % 16 == 0) &&
                        (reinterpret_cast<uintptr_t>(src) % 16 == 0);
+  // Clears an error left by an earlier, unrelated runtime call, which the
+  // cudaGetLastError after a launch would otherwise blame on it.
+  (void)cudaGetLastError();
   if (aligned) {
     const int64_t packs = n / Pack<S>::kElems;
     if (packs > 0) {
       reduce_packed<<<blocks_for(packs), kThreads, 0, stream>>>(dst, src, packs, f);
+      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
       done = packs * Pack<S>::kElems;
     }
   }
@@ -135,11 +139,6 @@ cudaError_t launch_op(ReduceOp op, void* dst, const void* src, int64_t n,
 cudaError_t launch_reduce(ElemType type, ReduceOp op, void* dst,
                           const void* src, int64_t n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  // An error left by an earlier call would otherwise be blamed on this
-  // launch by the cudaGetLastError after it.
-  if (const cudaError_t earlier = cudaPeekAtLastError(); earlier != cudaSuccess) {
-    return earlier;
-  }
   switch (type) {
     case ElemType::kF16: return launch_op<Half>(op, dst, src, n, stream);
     case ElemType::kBF16: return launch_op<BFloat16>(op, dst, src, n, stream);

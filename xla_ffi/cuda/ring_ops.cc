@@ -241,6 +241,9 @@ void fail_rings(cudaStream_t xla_stream, const std::vector<Communicator*>& comms
       cudaStreamWaitEvent(xla_stream, c->join, 0);
     }
   }
+  // The calls above are best effort; a failure of theirs must not stay
+  // behind as this thread's last error for a later, unrelated check.
+  (void)cudaGetLastError();
 }
 
 }  // namespace
@@ -282,14 +285,25 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
     JAXRING_RETURN_IF_FAILED(
         how.scratch(scratch_elems(*plan) * esize, &scratch_of));
   }
+  // One fork for every ring, recorded before any ring is issued: recording
+  // it per ring after the previous ring's join would make each ring wait
+  // for the one before. Ring 0's event serves, as its lock is held.
+  cudaEvent_t fork = comms[0]->fork;
+  JAXRING_CUDA_CHECK(cudaEventRecord(fork, xla_stream));
   for (int r = 0; r < op.num_rings; ++r) {
     Communicator* c = comms[r];
-    JAXRING_CUDA_CHECK(cudaEventRecord(c->fork, xla_stream));
-    JAXRING_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->fork, 0));
     std::ostringstream what;
     what << "allreduce op " << op.op_id << ", ring " << r << " (rank "
          << op.rank << " of " << op.world_size << ", group " << op.group
          << ", device " << device << ")";
+    if (const cudaError_t e = cudaStreamWaitEvent(c->stream, fork, 0);
+        e != cudaSuccess) {
+      // Rings 0..r-1 already run: abort them and still join them.
+      const std::string why = cuda_failure(
+          e, "cudaStreamWaitEvent of the fork", __FILE__, __LINE__);
+      fail_rings(xla_stream, comms, r, what.str() + ": " + why);
+      return why;
+    }
     cudaEvent_t started = nullptr;
     Status s = watch_start(c, device, &started);
     if (!s) {
@@ -304,6 +318,19 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
     if (Status j = how.join(r, c)) {
       fail_rings(xla_stream, comms, r + 1, what.str() + ": " + *j);
       return j;
+    }
+  }
+  // Only now, with every ring issued, does XLA's stream wait for them.
+  if (how.xla_stream_waits) {
+    for (Communicator* c : comms) {
+      if (const cudaError_t e = cudaStreamWaitEvent(xla_stream, c->join, 0);
+          e != cudaSuccess) {
+        const std::string why = cuda_failure(
+            e, "cudaStreamWaitEvent of a join", __FILE__, __LINE__);
+        fail_rings(xla_stream, comms, op.num_rings,
+                   "allreduce op " + std::to_string(op.op_id) + ": " + why);
+        return why;
+      }
     }
   }
   return std::nullopt;

@@ -48,19 +48,23 @@ Status describe(xla::ffi::DataType dtype, int device, int64_t op_id,
 
 struct RingIssue {
   // Sets (*out)[r] to `bytes` of scratch for each ring (called once, before
-  // the first fork). The memory must outlive the rings' work.
+  // the fork). The memory must outlive the rings' work.
   std::function<Status(int64_t bytes, std::vector<void*>* out)> scratch;
-  // Called after ring r's work is enqueued on c->stream, to make whoever
-  // consumes the result wait for it.
+  // Called after ring r's work is enqueued on c->stream, to record on it
+  // what whoever consumes the result waits for.
   std::function<Status(int r, Communicator* c)> join;
+  // When set, xla_stream waits on every ring's c->join once all rings are
+  // issued (join must then record c->join); otherwise the consumer waits
+  // later on whatever join recorded.
+  bool xla_stream_waits = false;
 };
 
 // Issues the allreduce of `count` elements from `in` into `out` (which may
-// alias) on the rings' streams, forked from xla_stream: takes the rings'
-// communicators (joining them on first use) and holds their locks while it
-// enqueues, with `device` current. Never waits for the GPU. On a failure
-// after the first fork, aborts the rings and still makes xla_stream wait
-// for the ones forked.
+// alias) on the rings' streams, all forked from one point of xla_stream so
+// that they run side by side: takes the rings' communicators (joining them
+// on first use) and holds their locks while it enqueues, with `device`
+// current. Never waits for the GPU. On a failure after the fork, aborts the
+// rings and still makes xla_stream wait for the ones forked.
 Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
                        xla::ffi::Span<const int64_t> nccl_ids, const void* in,
                        void* out, int64_t count, const RingIssue& how);

@@ -9,6 +9,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -31,17 +32,58 @@ struct Started {
 };
 
 std::mutex mu;
-std::map<std::pair<int, int64_t>, std::deque<Started>> started;
+// Keyed by (run id, device, op id): a run that fails between a start and
+// its done leaves its entry behind, and the next run's done must not take
+// it. Those entries are not reclaimed: their run id cannot tell a dead run
+// from one still executing on another thread, whose done would then find
+// nothing. First in first out within a run (a start in a loop body).
+std::map<std::tuple<int64_t, int, int64_t>, std::deque<Started>> started;
 int pending = 0;
 
 // Frees what a start allocated, ordered on `stream` (after what it already
-// holds), and destroys its events once they have completed.
+// holds), and destroys its events once they have completed. `stream` must
+// already wait on every event in s.joins (wait_for_rings).
 void release(Started& s, cudaStream_t stream) {
   for (cudaEvent_t e : s.joins) cudaEventDestroy(e);
   if (s.buffer != nullptr) cudaFreeAsync(s.buffer, stream);
   for (void* p : s.scratch) {
     if (p != nullptr) cudaFreeAsync(p, stream);
   }
+  // Unchecked on purpose; a failure must not stay as this thread's last
+  // error for a later, unrelated check.
+  (void)cudaGetLastError();
+}
+
+// Makes `stream` wait on every ring of the start (`guard` makes the
+// device current).
+Status wait_for_rings(const Started& s, cudaStream_t stream,
+                      const DeviceGuard& guard) {
+  JAXRING_CUDA_CHECK(guard.status());
+  for (cudaEvent_t e : s.joins) JAXRING_CUDA_CHECK(cudaStreamWaitEvent(stream, e, 0));
+  return std::nullopt;
+}
+
+// After wait_for_rings failed: `stream` is not ordered after every ring, so
+// freeing the start's buffers on it could hand memory a ring still writes
+// to another allocation. They are leaked instead (the failure means the
+// context is likely unusable anyway); the events are destroyed (CUDA
+// releases them once their work completes, without blocking the host).
+void abandon(Started& s) {
+  for (cudaEvent_t e : s.joins) cudaEventDestroy(e);
+  (void)cudaGetLastError();
+}
+
+// Frees the start's buffers once `stream` waits for its rings, or leaks
+// them when it cannot be made to (abandon). Returns the wait's failure.
+Status wait_and_release(Started& s, int device, cudaStream_t stream) {
+  DeviceGuard guard(device);
+  Status e = wait_for_rings(s, stream, guard);
+  if (e) {
+    abandon(s);
+  } else {
+    release(s, stream);
+  }
+  return e;
 }
 
 Status start(cudaStream_t stream, int device, ffi::RemainingArgs args,
@@ -87,7 +129,7 @@ Status start(cudaStream_t stream, int device, ffi::RemainingArgs args,
 }
 
 ffi::Error AllreduceStartCudaImpl(cudaStream_t stream, int32_t device,
-                                  ffi::RemainingArgs args,
+                                  ffi::RunId run_id, ffi::RemainingArgs args,
                                   ffi::Result<ffi::Buffer<ffi::S32>> handle,
                                   int64_t op_id, int64_t world_size,
                                   int64_t reduce_op, int64_t num_rings,
@@ -117,29 +159,30 @@ ffi::Error AllreduceStartCudaImpl(cudaStream_t stream, int32_t device,
     return ffi::Error::InvalidArgument(*e);
   }
   Started s;
+  // On a failure, issue_allreduce has already made XLA's stream wait for
+  // the rings it forked; after the memset, the rings have only recorded
+  // their joins. Either way the buffers are freed behind every join.
   if (Status e = start(stream, device, args, num_deps, op, nccl_ids, &s)) {
-    DeviceGuard guard(device);
-    release(s, stream);
+    wait_and_release(s, device, stream);
     return ffi::Error::Internal(*e);
   }
-  // The handle's value is not used: done finds the start by (device, op).
+  // The handle's value is not used: done finds the start by (run, device,
+  // op).
   if (cudaMemsetAsync(handle->untyped_data(), 0, sizeof(int32_t), stream) !=
       cudaSuccess) {
-    DeviceGuard guard(device);
-    release(s, stream);
+    wait_and_release(s, device, stream);
     return ffi::Error::Internal("jaxring allreduce start: cudaMemsetAsync failed");
   }
   std::lock_guard<std::mutex> lock(mu);
-  started[{device, op_id}].push_back(std::move(s));
+  started[{run_id.run_id, device, op_id}].push_back(std::move(s));
   ++pending;
   return ffi::Error::Success();
 }
 
-Status done(cudaStream_t stream, int device, Started& s,
-            ffi::RemainingRets results) {
-  DeviceGuard guard(device);
-  JAXRING_CUDA_CHECK(guard.status());
-  for (cudaEvent_t e : s.joins) JAXRING_CUDA_CHECK(cudaStreamWaitEvent(stream, e, 0));
+// Copies the reduced operands into the results, on `stream`, which already
+// waits for the rings (with the device current).
+Status copy_out(cudaStream_t stream, const Started& s,
+                ffi::RemainingRets results) {
   int64_t offset = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     auto out = results.get<ffi::AnyBuffer>(i);
@@ -162,7 +205,7 @@ Status done(cudaStream_t stream, int device, Started& s,
 }
 
 ffi::Error AllreduceDoneCudaImpl(cudaStream_t stream, int32_t device,
-                                 ffi::Buffer<ffi::S32> handle,
+                                 ffi::RunId run_id, ffi::Buffer<ffi::S32> handle,
                                  ffi::RemainingArgs deps,
                                  ffi::RemainingRets results, int64_t op_id) {
   (void)handle;
@@ -170,11 +213,11 @@ ffi::Error AllreduceDoneCudaImpl(cudaStream_t stream, int32_t device,
   Started s;
   {
     std::lock_guard<std::mutex> lock(mu);
-    auto it = started.find({device, op_id});
+    auto it = started.find({run_id.run_id, device, op_id});
     if (it == started.end() || it->second.empty()) {
       std::ostringstream os;
       os << "jaxring allreduce done: no matching start on device " << device
-         << " for op " << op_id;
+         << " for op " << op_id << " in run " << run_id.run_id;
       return ffi::Error::Internal(os.str());
     }
     s = std::move(it->second.front());
@@ -182,8 +225,13 @@ ffi::Error AllreduceDoneCudaImpl(cudaStream_t stream, int32_t device,
     if (it->second.empty()) started.erase(it);
     --pending;
   }
-  Status e = done(stream, device, s, results);
   DeviceGuard guard(device);
+  if (Status e = wait_for_rings(s, stream, guard)) {
+    // Not waited on every ring: leak the buffers rather than free them.
+    abandon(s);
+    return ffi::Error::Internal(*e);
+  }
+  Status e = copy_out(stream, s, results);
   release(s, stream);  // after the copies, on the same stream
   if (e) return ffi::Error::Internal(*e);
   return ffi::Error::Success();
@@ -201,6 +249,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()
         .Ctx<ffi::DeviceOrdinal>()
+        .Ctx<ffi::RunId>()             // one id per execution
         .RemainingArgs()               // num_deps dependencies, then operands
         .Ret<ffi::Buffer<ffi::S32>>()  // handle for done (its value unused)
         .Attr<int64_t>("op_id")
@@ -219,6 +268,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()
         .Ctx<ffi::DeviceOrdinal>()
+        .Ctx<ffi::RunId>()             // matches the start's
         .Arg<ffi::Buffer<ffi::S32>>()  // handle from start
         .RemainingArgs()               // ordering dependencies
         .RemainingRets()               // the results, shaped like the operands

@@ -71,6 +71,13 @@ void abort_for(Watch& w, const std::string& why) {
 // True when the watch is over: its work finished, or its communicator was
 // aborted (the abort check then stops the computation).
 bool poll(Watch& w) {
+  // This is the watchdog's own thread: with no device current, the event
+  // queries would create GPU 0's primary context. Not a DeviceGuard, whose
+  // restoring this thread's default device 0 would create it all the same.
+  if (cudaSetDevice(w.device) != cudaSuccess) {
+    cudaGetLastError();
+    return true;  // as for a failed query below
+  }
   const cudaError_t f = cudaEventQuery(w.finished);
   if (f == cudaSuccess) return true;
   if (f != cudaErrorNotReady) {
@@ -185,6 +192,12 @@ void stop_watchdog() {
   }
   if (thread.joinable()) thread.join();
   std::lock_guard<std::mutex> lock(mu);
+  // Watches still open hold two events each: into the pools, destroyed
+  // below (an event whose work is still pending is freed once it ends).
+  for (Watch& w : watches) {
+    give_back_locked(w.device, w.started);
+    give_back_locked(w.device, w.finished);
+  }
   watches.clear();
   open_watches = 0;
   for (auto& [device, pool] : free_events) {
