@@ -166,7 +166,9 @@ def report(params, measured, world: int, out=sys.stdout) -> dict:
             errors.append(e)
             print(f"  {_name(c):<20} {t * 1e6:>12.1f} {p * 1e6:>13.1f} {e:>6.0%}", file=out)
         best_c, best_t = min(entries, key=lambda e: e[1])
-        chosen = min(entries, key=lambda e: tuning.predict(params, e[0], world, n))
+        # The table's choice: the model's, a measurement breaking its ties.
+        pick = tuning.select(params, [c for c, _ in entries], world, [n], measured)[n]
+        chosen = next(e for e in entries if e[0] == pick)
         regret = chosen[1] / best_t - 1
         regrets.append(regret)
         rows.append({"bytes": n, "model_choice": _name(chosen[0]), "model_choice_s": chosen[1],
@@ -247,7 +249,8 @@ def main(argv=None) -> int:
         print(f"# {where}, float32, median of {args.rounds} alternating rounds "
               "per candidate")
         report(params, measured, world)
-        table_entry = tuning.entry(params, tuning.select(params, choices, world, sizes))
+        table_entry = tuning.entry(params, tuning.select(params, choices, world, sizes,
+                                                         measured))
     table_entry = _agree(table_entry, "table")
     path = args.out or tuning.cache_path()
     if _writes_for_host(me):

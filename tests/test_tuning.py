@@ -1,6 +1,7 @@
 """The autotuner: fitting the model, choosing, the table's file, and
 jaxring.allreduce taking its defaults from the table."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -76,6 +77,17 @@ def test_select_takes_the_fastest_prediction_and_lookup_the_next_size():
     for n, c in sel.items():
         assert tuning.predict(TRUE, c, 8, n) == min(
             tuning.predict(TRUE, x, 8, n) for x in choices)
+    # Predictions within TIE of each other: the measurement decides.
+    a, b = Choice("ring", 1, 1 << 20, "auto"), Choice("ring", 2, 1 << 20, "auto")
+    tied = dataclasses.replace(TRUE_TIERED, tiers=((2, 0.0, 5e-10, 1), (2, 0.0, 8e-9, 2)))
+    assert tuning.predict(tied, a, 4, 1 << 24) == pytest.approx(tuning.predict(tied, b, 4, 1 << 24))
+    assert tuning.select(tied, [a, b], 4, [1 << 24])[1 << 24] == a
+    assert tuning.select(tied, [a, b], 4, [1 << 24],
+                         [(a, 1 << 24, 0.2), (b, 1 << 24, 0.1)])[1 << 24] == b
+    # Outside the tie, the model's choice stands whatever was measured.
+    slow = Choice("ring", 2, 1 << 20, "flat")
+    assert tuning.select(tied, [a, slow], 4, [1 << 24],
+                         [(a, 1 << 24, 0.2), (slow, 1 << 24, 0.1)])[1 << 24] == a
     entry = {"choices": {"1024": vars(Choice("ring", 1, 4096)),
                          "65536": vars(Choice("direct", 2, 1 << 20))}}
     assert tuning.lookup(entry, 10) == Choice("ring", 1, 4096)

@@ -188,10 +188,25 @@ def fit(measurements: Iterable[tuple[Choice, float, float]], world: int,
                   float(gamma_s_per_byte), float(d_call), float(d_byte), tiers)
 
 
+# Predictions this close to the fastest one count as a tie: the model does
+# not tell such candidates apart (ring counts that only change how the same
+# bytes are split, for one), so a measurement decides between them.
+TIE = 0.03
+
+
 def select(params: Params, choices: list[Choice], world: int,
-           sizes: Iterable[int]) -> dict[int, Choice]:
-    """The choice the model predicts fastest at each size."""
-    return {n: min(choices, key=lambda c: predict(params, c, world, n)) for n in sizes}
+           sizes: Iterable[int], measured=None) -> dict[int, Choice]:
+    """The choice the model predicts fastest at each size. Among choices
+    predicted within TIE of the fastest, the one measured fastest at that
+    size wins, where ``measured`` ((choice, bytes, seconds) rows) has it."""
+    times = {(c, n): t for c, n, t in (measured or ())}
+    out = {}
+    for n in sizes:
+        predicted = {c: predict(params, c, world, n) for c in choices}
+        fastest = min(predicted.values())
+        tied = [c for c in choices if predicted[c] <= fastest * (1 + TIE)]
+        out[n] = min(tied, key=lambda c: (times.get((c, n), math.inf), predicted[c]))
+    return out
 
 
 def lookup(entry: dict, nbytes: int) -> Choice:
