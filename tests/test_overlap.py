@@ -27,11 +27,12 @@ def no_state_left_behind():
     # Reading one replicated result does not wait for the other devices, so
     # give the last step a moment to finish everywhere.
     deadline = time.monotonic() + 30
-    while (_jaxring.split_phase_unfinished_starts() or _jaxring.inprocess_pending_ops()) \
-            and time.monotonic() < deadline:
+    while (_jaxring.split_phase_unfinished_starts() or _jaxring.inprocess_pending_ops()
+           or _jaxring.gang_start_pending()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _jaxring.split_phase_unfinished_starts() == 0
     assert _jaxring.inprocess_pending_ops() == 0
+    assert _jaxring.gang_start_pending() == 0
 
 
 def mesh():
@@ -303,6 +304,29 @@ def test_partitions_and_a_tight_credit_window():
                          max_inflight_mb=2 * tiny)
     got = train(sharded(ov), params, opt, data)
     assert_trees_close(got, ref)
+
+
+@pytest.mark.parametrize("gang", [True, False])
+def test_gang_start_setting_is_lowered_and_changes_no_value(gang):
+    """With cpu_gang_start the in-process starts wait for their peers (see
+    xla_ffi/cpu/gang_start.h); on or off, the values are bit-identical."""
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+    step = make_step(jax.lax.pmean, opt)
+    jaxring.config.update("cpu_gang_start", gang)
+    try:
+        f = sharded(jaxring.overlap(step, **small_buckets()))
+        placed = jax.device_put(data, NamedSharding(mesh(), P("batch")))
+        hlo = f.lower(params, opt.init(params), placed).as_text()
+        got = train(f, params, opt, data)
+    finally:
+        jaxring.config.reset("cpu_gang_start")
+    starts = re.findall(r"custom_call @jaxring_allreduce_start_cpu.*", hlo)
+    assert len(starts) >= 3
+    assert all(f"gang = {str(gang).lower()}" in line for line in starts)
+    ref = train(sharded(jaxring.overlap(step, **small_buckets())), params, opt, data)
+    jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)),
+                 got, ref)
 
 
 def test_explain_names_buckets_by_parameter_path():

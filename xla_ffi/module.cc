@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "cpu/allreduce_handler.h"
+#include "cpu/gang_start.h"
 #include "cpu/inprocess_transport.h"
 #include "cpu/split_phase.h"
 #include "cpu/tcp_transport.h"
@@ -204,6 +205,8 @@ NB_MODULE(_jaxring, m) {
     }
     return out;
   }, "Events recorded since the last call, as tuples.");
+  m.def("gang_start_pending", &jaxring::gang_start_pending,
+        "Split-phase starts still gathering their in-process ranks.");
   m.def("split_phase_unfinished_starts",
         &jaxring::split_phase_unfinished_starts,
         "Split-phase allreduces started and not yet finished.");

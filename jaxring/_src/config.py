@@ -85,6 +85,15 @@ def _link_spec(v: Any) -> bool:
 ALGORITHMS = ("auto", "ring", "direct", "nccl")
 
 
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "on", "yes"):
+        return True
+    if t in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(text)
+
+
 def _tuning_setting(v: Any) -> bool:
     return isinstance(v, str) and bool(v)
 
@@ -142,6 +151,14 @@ _OPTIONS = {
                 "so compute and communication compete as on a real network. "
                 "An emulation for measuring overlap on one machine; None "
                 "(default) moves data at memory speed."),
+        _Option("cpu_gang_start", "JAXRING_CPU_GANG_START", True, _parse_bool,
+                lambda v: isinstance(v, bool), "True or False (env: 1/0)",
+                "On CPU, where every rank of an overlapped bucket is a "
+                "virtual device of this process: its start waits (up to 1 s) "
+                "until every device has reached it, so a device that runs "
+                "ahead gives its cores to the ones the ring waits for. "
+                "False: a start returns at once. No effect on the values, "
+                "across processes or on GPU."),
     ]
 }
 

@@ -87,6 +87,7 @@ def _start_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s, link,
     _op_id_of_pair[pair] = int(attrs["op_id"])
     timeline.name_op(attrs["op_id"], label)
     attrs["num_deps"] = np.int64(num_deps)
+    attrs["gang"] = bool(config.cpu_gang_start)
     call = jax.ffi.ffi_lowering("jaxring_allreduce_start_cpu")
     sub_ctx = ctx.replace(avals_in=[_ar.SCALAR_I32, _ar.SCALAR_I32, *ctx.avals_in])
     return call(sub_ctx, rank, group, *xs, **attrs)

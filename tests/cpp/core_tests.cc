@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/gang_start.h"
 #include "cpu/inprocess_transport.h"
 #include "cpu/tcp_transport.h"
 #include "plan.h"
@@ -233,6 +235,48 @@ void run_tcp_test() {
 
 }  // namespace
 
+// Gang start: every rank waits for the last; a rank of another operation
+// passes while one gathers; a missing rank costs at most the wait.
+void run_gang_tests() {
+  using Clock = std::chrono::steady_clock;
+  {
+    std::vector<std::thread> ranks;
+    std::atomic<int> all{0};
+    for (int r = 0; r < 4; ++r)
+      ranks.emplace_back([&] { all += jaxring::gang_start_wait({7, 1, 0}, 4, 10.0); });
+    for (auto& t : ranks) t.join();
+    CHECK(all.load() == 4);
+    CHECK(jaxring::gang_start_pending() == 0);
+  }
+  {
+    // Rank 0 of op 2 gathers; a rank of op 3 arrives meanwhile and passes.
+    std::atomic<bool> op2_done{false};
+    std::thread waiter([&] {
+      CHECK(jaxring::gang_start_wait({7, 2, 0}, 2, 10.0));
+      op2_done = true;
+    });
+    while (jaxring::gang_start_pending() == 0) std::this_thread::yield();
+    const auto t0 = Clock::now();
+    CHECK(!jaxring::gang_start_wait({7, 3, 0}, 2, 10.0));
+    CHECK(Clock::now() - t0 < std::chrono::seconds(5));
+    CHECK(!op2_done.load());
+    CHECK(jaxring::gang_start_wait({7, 2, 0}, 2, 10.0));  // the last arrival
+    waiter.join();
+    CHECK(op2_done.load());
+    // Op 3's second rank finds its first one counted and does not wait.
+    CHECK(jaxring::gang_start_wait({7, 3, 0}, 2, 10.0));
+    CHECK(jaxring::gang_start_pending() == 0);
+  }
+  {
+    // A rank that never comes: the wait ends after max_wait_s, unfulfilled.
+    const auto t0 = Clock::now();
+    CHECK(!jaxring::gang_start_wait({7, 4, 0}, 2, 0.2));
+    const auto waited = Clock::now() - t0;
+    CHECK(waited >= std::chrono::milliseconds(190));
+    CHECK(waited < std::chrono::seconds(5));
+  }
+}
+
 int main() {
   run_tcp_test();  // first: forking is only safe before any thread exists
 
@@ -272,6 +316,7 @@ int main() {
       });
     for (auto& t : ops) t.join();
   }
+  run_gang_tests();
   // A rank that never arrives: the others fail after the timeout, naming it.
   for (auto algorithm : {jaxring::Algorithm::kRing, jaxring::Algorithm::kDirect}) {
     jaxring::OpDesc desc;

@@ -170,7 +170,7 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                  int64_t chunk_bytes, double timeout_s,
                                  double link_bytes_per_s,
                                  double link_latency_s, int64_t algorithm,
-                                 int64_t num_deps,
+                                 int64_t num_deps, bool gang,
                                  ffi::Span<const int64_t> topology,
                                  ffi::Span<const int64_t> rank_process) {
   handle->typed_data()[0] = 0;
@@ -211,7 +211,8 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
   }
   const OpKey key{run_id.run_id, op_id, group};
   if (auto error = split_phase_start(key, desc, rank_buf.typed_data()[0],
-                                     device, processes, inputs, timeout_s)) {
+                                     device, processes, inputs, timeout_s,
+                                     gang)) {
     return ffi::Error::Internal(*error);
   }
   return ffi::Error::Success();
@@ -284,6 +285,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<double>("link_latency_s")
         .Attr<int64_t>("algorithm")
         .Attr<int64_t>("num_deps")
+        .Attr<bool>("gang")  // wait for the in-process peers (gang_start.h)
         .Attr<ffi::Span<const int64_t>>("topology")
         .Attr<ffi::Span<const int64_t>>("rank_process"));
 

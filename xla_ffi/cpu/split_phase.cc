@@ -1,5 +1,6 @@
 #include "split_phase.h"
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -8,6 +9,8 @@
 #include <sstream>
 #include <tuple>
 #include <utility>
+
+#include "gang_start.h"
 
 namespace jaxring {
 
@@ -93,7 +96,7 @@ void copy_out(const Started& s, const std::vector<MutableBytes>& outputs) {
 std::optional<std::string> split_phase_start(
     const OpKey& key, const OpDesc& desc, int rank, int device,
     const std::vector<int>& process_of_rank,
-    const std::vector<ConstBytes>& inputs, double timeout_s) {
+    const std::vector<ConstBytes>& inputs, double timeout_s, bool gang) {
   auto s = std::make_shared<Started>();
   for (const ConstBytes& b : inputs) s->bytes += b.size;
   const size_t expected =
@@ -131,6 +134,12 @@ std::optional<std::string> split_phase_start(
                       [s](const std::optional<std::string>& error) {
                         mark_complete(*s, error);
                       });
+  const bool one_process =
+      std::all_of(process_of_rank.begin(), process_of_rank.end(),
+                  [&](int p) { return p == process_of_rank.front(); });
+  if (gang && one_process) {
+    gang_start_wait(key, desc.world_size, std::min(timeout_s, kGangMaxWaitS));
+  }
   return std::nullopt;
 }
 

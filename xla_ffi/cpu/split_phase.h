@@ -32,12 +32,14 @@ struct MutableBytes {
 };
 
 // Copies `inputs` (concatenated, in order) into transport-owned memory and
-// starts rank's part of the allreduce described by key/desc. Returns an error
-// if it cannot start (the custom call then fails the execution).
+// starts rank's part of the allreduce described by key/desc. With `gang`, and
+// every rank in this process, it then waits for the other ranks to start too
+// (see gang_start.h). Returns an error if it cannot start (the custom call
+// then fails the execution).
 std::optional<std::string> split_phase_start(
     const OpKey& key, const OpDesc& desc, int rank, int device,
     const std::vector<int>& process_of_rank,
-    const std::vector<ConstBytes>& inputs, double timeout_s);
+    const std::vector<ConstBytes>& inputs, double timeout_s, bool gang);
 
 // Completes the operation started on `device` in run `run_id` as op_id:
 // once the result is ready it is copied into `outputs` (split in order) and
