@@ -15,3 +15,23 @@ def test_bench_prints_the_table_and_writes_the_plot(tmp_path):
     assert [r.split()[0:2] for r in rows] == [["4", "KiB"], ["16", "KiB"], ["64", "KiB"]], res.stdout
     assert f"plot written to {png}" in res.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overlap_benchmark_prints_every_variant_and_the_floor(tmp_path):
+    """benchmarks/overlap_cnn.py on a small CNN: every variant is timed and
+    the ratios (with and without gang start) and the floor are printed."""
+    import pathlib
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_cnn.py"
+    res = subprocess.run(
+        [sys.executable, str(script), "--devices", "4", "--layers", "4", "--width", "32",
+         "--image", "16", "--per-device-batch", "4", "--rounds", "1",
+         "--link", "1Gbit,20us", "--sweep", "0.25", "--timeline", str(tmp_path / "t.json")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    for name in ("compute", "comm", "serialized", "overlap", "overlap, no gang"):
+        assert f"{name}:" in out, out
+    for line in ("overlap / serialized", "overlap / max(compute, comm)",
+                 "without gang start:", "floor (est.)", "bucket_mb=0.25", "best: bucket_mb="):
+        assert line in out, out
+    assert (tmp_path / "t.json").stat().st_size > 0
