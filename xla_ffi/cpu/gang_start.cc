@@ -14,8 +14,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// How long an operation whose ranks never all came (a failed run) is kept,
+// counted from its last arrival, so that a latecomer still finds it.
+constexpr auto kForgetAfter = std::chrono::seconds(60);
+
 struct Gang {
   int arrived = 0;
+  int waiting = 0;
   Clock::time_point last_arrival = Clock::now();
   std::condition_variable cv;
 };
@@ -32,7 +37,7 @@ class GangTable {
     const auto max_wait = std::chrono::duration_cast<Clock::duration>(
         std::chrono::duration<double>(max_wait_s));
     std::unique_lock<std::mutex> lock(mu_);
-    forget_abandoned(max_wait);
+    forget_abandoned();
     std::shared_ptr<Gang>& slot = gangs_[key];
     if (!slot) slot = std::make_shared<Gang>();
     std::shared_ptr<Gang> gang = slot;
@@ -48,9 +53,11 @@ class GangTable {
     if (gathering_ && *gathering_ != op) return false;
     gathering_ = op;
     ++waiters_;
+    ++gang->waiting;
     const bool all = gang->cv.wait_until(
         lock, Clock::now() + max_wait,
         [&] { return gang->arrived >= world_size; });
+    --gang->waiting;
     if (--waiters_ == 0) gathering_.reset();
     return all;
   }
@@ -61,12 +68,11 @@ class GangTable {
   }
 
  private:
-  // A rank that never comes (a failed run) leaves its operation behind;
-  // once no rank has arrived for twice the longest wait, nobody waits on it.
-  void forget_abandoned(Clock::duration max_wait) {
+  // A rank that never comes (a failed run) leaves its operation behind.
+  void forget_abandoned() {
     const auto now = Clock::now();
     for (auto it = gangs_.begin(); it != gangs_.end();) {
-      if (now > it->second->last_arrival + 2 * max_wait) {
+      if (it->second->waiting == 0 && now > it->second->last_arrival + kForgetAfter) {
         it = gangs_.erase(it);
       } else {
         ++it;

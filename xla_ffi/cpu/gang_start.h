@@ -38,8 +38,8 @@ constexpr double kGangMaxWaitS = 1.0;
 bool gang_start_wait(const OpKey& key, int world_size, double max_wait_s);
 
 // Operations with ranks still missing (for tests: drops to 0 once all
-// arrive; an operation whose ranks never all come is forgotten a while
-// after its last waiter gave up).
+// arrive; an operation whose ranks never all come is forgotten a minute
+// after its last arrival).
 int64_t gang_start_pending();
 
 }  // namespace jaxring
