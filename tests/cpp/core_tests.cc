@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -79,7 +80,7 @@ struct Done {
 void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
                    int64_t op_id, unsigned seed,
                    jaxring::Algorithm algorithm = jaxring::Algorithm::kRing,
-                   bool in_place = false) {
+                   bool in_place = false, double link_bytes_per_s = 0) {
   std::vector<std::vector<int32_t>> in(p, std::vector<int32_t>(count));
   std::vector<std::vector<int32_t>> out(p, std::vector<int32_t>(count, -1));
   std::vector<int64_t> expect(count, 0);
@@ -96,6 +97,8 @@ void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
   desc.num_rings = rings;
   desc.chunk_bytes = chunk_bytes;
   desc.algorithm = algorithm;
+  desc.link_bytes_per_s = link_bytes_per_s;
+  desc.link_latency_s = link_bytes_per_s > 0 ? 2e-6 : 0;
   Done done;
   done.remaining = p;
   std::vector<int> order(p);
@@ -235,6 +238,83 @@ void run_tcp_test() {
 
 }  // namespace
 
+// One float allreduce among p ranks started from their own threads; returns
+// every rank's output and the wall time, and fills *errors.
+std::vector<std::vector<float>> float_allreduce(
+    int p, int64_t count, const jaxring::OpDesc& base, int64_t op_id,
+    double timeout_s, std::vector<std::string>* errors, double* wall_s) {
+  std::vector<std::vector<float>> in(p, std::vector<float>(count));
+  std::vector<std::vector<float>> out(p, std::vector<float>(count, -1));
+  std::mt19937 gen(static_cast<unsigned>(op_id));
+  std::normal_distribution<float> normal(0.f, 1e3f);
+  for (auto& v : in)
+    for (auto& x : v) x = normal(gen);
+  jaxring::OpDesc desc = base;
+  desc.type = jaxring::ElemType::kF32;
+  desc.count = count;
+  desc.world_size = p;
+  Done done;
+  done.remaining = p;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> threads;
+  for (int r = p - 1; r >= 0; --r) {
+    threads.emplace_back([&, r] {
+      jaxring::inprocess_allreduce(
+          jaxring::OpKey{3, op_id, 0}, desc, r, r, in[r].data(), out[r].data(),
+          timeout_s, [&](const std::optional<std::string>& err) {
+            std::lock_guard<std::mutex> lock(done.mu);
+            if (err) done.errors.push_back(*err);
+            if (--done.remaining == 0) done.cv.notify_all();
+          });
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::unique_lock<std::mutex> lock(done.mu);
+  done.cv.wait(lock, [&] { return done.remaining == 0; });
+  *wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  *errors = done.errors;
+  return out;
+}
+
+// Link emulation moves the data on one thread in the plan's order: the
+// floats must be the threaded ring's, bit for bit; the operation takes at
+// least the link's time; and a link too slow for the timeout is an error
+// that names the ranks, with no buffer touched after it.
+void run_emulation_tests() {
+  const int p = 5;
+  const int64_t count = 40000;  // 160 KB per rank
+  for (int rings : {1, 3})
+    for (int64_t chunk : {int64_t{4096}, int64_t{1} << 20}) {
+      jaxring::OpDesc desc;
+      desc.num_rings = rings;
+      desc.chunk_bytes = chunk;
+      std::vector<std::string> errors;
+      double wall = 0;
+      const auto threaded = float_allreduce(p, count, desc, 10 + rings, 30, &errors, &wall);
+      CHECK(errors.empty());
+      desc.link_bytes_per_s = 200e6;
+      desc.link_latency_s = 50e-6;
+      const auto emulated = float_allreduce(p, count, desc, 10 + rings, 30, &errors, &wall);
+      CHECK(errors.empty());
+      for (int r = 0; r < p; ++r) {
+        CHECK(std::memcmp(threaded[r].data(), emulated[r].data(), count * 4) == 0);
+        CHECK(std::memcmp(emulated[0].data(), emulated[r].data(), count * 4) == 0);
+      }
+      // Each rank sends 2(p-1)/p of its buffer over its own link.
+      const double link_s = 2.0 * (p - 1) / p * count * 4 / desc.link_bytes_per_s;
+      CHECK(wall >= 0.95 * link_s);
+    }
+  {
+    jaxring::OpDesc desc;
+    desc.link_bytes_per_s = 1e6;  // 0.5 s of link for 0.2 s of timeout
+    std::vector<std::string> errors;
+    double wall = 0;
+    float_allreduce(3, 100000, desc, 20, 0.2, &errors, &wall);
+    CHECK(errors.size() == 3);
+    for (const auto& e : errors) CHECK(e.find("did not finish") != std::string::npos);
+  }
+}
+
 // Gang start: every rank waits for the last; a rank of another operation
 // passes while one gathers; a missing rank costs at most the wait.
 void run_gang_tests() {
@@ -316,10 +396,20 @@ int main() {
       });
     for (auto& t : ops) t.join();
   }
+  // Link emulation, ints: exact sums, into separate outputs and in place.
+  for (int p : {2, 3, 8})
+    for (int64_t count : {0, 1, 17, 100003})
+      for (bool in_place : {false, true})
+        run_allreduce(p, 2, count, 4096, op_id++, static_cast<unsigned>(op_id),
+                      jaxring::Algorithm::kRing, in_place, /*link=*/10e9);
+  run_emulation_tests();
   run_gang_tests();
-  // A rank that never arrives: the others fail after the timeout, naming it.
-  for (auto algorithm : {jaxring::Algorithm::kRing, jaxring::Algorithm::kDirect}) {
+  // A rank that never arrives: the others fail after the timeout, naming it
+  // (the ring, the direct algorithm, the ring under link emulation).
+  for (int kind = 0; kind < 3; ++kind) {
+    const auto algorithm = kind == 1 ? jaxring::Algorithm::kDirect : jaxring::Algorithm::kRing;
     jaxring::OpDesc desc;
+    if (kind == 2) desc.link_bytes_per_s = 1e9;
     desc.type = jaxring::ElemType::kF32;
     desc.count = 10;
     desc.world_size = 3;
@@ -332,7 +422,7 @@ int main() {
       if (err) done.errors.push_back(*err);
       if (--done.remaining == 0) done.cv.notify_all();
     };
-    const jaxring::OpKey key{2, 1, static_cast<int64_t>(algorithm)};
+    const jaxring::OpKey key{2, 1, kind};
     jaxring::inprocess_allreduce(key, desc, 0, 0, a.data(), oa.data(), 0.3, cb);
     jaxring::inprocess_allreduce(key, desc, 1, 1, b.data(), ob.data(), 0.3, cb);
     std::unique_lock<std::mutex> lock(done.mu);

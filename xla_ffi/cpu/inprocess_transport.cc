@@ -52,10 +52,8 @@ struct RankSlot {
   // progress[r]: units (chunk, step) of ring r this rank has completed, in
   // the plan's chunk-major order.
   std::unique_ptr<std::atomic<int64_t>[]> progress;
-  // With link emulation: when this rank joined, and when it completed each
-  // unit (ring-major), which is when that unit's data could leave it.
+  // When this rank joined (its data exists from then on).
   int64_t joined_ns = 0;
-  std::unique_ptr<int64_t[]> unit_done_ns;
 };
 
 struct Op {
@@ -73,10 +71,10 @@ struct Op {
       unit_base.push_back(units);
       units += plan.num_chunks(r) * plan.num_steps();
     }
+    num_units = units;
     for (auto& s : slots) {
       s.progress.reset(new std::atomic<int64_t>[d.num_rings]);
       for (int r = 0; r < d.num_rings; ++r) s.progress[r].store(0);
-      if (emulated()) s.unit_done_ns.reset(new int64_t[units > 0 ? units : 1]);
     }
   }
 
@@ -87,6 +85,7 @@ struct Op {
   const OpDesc desc;
   const RingPlan plan;
   std::vector<int64_t> unit_base;  // index of ring r's first unit
+  int64_t num_units = 0;           // units of all rings, per rank
   std::vector<RankSlot> slots;
   const Clock::time_point deadline;
   const double timeout_s;
@@ -95,6 +94,11 @@ struct Op {
   std::atomic<bool> failed{false};
   std::mutex error_mu;
   std::string error;
+  // Link emulation (see run_emulated): set by the one worker that moves
+  // every rank's data; finish_ns is written before data_done is released.
+  std::atomic<bool> executor_claimed{false};
+  std::atomic<bool> data_done{false};
+  std::vector<int64_t> finish_ns;
 
   void fail(const std::string& why) {
     {
@@ -136,10 +140,8 @@ struct Task {
   int rank;
   Completion done;
   std::vector<int64_t> cursor;  // per ring: next unit to run
-  // Link emulation, per ring: when the cursor unit's data arrives (-1: its
-  // transfer is not booked yet).
-  std::vector<int64_t> arrival_ns;
-  // Earliest booked arrival still in the future (advance() sets it).
+  // Link emulation: when the modelled link delivers this rank's last unit,
+  // if that is still in the future (advance() sets it; -1: not waiting).
   int64_t wake_ns = -1;
 };
 
@@ -208,6 +210,9 @@ class Worker {
   bool advance(Task& task, bool* finished);
   // The direct algorithm's whole part for one rank, once every rank is here.
   bool run_direct(Task& task);
+  // Link emulation: the first worker to see every rank here moves all the
+  // data (execute_emulated); each rank then waits for the modelled link.
+  bool run_emulated(Task& task);
 
   std::vector<char> scratch_;  // the direct algorithm's accumulator
 
@@ -223,12 +228,95 @@ void Op::wake_all() {
   }
 }
 
+// Moves the data of unit `cur` of ring r at `rank`: reduces (or copies) the
+// chunk the plan says it receives from its neighbour into its output. The
+// caller guarantees the neighbour has done the unit before it.
+void run_unit(Op& op, int r, int rank, int64_t cur) {
+  const RingPlan& plan = op.plan;
+  const int steps = plan.num_steps();
+  const int64_t esize = plan.elem_bytes();
+  const int64_t c = cur / steps;
+  const int t = static_cast<int>(cur % steps);
+  const RankSlot& from = op.slots[plan.prev_rank(r, rank)];
+  const RankSlot& me = op.slots[rank];
+  const Span span = plan.chunk(r, plan.recv_segment(plan.position(r, rank), t), c);
+  if (span.count <= 0) return;
+  char* dst = static_cast<char*>(me.out) + span.offset * esize;
+  if (plan.is_reduce_step(t)) {
+    // Step 0 starts from the neighbour's input; later steps from the partial
+    // result it wrote at the step before.
+    const char* src = static_cast<const char*>(t == 0 ? from.in : from.out) +
+                      span.offset * esize;
+    const char* mine = static_cast<const char*>(me.in) + span.offset * esize;
+    reduce(op.desc.type, op.desc.op, dst, src, mine, span.count);
+  } else {
+    const char* src = static_cast<const char*>(from.out) + span.offset * esize;
+    std::memcpy(dst, src, span.count * esize);
+  }
+}
+
+// Link emulation's executor. One thread runs every rank's units in the
+// plan's order (unit by unit, each for all rings and ranks, so a unit's
+// input was always produced by the unit before it), and computes when a
+// link of the modelled bandwidth and latency would have delivered each one:
+// a unit leaves its sender when the sender has its data (it joined, or
+// received the unit before) and the sender's one outgoing link is free.
+// Returns, per rank, when its last unit arrives.
+//
+// Why one thread and modelled times rather than each rank's worker sleeping
+// until each arrival: a ring step waits for the neighbour's worker, so with
+// a worker per rank every one of the 2(p-1) steps costs two thread wake-ups
+// per rank. While the devices compute, each wake-up waits for a core, and a
+// bucket worth 5 ms on the link took 60 ms; the wake-ups also cost more CPU
+// than the data movement. Here the data moves in one pass and the ranks
+// only wait, asleep, for the link's clock. The data and its summation order
+// are those of the ring, bit for bit.
+std::vector<int64_t> execute_emulated(Op& op) {
+  const RingPlan& plan = op.plan;
+  const int p = op.desc.world_size;
+  const int steps = plan.num_steps();
+  const int64_t esize = plan.elem_bytes();
+  // done_ns[rank * num_units + unit]: when the unit had arrived at the rank.
+  std::vector<int64_t> done_ns(static_cast<size_t>(p * op.num_units), 0);
+  std::vector<int64_t> finish(p);
+  int64_t longest = 0;
+  for (int rank = 0; rank < p; ++rank) finish[rank] = op.slots[rank].joined_ns;
+  for (int r = 0; r < plan.num_rings(); ++r) {
+    longest = std::max(longest, plan.num_chunks(r) * steps);
+  }
+  for (int64_t cur = 0; cur < longest; ++cur) {
+    const int t = static_cast<int>(cur % steps);
+    for (int r = 0; r < plan.num_rings(); ++r) {
+      if (cur >= plan.num_chunks(r) * steps) continue;
+      const int64_t unit = op.unit_base[r] + cur;
+      for (int rank = 0; rank < p; ++rank) {
+        run_unit(op, r, rank, cur);
+        const int prev = plan.prev_rank(r, rank);
+        const RankSlot& from = op.slots[prev];
+        const int64_t ready =
+            t == 0 ? from.joined_ns : done_ns[prev * op.num_units + unit - 1];
+        const Span span = plan.chunk(
+            r, plan.recv_segment(plan.position(r, rank), t), cur / steps);
+        int64_t arrived =
+            from.worker->book_transfer(ready, span.count * esize, op.desc);
+        // A rank takes its units in order, and only once it has joined.
+        arrived = std::max(arrived, op.slots[rank].joined_ns);
+        if (cur > 0) {
+          arrived = std::max(arrived, done_ns[rank * op.num_units + unit - 1]);
+        }
+        done_ns[rank * op.num_units + unit] = arrived;
+        finish[rank] = std::max(finish[rank], arrived);
+      }
+    }
+  }
+  return finish;
+}
+
 bool Worker::advance(Task& task, bool* finished) {
   Op& op = *task.op;
   RankSlot& me = op.slots[task.rank];
   const RingPlan& plan = op.plan;
   const int steps = plan.num_steps();
-  const int64_t esize = plan.elem_bytes();
   task.wake_ns = -1;
 
   if (op.failed.load(std::memory_order_acquire)) {
@@ -247,13 +335,13 @@ bool Worker::advance(Task& task, bool* finished) {
   bool progressed = false;
   if (!me.finished.load(std::memory_order_relaxed) && op.direct()) {
     progressed = run_direct(task);
+  } else if (!me.finished.load(std::memory_order_relaxed) && op.emulated()) {
+    progressed = run_emulated(task);
   } else if (!me.finished.load(std::memory_order_relaxed)) {
     bool all_rings_done = true;
     for (int r = 0; r < plan.num_rings(); ++r) {
       const int64_t total = plan.num_chunks(r) * steps;
-      const int prev = plan.prev_rank(r, task.rank);
-      RankSlot& from = op.slots[prev];
-      const int pos = plan.position(r, task.rank);
+      RankSlot& from = op.slots[plan.prev_rank(r, task.rank)];
       int64_t& cur = task.cursor[r];
       while (cur < total) {
         const int64_t c = cur / steps;
@@ -264,42 +352,7 @@ bool Worker::advance(Task& task, bool* finished) {
             from.progress[r].load(std::memory_order_acquire) < c * steps + t) {
           break;
         }
-        const Span span = plan.chunk(r, plan.recv_segment(pos, t), c);
-        if (op.emulated()) {
-          int64_t& arrival = task.arrival_ns[r];
-          if (arrival < 0) {
-            // The data left the neighbour when it joined (step 0 sends its
-            // input) or when it completed the unit before.
-            const int64_t ready =
-                t == 0 ? from.joined_ns
-                       : from.unit_done_ns[op.unit_base[r] + c * steps + t - 1];
-            arrival = from.worker->book_transfer(ready, span.count * esize,
-                                                 op.desc);
-          }
-          if (arrival > now_ns()) {
-            if (task.wake_ns < 0 || arrival < task.wake_ns) task.wake_ns = arrival;
-            break;
-          }
-          arrival = -1;
-        }
-        if (span.count > 0) {
-          char* dst = static_cast<char*>(me.out) + span.offset * esize;
-          if (plan.is_reduce_step(t)) {
-            // Step 0 starts from the neighbour's input; later steps from
-            // the partial result it wrote at the step before.
-            const char* src =
-                static_cast<const char*>(t == 0 ? from.in : from.out) +
-                span.offset * esize;
-            const char* mine =
-                static_cast<const char*>(me.in) + span.offset * esize;
-            reduce(op.desc.type, op.desc.op, dst, src, mine, span.count);
-          } else {
-            const char* src =
-                static_cast<const char*>(from.out) + span.offset * esize;
-            std::memcpy(dst, src, span.count * esize);
-          }
-        }
-        if (op.emulated()) me.unit_done_ns[op.unit_base[r] + cur] = now_ns();
+        run_unit(op, r, task.rank, cur);
         ++cur;
         me.progress[r].store(cur, std::memory_order_release);
         progressed = true;
@@ -316,17 +369,23 @@ bool Worker::advance(Task& task, bool* finished) {
     }
   }
 
-  if (op.finished_count.load() == op.desc.world_size) {
+  // Once every rank has finished, no one touches this rank's buffers. Under
+  // emulation, one thread moved all the data before any rank finished.
+  if (op.finished_count.load() == op.desc.world_size ||
+      (op.emulated() && me.finished.load(std::memory_order_acquire))) {
     if (timeline_enabled()) {
       timeline_record({device_, op.key.run_id, op.key.op_id,
-                       op.desc.count * esize, op.desc.num_rings, me.joined_ns,
-                       now_ns()});
+                       op.desc.count * plan.elem_bytes(), op.desc.num_rings,
+                       me.joined_ns, now_ns()});
     }
     task.done(std::nullopt);
     *finished = true;
     return true;
   }
-  if (!progressed && Clock::now() > op.deadline) {
+  // The executor is bounded work on buffers every rank still holds: no
+  // timeout while it runs.
+  const bool executing = op.executor_claimed.load() && !op.data_done.load();
+  if (!progressed && !executing && Clock::now() > op.deadline) {
     std::ostringstream os;
     os << op.name() << " timed out after " << op.timeout_s << " s: ";
     const std::string missing = op.ranks_without(&RankSlot::joined);
@@ -342,6 +401,31 @@ bool Worker::advance(Task& task, bool* finished) {
     op.fail(os.str());
   }
   return progressed;
+}
+
+bool Worker::run_emulated(Task& task) {
+  Op& op = *task.op;
+  // Acquire: every slot's buffers were published before its join was counted.
+  if (op.joined_count.load(std::memory_order_acquire) < op.desc.world_size) {
+    return false;
+  }
+  bool progressed = false;
+  if (!op.executor_claimed.exchange(true)) {
+    op.finish_ns = execute_emulated(op);
+    op.data_done.store(true, std::memory_order_release);
+    op.wake_all();
+    progressed = true;
+  }
+  if (!op.data_done.load(std::memory_order_acquire)) return progressed;
+  const int64_t finish = op.finish_ns[task.rank];
+  if (finish > now_ns()) {
+    task.wake_ns = finish;  // the worker sleeps until the link delivers
+    return progressed;
+  }
+  RankSlot& me = op.slots[task.rank];
+  me.finished.store(true, std::memory_order_release);
+  op.finished_count.fetch_add(1);
+  return true;
 }
 
 bool Worker::run_direct(Task& task) {
@@ -495,8 +579,7 @@ void inprocess_allreduce(const OpKey& key, const OpDesc& desc, int rank,
     return;
   }
   Task task{std::move(op), rank, std::move(done),
-            std::vector<int64_t>(desc.num_rings, 0),
-            std::vector<int64_t>(desc.num_rings, -1)};
+            std::vector<int64_t>(desc.num_rings, 0)};
   worker->submit(std::move(task));
 }
 
