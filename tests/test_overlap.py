@@ -156,8 +156,27 @@ def test_results_are_repeatable_bit_for_bit():
     params, data = init_mlp(), batch()
     step = sharded(jaxring.overlap(make_step(jax.lax.pmean, opt), **small_buckets()))
     a = train(step, params, opt, data)
+    pooled = settled_pool_bytes()
     b = train(step, params, opt, data)
     jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), a, b)
+    # The second run's starts took the first run's buffers from the pool
+    # (see xla_ffi/cpu/buffer_pool.h) instead of allocating more.
+    assert pooled > 0
+    assert settled_pool_bytes() == pooled
+
+
+def settled_pool_bytes():
+    """The split-phase buffer pool once the last step's buffers are back."""
+    deadline = time.monotonic() + 10
+    last = None
+    while time.monotonic() < deadline:
+        jax.effects_barrier()
+        now = _jaxring.split_phase_pooled_bytes()
+        if now == last and _jaxring.split_phase_unfinished_starts() == 0:
+            return now
+        last = now
+        time.sleep(0.05)
+    return last
 
 
 def test_integer_reductions_are_bit_identical():

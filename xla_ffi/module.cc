@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "cpu/allreduce_handler.h"
+#include "cpu/buffer_pool.h"
 #include "cpu/gang_start.h"
 #include "cpu/inprocess_transport.h"
 #include "cpu/split_phase.h"
@@ -210,6 +211,8 @@ NB_MODULE(_jaxring, m) {
   m.def("split_phase_unfinished_starts",
         &jaxring::split_phase_unfinished_starts,
         "Split-phase allreduces started and not yet finished.");
+  m.def("split_phase_pooled_bytes", &jaxring::pooled_bytes,
+        "Bytes of released split-phase buffers kept for reuse.");
 
   // The TCP transport between processes (set up by jaxring._src.distributed).
   m.def("tcp_listen", [](const std::string& bind_host) {

@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/buffer_pool.h"
 #include "cpu/gang_start.h"
 #include "cpu/inprocess_transport.h"
 #include "cpu/tcp_transport.h"
@@ -404,6 +405,31 @@ int main() {
                       jaxring::Algorithm::kRing, in_place, /*link=*/10e9);
   run_emulation_tests();
   run_gang_tests();
+  // A released buffer comes back for the next request of its size; the pool
+  // never holds more than its cap.
+  {
+    const int64_t before = jaxring::pooled_bytes();
+    char* first = nullptr;
+    {
+      jaxring::PooledBuffer a = jaxring::acquire_buffer(12345);
+      first = a.get();
+      std::memset(a.get(), 1, 12345);
+    }
+    CHECK(jaxring::pooled_bytes() == before + 12345);
+    {
+      jaxring::PooledBuffer b = jaxring::acquire_buffer(12345);
+      CHECK(b.get() == first);
+      CHECK(jaxring::pooled_bytes() == before);
+      jaxring::PooledBuffer c = jaxring::acquire_buffer(12345);
+      CHECK(c.get() != first);
+    }
+    CHECK(jaxring::pooled_bytes() == before + 2 * 12345);
+    {
+      const size_t huge = static_cast<size_t>(jaxring::kMaxPooledBytes);
+      jaxring::PooledBuffer d = jaxring::acquire_buffer(huge);
+    }
+    CHECK(jaxring::pooled_bytes() == before + 2 * 12345);
+  }
   // A rank that never arrives: the others fail after the timeout, naming it
   // (the ring, the direct algorithm, the ring under link emulation).
   for (int kind = 0; kind < 3; ++kind) {

@@ -174,7 +174,7 @@ class Worker {
     for (;;) {
       const uint64_t seen = queue_.collect(active);
       bool progressed = false;
-      int64_t wake_ns = -1;  // earliest emulated arrival still pending
+      int64_t wake_ns = -1;  // earliest emulated delivery still to come
       for (auto it = active.begin(); it != active.end();) {
         bool finished = false;
         progressed |= advance(*it, &finished);

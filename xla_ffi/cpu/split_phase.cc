@@ -10,6 +10,7 @@
 #include <tuple>
 #include <utility>
 
+#include "buffer_pool.h"
 #include "gang_start.h"
 
 namespace jaxring {
@@ -28,8 +29,8 @@ struct StartKey {
 
 // One device's started operation.
 struct Started {
-  std::unique_ptr<char[]> in;
-  std::unique_ptr<char[]> out;
+  PooledBuffer in;
+  PooledBuffer out;
   size_t bytes = 0;
   std::mutex mu;
   bool complete = false;
@@ -107,7 +108,7 @@ std::optional<std::string> split_phase_start(
        << s->bytes << " bytes but the operation describes " << expected;
     return os.str();
   }
-  s->in.reset(new char[s->bytes > 0 ? s->bytes : 1]);
+  s->in = acquire_buffer(s->bytes);
   size_t at = 0;
   for (const ConstBytes& b : inputs) {
     if (b.size > 0) std::memcpy(s->in.get() + at, b.data, b.size);
@@ -126,7 +127,7 @@ std::optional<std::string> split_phase_start(
     mark_complete(*s, std::nullopt);
     return std::nullopt;
   }
-  s->out.reset(new char[s->bytes > 0 ? s->bytes : 1]);
+  s->out = acquire_buffer(s->bytes);
   // The completion holds the entry, so the buffers outlive every peer read
   // even if finish never comes.
   ring_allreduce(key, desc, rank, device, process_of_rank, s->in.get(),
