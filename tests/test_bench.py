@@ -32,6 +32,8 @@ def test_overlap_benchmark_prints_every_variant_and_the_floor(tmp_path):
     for name in ("compute", "comm", "serialized", "overlap", "overlap, no gang"):
         assert f"{name}:" in out, out
     for line in ("overlap / serialized", "overlap / max(compute, comm)",
-                 "without gang start:", "floor (est.)", "bucket_mb=0.25", "best: bucket_mb="):
+                 "without gang start:", "first bucket ready on every device after",
+                 "floor, max(compute, first bucket ready + comm)",
+                 "any schedule, max(compute, comm) / serialized", "bucket_mb=0.25", "best: bucket_mb="):
         assert line in out, out
     assert (tmp_path / "t.json").stat().st_size > 0
