@@ -74,6 +74,34 @@ struct Done {
   std::vector<std::string> errors;
 };
 
+// Starts one allreduce with a thread per rank, in `order`, and waits until
+// every rank's completion has run; returns the errors they reported.
+std::vector<std::string> run_ranks(const std::vector<int>& order,
+                                   const jaxring::OpKey& key,
+                                   const jaxring::OpDesc& desc,
+                                   const std::vector<const void*>& in,
+                                   const std::vector<void*>& out,
+                                   double timeout_s) {
+  Done done;
+  done.remaining = static_cast<int>(order.size());
+  std::vector<std::thread> threads;
+  for (int r : order) {
+    threads.emplace_back([&, r] {
+      jaxring::inprocess_allreduce(
+          key, desc, r, /*device=*/r, in[r], out[r], timeout_s,
+          [&](const std::optional<std::string>& err) {
+            std::lock_guard<std::mutex> lock(done.mu);
+            if (err) done.errors.push_back(*err);
+            if (--done.remaining == 0) done.cv.notify_all();
+          });
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::unique_lock<std::mutex> lock(done.mu);
+  done.cv.wait(lock, [&] { return done.remaining == 0; });
+  return done.errors;
+}
+
 // Runs one allreduce of `count` int32 values among p "devices", each
 // started from its own thread in a shuffled order, and checks the sums.
 // in_place: every rank's output is its input buffer (as when XLA aliases
@@ -100,28 +128,16 @@ void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
   desc.algorithm = algorithm;
   desc.link_bytes_per_s = link_bytes_per_s;
   desc.link_latency_s = link_bytes_per_s > 0 ? 2e-6 : 0;
-  Done done;
-  done.remaining = p;
   std::vector<int> order(p);
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), std::mt19937(seed));
-  std::vector<std::thread> threads;
-  for (int r : order) {
-    threads.emplace_back([&, r] {
-      jaxring::inprocess_allreduce(
-          jaxring::OpKey{1, op_id, 0}, desc, r, /*device=*/r, in[r].data(),
-          in_place ? in[r].data() : out[r].data(), 30.0,
-          [&](const std::optional<std::string>& err) {
-            std::lock_guard<std::mutex> lock(done.mu);
-            if (err) done.errors.push_back(*err);
-            if (--done.remaining == 0) done.cv.notify_all();
-          });
-    });
+  std::vector<const void*> ins;
+  std::vector<void*> outs;
+  for (int r = 0; r < p; ++r) {
+    ins.push_back(in[r].data());
+    outs.push_back(in_place ? in[r].data() : out[r].data());
   }
-  for (auto& t : threads) t.join();
-  std::unique_lock<std::mutex> lock(done.mu);
-  done.cv.wait(lock, [&] { return done.remaining == 0; });
-  CHECK(done.errors.empty());
+  CHECK(run_ranks(order, jaxring::OpKey{1, op_id, 0}, desc, ins, outs, 30.0).empty());
   for (int r = 0; r < p; ++r)
     for (int64_t i = 0; i < count; ++i)
       CHECK((in_place ? in : out)[r][i] == static_cast<int32_t>(expect[i]));
@@ -254,26 +270,17 @@ std::vector<std::vector<float>> float_allreduce(
   desc.type = jaxring::ElemType::kF32;
   desc.count = count;
   desc.world_size = p;
-  Done done;
-  done.remaining = p;
-  const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::thread> threads;
-  for (int r = p - 1; r >= 0; --r) {
-    threads.emplace_back([&, r] {
-      jaxring::inprocess_allreduce(
-          jaxring::OpKey{3, op_id, 0}, desc, r, r, in[r].data(), out[r].data(),
-          timeout_s, [&](const std::optional<std::string>& err) {
-            std::lock_guard<std::mutex> lock(done.mu);
-            if (err) done.errors.push_back(*err);
-            if (--done.remaining == 0) done.cv.notify_all();
-          });
-    });
+  std::vector<int> order;
+  std::vector<const void*> ins;
+  std::vector<void*> outs;
+  for (int r = 0; r < p; ++r) {
+    order.push_back(p - 1 - r);
+    ins.push_back(in[r].data());
+    outs.push_back(out[r].data());
   }
-  for (auto& t : threads) t.join();
-  std::unique_lock<std::mutex> lock(done.mu);
-  done.cv.wait(lock, [&] { return done.remaining == 0; });
+  const auto t0 = std::chrono::steady_clock::now();
+  *errors = run_ranks(order, jaxring::OpKey{3, op_id, 0}, desc, ins, outs, timeout_s);
   *wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  *errors = done.errors;
   return out;
 }
 
