@@ -37,6 +37,9 @@ constexpr int kYieldsBeforeSleep = 64;
 // The direct algorithm reduces its segment this many bytes at a time, so the
 // accumulator stays in cache between the p reads and the p writes.
 constexpr int64_t kDirectPieceBytes = 64 << 10;
+// Under link emulation, the data of an operation is cut into shares of at
+// least this many bytes of every rank's buffer for the workers to take.
+constexpr int64_t kMinShareBytes = 8 << 20;
 
 class Worker;
 
@@ -72,6 +75,15 @@ struct Op {
       units += plan.num_chunks(r) * plan.num_steps();
     }
     num_units = units;
+    for (int r = 0; r < d.num_rings; ++r) num_pipelines += plan.num_chunks(r);
+    // A share is worth handing to another thread only if it is a few
+    // milliseconds of copying: a worker woken for less may wait longer for
+    // a core than the work takes.
+    const int64_t bytes = d.count * elem_bytes(d.type);
+    const int64_t per_pipeline = bytes / std::max<int64_t>(num_pipelines, 1);
+    pipelines_per_share = std::max<int64_t>(
+        1, (kMinShareBytes + per_pipeline - 1) / std::max<int64_t>(per_pipeline, 1));
+    parts_left.store(num_shares() + 1);
     for (auto& s : slots) {
       s.progress.reset(new std::atomic<int64_t>[d.num_rings]);
       for (int r = 0; r < d.num_rings; ++r) s.progress[r].store(0);
@@ -94,11 +106,20 @@ struct Op {
   std::atomic<bool> failed{false};
   std::mutex error_mu;
   std::string error;
-  // Link emulation (see run_emulated): set by the one worker that moves
-  // every rank's data; finish_ns is written before data_done is released.
-  std::atomic<bool> executor_claimed{false};
+  // Link emulation (see run_emulated). The work is the timing (one part)
+  // and the data, cut into shares of whole pipelines; `parts_left` counts
+  // down as parts end, and whoever ends the last sets data_done, after which
+  // finish_ns (written by the timing part) may be read.
+  std::atomic<bool> timing_claimed{false};
+  std::atomic<int64_t> next_share{0};
+  std::atomic<int64_t> parts_left{-1};  // set when the op is created
   std::atomic<bool> data_done{false};
   std::vector<int64_t> finish_ns;
+  int64_t num_pipelines = 0;       // chunks of all rings
+  int64_t pipelines_per_share = 1;
+  int64_t num_shares() const {
+    return (num_pipelines + pipelines_per_share - 1) / pipelines_per_share;
+  }
 
   void fail(const std::string& why) {
     {
@@ -210,8 +231,9 @@ class Worker {
   bool advance(Task& task, bool* finished);
   // The direct algorithm's whole part for one rank, once every rank is here.
   bool run_direct(Task& task);
-  // Link emulation: the first worker to see every rank here moves all the
-  // data (execute_emulated); each rank then waits for the modelled link.
+  // Link emulation: once every rank is here, the workers move the data in
+  // pipelines (run_pipeline), one of them computes the modelled link's
+  // times (emulated_finish_times), and each rank then waits for its time.
   bool run_emulated(Task& task);
 
   std::vector<char> scratch_;  // the direct algorithm's accumulator
@@ -255,23 +277,15 @@ void run_unit(Op& op, int r, int rank, int64_t cur) {
   }
 }
 
-// Link emulation's executor. One thread runs every rank's units in the
-// plan's order (unit by unit, each for all rings and ranks, so a unit's
-// input was always produced by the unit before it), and computes when a
-// link of the modelled bandwidth and latency would have delivered each one:
-// a unit leaves its sender when the sender has its data (it joined, or
-// received the unit before) and the sender's one outgoing link is free.
-// Returns, per rank, when its last unit arrives.
-//
-// Why one thread and modelled times rather than each rank's worker sleeping
-// until each arrival: a ring step waits for the neighbour's worker, so with
-// a worker per rank every one of the 2(p-1) steps costs two thread wake-ups
-// per rank. While the devices compute, each wake-up waits for a core, and a
-// bucket worth 5 ms on the link took 60 ms; the wake-ups also cost more CPU
-// than the data movement. Here the data moves in one pass and the ranks
-// only wait, asleep, for the link's clock. The data and its summation order
-// are those of the ring, bit for bit.
-std::vector<int64_t> execute_emulated(Op& op) {
+// Link emulation's model: when a link of the modelled bandwidth and latency
+// would have delivered each unit. A unit leaves its sender when the sender
+// has its data (it joined, or received the unit before) and the sender's one
+// outgoing link is free; transfers queue on that link in the order they are
+// booked. Units are booked in the plan's order (unit by unit, each for all
+// rings and ranks), which is also an order in which the data can move.
+// Returns, per rank, when its last unit arrives. Arithmetic only: the data
+// moves in run_pipeline.
+std::vector<int64_t> emulated_finish_times(const Op& op) {
   const RingPlan& plan = op.plan;
   const int p = op.desc.world_size;
   const int steps = plan.num_steps();
@@ -290,7 +304,6 @@ std::vector<int64_t> execute_emulated(Op& op) {
       if (cur >= plan.num_chunks(r) * steps) continue;
       const int64_t unit = op.unit_base[r] + cur;
       for (int rank = 0; rank < p; ++rank) {
-        run_unit(op, r, rank, cur);
         const int prev = plan.prev_rank(r, rank);
         const RankSlot& from = op.slots[prev];
         const int64_t ready =
@@ -310,6 +323,22 @@ std::vector<int64_t> execute_emulated(Op& op) {
     }
   }
   return finish;
+}
+
+// Moves the data of pipeline k, one chunk of one ring through all its steps
+// at every rank, step by step, so each unit's input already exists. Chunks
+// of different rings or indices cover different elements, so pipelines can
+// run on different threads at once.
+void run_pipeline(Op& op, int64_t k) {
+  const RingPlan& plan = op.plan;
+  int r = 0;
+  while (k >= plan.num_chunks(r)) k -= plan.num_chunks(r++);
+  const int steps = plan.num_steps();
+  for (int t = 0; t < steps; ++t) {
+    for (int rank = 0; rank < op.desc.world_size; ++rank) {
+      run_unit(op, r, rank, k * steps + t);
+    }
+  }
 }
 
 bool Worker::advance(Task& task, bool* finished) {
@@ -370,7 +399,7 @@ bool Worker::advance(Task& task, bool* finished) {
   }
 
   // Once every rank has finished, no one touches this rank's buffers. Under
-  // emulation, one thread moved all the data before any rank finished.
+  // emulation, all the data had moved before any rank finished.
   if (op.finished_count.load() == op.desc.world_size ||
       (op.emulated() && me.finished.load(std::memory_order_acquire))) {
     if (timeline_enabled()) {
@@ -382,9 +411,9 @@ bool Worker::advance(Task& task, bool* finished) {
     *finished = true;
     return true;
   }
-  // The executor is bounded work on buffers every rank still holds: no
+  // Moving the data is bounded work on buffers every rank still holds: no
   // timeout while it runs.
-  const bool executing = op.executor_claimed.load() && !op.data_done.load();
+  const bool executing = op.timing_claimed.load() && !op.data_done.load();
   if (!progressed && !executing && Clock::now() > op.deadline) {
     std::ostringstream os;
     os << op.name() << " timed out after " << op.timeout_s << " s: ";
@@ -409,11 +438,33 @@ bool Worker::run_emulated(Task& task) {
   if (op.joined_count.load(std::memory_order_acquire) < op.desc.world_size) {
     return false;
   }
+  // Why not a worker per rank stepping through the ring, each waiting for
+  // the link's arrivals: a ring step waits for the neighbour's worker, so
+  // each of the 2(p-1) steps costs two thread wake-ups per rank. While the
+  // devices compute, each wake-up waits for a core: a bucket worth 5 ms on
+  // the link took 60 ms, and the wake-ups cost more CPU than the data. Here
+  // the workers move the data in shares of whole pipelines, then sleep
+  // until the model's clock says the link delivered. The data and its
+  // summation order are those of the ring, bit for bit.
   bool progressed = false;
-  if (!op.executor_claimed.exchange(true)) {
-    op.finish_ns = execute_emulated(op);
-    op.data_done.store(true, std::memory_order_release);
-    op.wake_all();
+  auto part_done = [&op] {
+    if (op.parts_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      op.data_done.store(true, std::memory_order_release);
+      op.wake_all();
+    }
+  };
+  if (!op.timing_claimed.exchange(true)) {
+    op.finish_ns = emulated_finish_times(op);
+    part_done();
+    progressed = true;
+  }
+  for (int64_t k; (k = op.next_share.fetch_add(1)) < op.num_shares();) {
+    const int64_t first = k * op.pipelines_per_share;
+    const int64_t end = std::min(first + op.pipelines_per_share, op.num_pipelines);
+    for (int64_t pipeline = first; pipeline < end; ++pipeline) {
+      run_pipeline(op, pipeline);
+    }
+    part_done();
     progressed = true;
   }
   if (!op.data_done.load(std::memory_order_acquire)) return progressed;

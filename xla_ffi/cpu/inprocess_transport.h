@@ -21,9 +21,10 @@
 //    writes into every rank's output). A rank's future completes only once
 //    every rank of the operation has finished, so no buffer is released
 //    while a peer may still read or write it.
-//  * Under link emulation the data moves on one thread and the ranks wait
-//    for a modelled clock (see execute_emulated in the .cc): a worker per
-//    rank stepping the ring would wait for a core at every step.
+//  * Under link emulation the workers move the data in whole pipelines
+//    (one chunk of one ring through every step) and the ranks then wait for
+//    a modelled clock (see run_emulated in the .cc): a worker per rank
+//    stepping the ring would wait for a core at every step.
 //  * Every wait has a deadline; a missing peer becomes an error naming it.
 #pragma once
 
@@ -72,10 +73,10 @@ struct OpDesc {
   int num_rings = 1;
   int64_t chunk_bytes = 1 << 20;
   // Link emulation (0 = off): each device's outgoing transfers share one
-  // link of this bandwidth, and each transfer arrives this much later. One
-  // thread moves the data once every rank is here; each rank sleeps until
-  // the modelled link delivers its last transfer, so emulated time costs
-  // wall time, not CPU.
+  // link of this bandwidth, and each transfer arrives this much later. The
+  // data moves once every rank is here; each rank sleeps until the modelled
+  // link delivers its last transfer, so emulated time costs wall time, not
+  // CPU.
   double link_bytes_per_s = 0;
   double link_latency_s = 0;
   Algorithm algorithm = Algorithm::kRing;
