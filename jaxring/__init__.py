@@ -13,8 +13,10 @@ except ImportError:  # the C++ extension and its build record are made by pip
         "`pip install .`, then use jaxring from outside the checkout, or "
         "through its commands (jaxring-bench) and `pytest tests`.") from None
 
+from jaxring._src import jax_compat as _jax_compat
 from jaxring._src import runtime as _runtime
 
+_jax_compat.warn_if_untested()
 _runtime.size_cpu_pool()
 
 from jaxring._src.allreduce import allreduce, pmean, psum  # noqa: E402

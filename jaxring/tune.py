@@ -55,8 +55,8 @@ def _gamma(nbytes: int = 16 << 20, repeats: int = 5) -> float:
 
 def _in_job() -> bool:
     """Whether this process is one of several of a jax.distributed job."""
-    from jax._src import distributed
-    return distributed.global_state.client is not None
+    from jaxring._src import jax_compat
+    return jax_compat.distributed_client() is not None
 
 
 def _agree(value, tag: str):
@@ -64,14 +64,14 @@ def _agree(value, tag: str):
     collective calls must run everywhere)."""
     import json
 
-    from jax._src import distributed
-    state = distributed.global_state
-    if state.client is None:
+    from jaxring._src import jax_compat
+    client = jax_compat.distributed_client()
+    if client is None:
         return value
     key = f"jaxring/tune/{tag}"
-    if state.process_id == 0:
-        state.client.key_value_set(key, json.dumps(value))
-    return json.loads(state.client.blocking_key_value_get(key, 600_000))
+    if jax_compat.distributed_state()[0] == 0:
+        client.key_value_set(key, json.dumps(value))
+    return json.loads(client.blocking_key_value_get(key, 600_000))
 
 
 def job_tiers(devices) -> tuple:

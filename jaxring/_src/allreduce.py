@@ -24,16 +24,13 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from jax import lax
-from jax._src import config as jax_config
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import hlo
 
 from jaxring._src import call_sites, cuda_backend, distributed, runtime, timeline
 from jaxring._src import topology as _topology
 from jaxring._src import tuning as _tuning
 from jaxring._src.config import config, parse_link, validate
+from jaxring._src.jax_compat import ad, batching, hlo, ir, mlir
+from jaxring._src import jax_compat as compat
 
 _OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
 _PUBLIC_OPS = ("sum", "mean", "max", "min", "prod")
@@ -67,9 +64,8 @@ def _axes_tuple(axis_name: Any) -> tuple:
 
 
 def _check_bound(axes: tuple) -> None:
-    env = core.get_axis_env()
     for name in axes:
-        if not env.axis_exists(name):
+        if not compat.axis_is_bound(name):
             raise NameError(
                 f"jaxring.allreduce: unbound axis name {name!r}. Call it inside "
                 "jax.shard_map, jax.pmap or jax.vmap over an axis of that name.")
@@ -92,7 +88,7 @@ def with_varying(aval, varying: frozenset):
 
 # ---- the primitive ----------------------------------------------------------
 
-allreduce_p = core.Primitive("jaxring_allreduce")
+allreduce_p = compat.Primitive("jaxring_allreduce")
 
 
 def _abstract_eval(aval, *, axes, op, rings, chunk_bytes, timeout_s, link,
@@ -103,7 +99,7 @@ def _abstract_eval(aval, *, axes, op, rings, chunk_bytes, timeout_s, link,
         out = with_varying(aval, varying(aval) - frozenset(axes))
     else:
         out = aval
-    return out, {core.NamedAxisEffect(a) for a in axes}
+    return out, {compat.NamedAxisEffect(a) for a in axes}
 
 
 allreduce_p.def_effectful_abstract_eval(_abstract_eval)
@@ -121,8 +117,7 @@ allreduce_p.def_impl(_impl)
 def _jvp(primals, tangents, **params):
     (x,), (t,) = primals, tangents
     y = allreduce_p.bind(x, **params)
-    if type(t) is ad.Zero:
-        return y, ad.Zero.from_primal_value(y)
+    t = ad.instantiate_zeros(t)
     if params["op"] != "sum":
         raise TypeError(
             f"jaxring.allreduce(op={params['op']!r}) is not differentiable "
@@ -142,7 +137,7 @@ def _transpose(ct, x, **params):
     if params["invariant"]:
         # An invariant result's cotangent is broadcast back to every rank:
         # the transpose of psum_invariant is pvary, no communication.
-        return (core.pvary(ct, tuple(params["axes"])),)
+        return (compat.pvary(ct, params["axes"]),)
     return (allreduce_p.bind(ct, **params),)
 
 
@@ -309,7 +304,7 @@ def ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
                 link_latency_s=np.float64(link[1]))
 
 
-SCALAR_I32 = core.ShapedArray((), np.int32)
+SCALAR_I32 = compat.ShapedArray((), np.int32)
 
 
 def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
@@ -420,20 +415,20 @@ def _check_dtype(leaf) -> np.dtype:
 def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s,
                        algorithm, topology):
     """One allreduce for leaves of one dtype: ravel, concatenate, split."""
-    invariant = bool(jax_config._check_vma.value)
+    invariant = compat.check_vma_enabled()
     if invariant:
         # Mirror lax.psum: a value not varying over an axis is first made
         # varying (psum of it is then size * x), if JAX allows that.
         fixed = []
         for leaf in leaves:
-            missing = tuple(a for a in axes if a not in varying(core.typeof(leaf)))
+            missing = tuple(a for a in axes if a not in varying(compat.typeof(leaf)))
             if missing:
-                if not jax_config.auto_pcast.value:
+                if not compat.auto_pcast_enabled():
                     raise ValueError(
                         f"jaxring.allreduce over {axes}: the value is not varying "
                         f"over {missing} (see jax.typeof(x).vma); apply "
                         "jax.lax.pvary first.")
-                leaf = core.pvary(leaf, missing)
+                leaf = compat.pvary(leaf, missing)
             fixed.append(leaf)
         leaves = fixed
     params = dict(axes=axes, op=op, rings=rings, chunk_bytes=chunk_bytes,
@@ -524,7 +519,7 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
         by_dtype.setdefault(_check_dtype(leaf), []).append(i)
     ring_op = "sum" if op == "mean" else op
     out: list[Any] = [None] * len(leaves)
-    world = math.prod(core.get_axis_env().axis_size(a) for a in axes)
+    world = math.prod(compat.axis_size(a) for a in axes)
     for dtype, idx in by_dtype.items():
         nbytes = sum(math.prod(leaves[i].shape) for i in idx) * dtype.itemsize
         g_rings, g_chunk, g_algorithm, g_topology = _tuned(
@@ -535,7 +530,7 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
         for i, r in zip(idx, reduced):
             out[i] = r
     if op == "mean":
-        n = math.prod(core.get_axis_env().axis_size(a) for a in axes)
+        n = math.prod(compat.axis_size(a) for a in axes)
         out = [v / n for v in out]
     return jax.tree_util.tree_unflatten(treedef, out)
 

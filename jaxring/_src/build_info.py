@@ -4,7 +4,14 @@ from __future__ import annotations
 
 
 def build_info() -> dict:
-    """Version, the jax/jaxlib versions, and which backends were compiled.
+    """Version, the jax/jaxlib versions built and run with, and which
+    backends were compiled.
+
+    ``built_with_jaxlib`` and ``ffi_api`` name the XLA FFI headers the
+    handlers were compiled against (a handler loads on that jaxlib and every
+    newer one); ``jax`` and ``jaxlib`` are the versions running now, and
+    ``jax_tested`` says whether they lie in ``tested_jax``, the range jaxring
+    is tested on.
 
     Example:
         >>> jaxring.build_info()["backends"]["cpu"]
@@ -14,13 +21,16 @@ def build_info() -> dict:
     import jaxlib
 
     from jaxring import _build_config, _jaxring
-    from jaxring._src import cuda_backend
+    from jaxring._src import cuda_backend, jax_compat
     cuda_status = cuda_backend.status()
     info = {
         "version": _build_config.VERSION,
         "built_with_jaxlib": _build_config.BUILT_WITH_JAXLIB,
+        "ffi_api": _build_config.FFI_API_VERSION,
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
+        "tested_jax": jax_compat.SUPPORTED_JAX_TEXT,
+        "jax_tested": jax_compat.in_tested_range(),
         "backends": {"cpu": hasattr(_jaxring, "registrations"),
                      "cuda": cuda_status == "built"},
         "cuda": cuda_status,

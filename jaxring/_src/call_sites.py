@@ -23,8 +23,8 @@ from __future__ import annotations
 import functools
 import weakref
 
-from jax._src import core
-from jax._src.interpreters import mlir
+from jaxring._src import jax_compat as compat
+from jaxring._src.jax_compat import mlir
 
 _primitives: set = set()
 _contains_memo: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -39,15 +39,15 @@ def register_lowering(primitive, rule, platform: str) -> None:
 
 def contains_jaxring_op(jaxpr) -> bool:
     """Whether jaxpr (a Jaxpr or ClosedJaxpr), or one nested in it, has a jaxring op."""
-    if isinstance(jaxpr, core.ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
+    if isinstance(jaxpr, compat.ClosedJaxpr):
+        jaxpr, _ = compat.closed_parts(jaxpr)
     try:
         return _contains_memo[jaxpr]
     except (KeyError, TypeError):
         pass
     found = any(eqn.primitive in _primitives
                 or any(contains_jaxring_op(sub)
-                       for sub in core.jaxprs_in_params(eqn.params))
+                       for sub in compat.jaxprs_in_params(eqn.params))
                 for eqn in jaxpr.eqns)
     try:
         _contains_memo[jaxpr] = found
@@ -58,7 +58,7 @@ def contains_jaxring_op(jaxpr) -> bool:
 
 def _has_jaxring_op(value, depth: int = 0) -> bool:
     """Whether a cache key, or a jaxpr inside it, holds a jaxring op."""
-    if isinstance(value, (core.Jaxpr, core.ClosedJaxpr)):
+    if isinstance(value, (compat.Jaxpr, compat.ClosedJaxpr)):
         return contains_jaxring_op(value)
     if depth > 4:
         return False
@@ -91,7 +91,7 @@ def _install() -> None:
         init(self, *args, **kwargs)
         # A fresh module's caches are empty; a replaced context shares the
         # wrapped ones and keeps them.
-        for name in ("cached_primitive_lowerings", "lowering_cache"):
+        for name in compat.MODULE_CONTEXT_CACHES:
             cache = getattr(self, name)
             if not isinstance(cache, _FunctionCache):
                 setattr(self, name, _FunctionCache(cache))

@@ -68,9 +68,10 @@ def register() -> None:
         if _registered:
             return
         import jax
+
+        from jaxring._src import runtime
         module = require("jaxring.allreduce")
-        for name, capsule in module.registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        runtime.register_targets(module.registrations(), platform="CUDA")
         module.set_process_index(jax.process_index())
         # Before the interpreter (and CUDA) shut down: finalize and destroy
         # the communicators, so peers see a clean exit.
@@ -107,20 +108,20 @@ def _id_for(devices: Sequence, ring: int, timeout_s: float) -> bytes:
 
 
 def _exchange(module, device_ids, ring, owner: int, timeout_s: float) -> bytes:
-    from jax._src import distributed
-    state = distributed.global_state
-    if state.client is None:
+    from jaxring._src import jax_compat
+    client = jax_compat.distributed_client()
+    if client is None:
         raise RuntimeError(
             "jaxring.allreduce: the ring's GPUs belong to several processes but "
             "jax.distributed is not initialized in this one; call "
             "jax.distributed.initialize() first.")
     name = _published_key(device_ids, ring)
-    if state.process_id == owner:
+    if jax_compat.distributed_state()[0] == owner:
         made = module.new_unique_id()
-        state.client.key_value_set(name, base64.b64encode(made).decode())
+        client.key_value_set(name, base64.b64encode(made).decode())
         return made
     try:
-        text = state.client.blocking_key_value_get(name, int(timeout_s * 1000))
+        text = client.blocking_key_value_get(name, int(timeout_s * 1000))
     except Exception as e:  # the client raises its own error types
         raise RuntimeError(
             f"jaxring: process {owner} did not publish the NCCL id of ring "

@@ -82,26 +82,26 @@ def ensure_tcp_transport(timeout_s: float) -> None:
     with _lock:
         if _ready:
             return
-        from jax._src import distributed
         from jaxring import _jaxring
+        from jaxring._src import jax_compat
 
-        state = distributed.global_state
-        if state.client is None:
+        client = jax_compat.distributed_client()
+        if client is None:
             raise RuntimeError(
                 "jaxring.allreduce: the ring's devices belong to several "
                 "processes but jax.distributed is not initialized in this one; "
                 "call jax.distributed.initialize() first (or start the job "
                 "with `python -m jaxring.launch`).")
-        me, n = state.process_id, state.num_processes
-        host = _local_host(state.coordinator_address)
+        me, n, coordinator = jax_compat.distributed_state()
+        host = _local_host(coordinator)
         port = _jaxring.tcp_listen(host)
         address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-        state.client.key_value_set(_KEY.format(me), address)
+        client.key_value_set(_KEY.format(me), address)
         timeout_ms = int(timeout_s * 1000)
         addresses = []
         for q in range(n):
             try:
-                addresses.append(state.client.blocking_key_value_get(
+                addresses.append(client.blocking_key_value_get(
                     _KEY.format(q), timeout_ms))
             except Exception as e:  # the client raises its own error types
                 raise RuntimeError(

@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax._src import core
 
 from jaxring._src import allreduce as _ar
+from jaxring._src import jax_compat as compat
 from jaxring._src import bucketing, runtime
 from jaxring._src.config import config, validate
 from jaxring._src.overlap_emit import Emitter
@@ -86,7 +86,7 @@ def _nested_reductions(jaxpr, want) -> bool:
         axes = _axes_of(eqn)
         if axes is not None and _matches(axes, want):
             return True
-        for sub in core.jaxprs_in_params(eqn.params):
+        for sub in compat.jaxprs_in_params(eqn.params):
             if _nested_reductions(sub, want):
                 return True
     return False
@@ -98,7 +98,7 @@ def _find_reductions(jaxpr, want) -> tuple[list[Reduction], list[str]]:
         axes = _axes_of(eqn)
         if axes is None:
             if any(_nested_reductions(sub, want)
-                   for sub in core.jaxprs_in_params(eqn.params)):
+                   for sub in compat.jaxprs_in_params(eqn.params)):
                 left.append(
                     f"a psum over {_axes_text(want)} inside "
                     f"`{eqn.primitive.name}` ({where(eqn)}): overlap rewrites "
@@ -116,7 +116,7 @@ def _find_reductions(jaxpr, want) -> tuple[list[Reduction], list[str]]:
                         f"({where(eqn)}): not supported by jaxring")
             continue
         bad = [v for v in eqn.invars
-               if isinstance(v, core.Literal)
+               if isinstance(v, compat.Literal)
                or np.dtype(v.aval.dtype) not in _ar.SUPPORTED_DTYPES]
         if bad:
             left.append(f"{eqn.primitive.name} of "

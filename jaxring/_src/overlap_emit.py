@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 
 import jax
-from jax._src import core, source_info_util
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxring._src import jax_compat as compat
 from jaxring._src import split_phase
+from jaxring._src.jax_compat import source_info_util
 from jaxring._src.step_trace import bind_eqn, read_atom, uses
 
 def _vector_aval(aval, count: int):
@@ -72,7 +73,7 @@ class Emitter:
         so that dones do not take them as dependencies."""
         eqn = self.jaxpr.eqns[s]
         for v in list(eqn.invars) + list(eqn.outvars):
-            if (isinstance(v, core.Var) and self.last_use.get(v, -1) <= s
+            if (isinstance(v, compat.Var) and self.last_use.get(v, -1) <= s
                     and not self._pending_operand(v)):
                 self.env.pop(v, None)
 

@@ -8,8 +8,8 @@ import math
 
 import jax
 import numpy as np
-from jax._src import source_info_util
 
+from jaxring._src.jax_compat import source_info_util
 from jaxring._src.step_trace import where
 
 MiB = 1 << 20

@@ -52,8 +52,8 @@ def size_cpu_pool(devices: int | None = None) -> None:
     if devices is None:
         devices = _requested_cpu_devices()
     threads = int(explicit) if explicit else cpu_threads_for(devices)
-    from jax._src import xla_bridge
-    if xla_bridge.backends_are_initialized():
+    from jaxring._src import jax_compat
+    if jax_compat.backends_are_initialized():
         warnings.warn(
             "jaxring was imported after JAX started its CPU backend, so it "
             "could not size the CPU thread pool; back-to-back dispatch of "
@@ -86,8 +86,32 @@ def register_ffi_targets() -> None:
     global _registered
     if _registered:
         return
-    import jax
     from jaxring import _jaxring
-    for name, capsule in _jaxring.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    register_targets(_jaxring.registrations(), platform="cpu")
     _registered = True
+
+
+def register_targets(registrations: dict, platform: str) -> None:
+    """Registers FFI handlers with XLA, explaining an FFI API mismatch.
+
+    A handler carries the FFI API version of the jaxlib headers it was built
+    against, and XLA refuses handlers newer than itself.
+    """
+    import jax
+    import jaxlib
+
+    from jaxring import _build_config
+    for name, capsule in registrations.items():
+        try:
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+        except Exception as e:  # XLA raises its own error types
+            if "API version" not in str(e):
+                raise
+            raise RuntimeError(
+                f"jaxring's {platform} handlers were built against the XLA FFI "
+                f"headers of jaxlib {_build_config.BUILT_WITH_JAXLIB} (FFI API "
+                f"{_build_config.FFI_API_VERSION}), which this jaxlib "
+                f"{jaxlib.__version__} is too old to load. Reinstall jaxring "
+                "with pip's default build isolation (it builds against the "
+                "oldest supported jaxlib), or with --no-build-isolation "
+                f"against the jaxlib you run. XLA said: {e}") from e

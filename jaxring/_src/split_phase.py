@@ -30,10 +30,10 @@ import itertools
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
-from jax._src import core
 
 from jaxring._src import allreduce as _ar
 from jaxring._src import call_sites
+from jaxring._src import jax_compat as compat
 from jaxring._src import timeline
 from jaxring._src.config import config
 
@@ -53,7 +53,7 @@ HANDLE_DTYPE = np.int32
 
 # ---- start ------------------------------------------------------------------
 
-start_p = core.Primitive("jaxring_allreduce_start")
+start_p = compat.Primitive("jaxring_allreduce_start")
 
 
 def _start_abstract_eval(*avals, axes, op, rings, chunk_bytes, timeout_s, link,
@@ -72,7 +72,7 @@ def _start_abstract_eval(*avals, axes, op, rings, chunk_bytes, timeout_s, link,
         sharding=NamedSharding(first.sharding.mesh, PartitionSpec()))
     handle = _ar.with_varying(
         handle, frozenset().union(*(_ar.varying(a) for a in avals)))
-    return handle, {core.NamedAxisEffect(a) for a in axes}
+    return handle, {compat.NamedAxisEffect(a) for a in axes}
 
 
 start_p.def_effectful_abstract_eval(_start_abstract_eval)
@@ -98,7 +98,7 @@ call_sites.register_lowering(start_p, _start_lowering, platform="cpu")
 
 # ---- done -------------------------------------------------------------------
 
-done_p = core.Primitive("jaxring_allreduce_done")
+done_p = compat.Primitive("jaxring_allreduce_done")
 done_p.multiple_results = True
 
 

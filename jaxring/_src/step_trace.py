@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax._src import core, source_info_util
+
+from jaxring._src import jax_compat as compat
+from jaxring._src.jax_compat import source_info_util
 
 _JIT_NAMES = ("jit", "pjit")
 
@@ -15,7 +17,7 @@ _JIT_NAMES = ("jit", "pjit")
 def _is_array_like(x) -> bool:
     # Python scalars stay static, as under jit's static arguments: a flag
     # such as train=True must stay usable in Python control flow.
-    return isinstance(x, (jax.Array, core.Tracer, np.ndarray, np.generic))
+    return isinstance(x, (jax.Array, jax.core.Tracer, np.ndarray, np.generic))
 
 
 def trace_step(fn, args, kwargs):
@@ -40,7 +42,7 @@ def trace_step(fn, args, kwargs):
     # Re-trace through an evaluator that inlines nested jit calls, so that the
     # psums and the backward pass of an inner jit are visible at top level.
     inlined = jax.make_jaxpr(
-        lambda *a: _eval_inlining_jit(closed.jaxpr, closed.consts, a))(*dyn_vals)
+        lambda *a: _eval_inlining_jit(*compat.closed_parts(closed), a))(*dyn_vals)
     return inlined, dyn_vals, out_tree
 
 
@@ -62,7 +64,7 @@ def bind_eqn(eqn, invals):
 
 
 def read_atom(env, v):
-    return v.val if isinstance(v, core.Literal) else env[v]
+    return v.val if isinstance(v, compat.Literal) else env[v]
 
 
 def _eval_inlining_jit(jaxpr, consts, args):
@@ -73,7 +75,7 @@ def _eval_inlining_jit(jaxpr, consts, args):
         invals = [read_atom(env, v) for v in eqn.invars]
         if eqn.primitive.name in _JIT_NAMES and "jaxpr" in eqn.params:
             inner = eqn.params["jaxpr"]
-            outs = _eval_inlining_jit(inner.jaxpr, inner.consts, invals)
+            outs = _eval_inlining_jit(*compat.closed_parts(inner), invals)
         else:
             outs = bind_eqn(eqn, invals)
         env.update(zip(eqn.outvars, outs))
@@ -87,11 +89,11 @@ def uses(jaxpr):
     first, last = {}, {}
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if isinstance(v, core.Var):
+            if isinstance(v, compat.Var):
                 first.setdefault(v, i)
                 last[v] = i
     for v in jaxpr.outvars:
-        if isinstance(v, core.Var):
+        if isinstance(v, compat.Var):
             first.setdefault(v, n)
             last[v] = n
     return first, last
