@@ -9,6 +9,8 @@ import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
+pytestmark = pytest.mark.examples
+
 
 def run_example(name, *args, timeout=600):
     with tempfile.TemporaryDirectory() as cwd:  # outside the checkout
@@ -37,11 +39,13 @@ def test_mlp_modes_give_the_same_loss_curve(mode):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (overlap, other)
 
 
+@pytest.mark.slow
 def test_cnn_reaches_95_percent_with_overlap():
     fields, _ = run_example("train_cnn.py", "--mode", "overlap", "--devices", "8")
     assert float(fields["accuracy"]) >= 0.95, fields
 
 
+@pytest.mark.slow
 def test_cnn_modes_agree_on_the_first_steps():
     # BatchNorm and momentum amplify float rounding (the ring and XLA sum in
     # different orders) from about 1e-6 at step 2 to 1e-4 at step 3; in
@@ -55,6 +59,7 @@ def test_cnn_modes_agree_on_the_first_steps():
             assert abs(a - b) <= 1e-3 * abs(b), (mode, curves)
 
 
+@pytest.mark.slow
 def test_lm_learns_the_standard_library_with_overlap():
     fields, losses = run_example("train_lm.py", "--mode", "overlap", "--devices", "8")
     # A uniform guess over bytes is 8 bits/char; 300 steps reach about 2.5.
@@ -87,8 +92,10 @@ def run_launched(name, *args, timeout=600):
     return by_rank[0]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name,steps", [("train_mlp.py", ("--max-steps", "6")),
-                                        ("train_cnn.py", ("--max-steps", "3")),
+                                        pytest.param("train_cnn.py", ("--max-steps", "3"),
+                                                     marks=pytest.mark.slow),
                                         ("train_lm.py", ("--steps", "4", "--layers", "1",
                                                          "--width", "64"))])
 def test_example_under_the_launcher_matches_one_process(name, steps):

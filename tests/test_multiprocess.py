@@ -23,6 +23,8 @@ from jaxring import launch
 
 SCRIPTS = Path(__file__).parent / "multiprocess"
 
+pytestmark = pytest.mark.multiprocess
+
 
 def run_launcher(nproc: int, script: str, *args, devices_per_process: int = 1,
                  timeout: float = 240) -> subprocess.CompletedProcess:
@@ -218,6 +220,7 @@ class Job:
         self.cwd.cleanup()
 
 
+@pytest.mark.slow
 def test_killed_peer_makes_every_survivor_raise_twenty_times():
     """Kill one of 4 processes mid-sequence, 20 times: every survivor raises
     within the timeout plus a few seconds, names the lost process, and no

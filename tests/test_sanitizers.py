@@ -14,6 +14,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+pytestmark = [pytest.mark.sanitizers, pytest.mark.slow]
+
 
 @pytest.mark.parametrize("sanitizer", ["address,undefined", "thread"])
 def test_core_under_sanitizer(tmp_path, sanitizer):

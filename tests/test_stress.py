@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxring
@@ -13,6 +14,7 @@ DTYPES = [np.float32, np.float64, np.int32, np.int64, np.uint8, np.int16,
           np.float16, jnp.bfloat16]
 
 
+@pytest.mark.slow
 def test_two_thousand_allreduces_of_random_sizes_and_dtypes():
     rng = np.random.default_rng(1234)
     mesh = jax.make_mesh((8,), ("i",))

@@ -5,6 +5,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxring
@@ -74,6 +75,7 @@ def test_environment_variable_writes_the_trace_at_exit(script, tmp_path):
     assert all(e["name"] == "allreduce sum over i" for e in spans)
 
 
+@pytest.mark.examples
 def test_demo_trainer_runs_and_losses_agree(script, tmp_path):
     path, png = tmp_path / "demo.json", tmp_path / "demo.png"
     res = script(f"""

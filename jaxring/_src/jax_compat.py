@@ -132,7 +132,7 @@ def _version_tuple(text: str) -> tuple:
 _warned = False
 
 
-def _untested() -> list[str]:
+def untested_versions() -> list[str]:
     """The running jax and jaxlib that lie outside SUPPORTED_JAX, as text."""
     import jaxlib
     lo, hi = SUPPORTED_JAX
@@ -142,7 +142,7 @@ def _untested() -> list[str]:
 
 
 def in_tested_range() -> bool:
-    return not _untested()
+    return not untested_versions()
 
 
 def warn_if_untested() -> None:
@@ -150,7 +150,7 @@ def warn_if_untested() -> None:
     global _warned
     if _warned:
         return
-    outside = _untested()
+    outside = untested_versions()
     if outside:
         _warned = True
         warnings.warn(

@@ -6,12 +6,14 @@
 #
 #   bash tests/gpu/run_device_checks.sh [LOG_DIR]
 #
-# Writes build.log, tests.log and bench.log into LOG_DIR (default
-# /tmp/jaxring-gpu-checks) and exits non-zero if the build, a test or a
-# benchmark failed.
+# Writes build.log, tests.log and bench.log into LOG_DIR (default $OUT when
+# set, else /tmp/jaxring-gpu-checks) and exits non-zero if the build, a test
+# or a benchmark failed. It builds against the installed jax (no network, so
+# no build isolation) and stops at once if that jax is outside the range
+# jaxring is tested on.
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
-logs="${1:-/tmp/jaxring-gpu-checks}"
+logs="${1:-${OUT:-/tmp/jaxring-gpu-checks}}"
 mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
@@ -20,6 +22,19 @@ start=$SECONDS
 echo "== machine"
 nvidia-smi -L 2>&1 | head -4
 "$py" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1
+
+echo "== jax version"
+if ! "$py" - "$repo/jaxring/_src/jax_compat.py" <<'EOF'; then
+import runpy, sys
+compat = runpy.run_path(sys.argv[1])
+if not compat["in_tested_range"]():
+    sys.exit(f"jaxring is tested with {compat['SUPPORTED_JAX_TEXT']}; this machine "
+             f"has {', '.join(compat['untested_versions']())}: stopping before the build")
+print("jax in the tested range:", compat["SUPPORTED_JAX_TEXT"])
+EOF
+  echo "UNSUPPORTED JAX"
+  exit 1
+fi
 
 echo "== build (JAXRING_CUDA=ON)"
 if ! (cd "$repo" && JAXRING_CUDA=ON "$py" -m pip install --no-build-isolation \

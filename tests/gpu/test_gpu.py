@@ -28,8 +28,8 @@ def _gpus() -> int:
     return _jaxring_cuda.device_count()
 
 
-pytestmark = pytest.mark.skipif(
-    _gpus() == 0, reason=f"no GPU visible (CUDA backend {cuda_backend.status()})")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    _gpus() == 0, reason=f"no GPU visible (CUDA backend {cuda_backend.status()})")]
 
 
 def run_workers(processes: int, mode: str, timeout: float = 240) -> list[str]:

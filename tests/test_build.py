@@ -1,0 +1,125 @@
+"""The build and the JAX versions: what build_info reports, the tested range,
+and the errors and warnings at the edges of that range."""
+
+import pathlib
+import re
+import tomllib
+
+import jax
+import jaxlib
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxring
+from jaxring._src import jax_compat, runtime
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_build_info_names_the_build_and_the_running_versions():
+    info = jaxring.build_info()
+    assert info["version"] == jaxring.__version__
+    assert info["jax"] == jax.__version__
+    assert info["jaxlib"] == jaxlib.__version__
+    assert info["backends"]["cpu"] is True
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", info["built_with_jaxlib"])
+    assert re.fullmatch(r"\d+\.\d+", info["ffi_api"])
+    assert info["jax_tested"] is jax_compat.in_tested_range()
+    assert "cuda" in info and isinstance(info["cuda"], str)
+
+
+def test_the_running_jax_is_in_the_tested_range():
+    # CI runs the suite on each supported release; an untested one here
+    # means the matrix or the range is out of date.
+    assert jax_compat.in_tested_range(), jax_compat.untested_versions()
+
+
+def test_one_build_runs_on_the_running_jaxlib():
+    """The handlers were compiled against build_info()["built_with_jaxlib"]'s
+    headers (0.10.2 for a default pip install) and run here on whatever
+    jaxlib is installed: an allreduce equals lax.psum."""
+    mesh = jax.make_mesh((8,), ("i",))
+    x = jax.device_put(np.arange(8 * 5, dtype=np.float32).reshape(8, 5),
+                       NamedSharding(mesh, P("i")))
+
+    def step(reduce):
+        return jax.jit(jax.shard_map(lambda v: reduce(v, "i"), mesh=mesh,
+                                     in_specs=P("i"), out_specs=P(), check_vma=False))
+    np.testing.assert_array_equal(np.asarray(step(jaxring.psum)(x)),
+                                  np.asarray(step(jax.lax.psum)(x)))
+
+
+def test_pyproject_declares_the_tested_range():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (lo_major, lo_minor), (hi_major, hi_minor) = jax_compat.SUPPORTED_JAX
+    want = f">={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"
+    deps = meta["project"]["dependencies"]
+    for name in ("jax", "jaxlib"):
+        assert f"{name}{want}" in deps, (name, want, deps)
+    # The build compiles against the oldest supported jaxlib's FFI headers.
+    assert f"jaxlib=={lo_major}.{lo_minor}.2" in meta["build-system"]["requires"]
+
+
+@pytest.mark.parametrize("jax_version,jaxlib_version,outside", [
+    ("0.12.0.1", "0.12.0.1", []),
+    ("0.10.0", "0.11.2", []),
+    ("0.13.0", "0.12.0.1", ["jax 0.13.0"]),
+    ("0.9.2", "0.9.2", ["jax 0.9.2", "jaxlib 0.9.2"]),
+    ("0.13.0.dev20270101", "0.13.0.dev20270101",
+     ["jax 0.13.0.dev20270101", "jaxlib 0.13.0.dev20270101"]),
+])
+def test_versions_outside_the_range_are_named(monkeypatch, jax_version,
+                                             jaxlib_version, outside):
+    monkeypatch.setattr(jax, "__version__", jax_version)
+    monkeypatch.setattr(jaxlib, "__version__", jaxlib_version)
+    assert jax_compat.untested_versions() == outside
+    monkeypatch.setattr(jax_compat, "_warned", False)
+    if outside:
+        with pytest.warns(RuntimeWarning, match="jaxring is tested with jax and "
+                          r"jaxlib >= 0\.10, < 0\.13; this process runs"):
+            jax_compat.warn_if_untested()
+    else:
+        with jax_compat.warnings.catch_warnings():
+            jax_compat.warnings.simplefilter("error")
+            jax_compat.warn_if_untested()
+
+
+def test_ffi_api_mismatch_names_both_jaxlibs(monkeypatch):
+    """XLA's refusal of a handler built against newer headers becomes an
+    error that says which jaxlib each side is and how to rebuild."""
+    xla_text = ("XLA FFI handler registration for jaxring_allreduce_cpu on "
+                "platform Host (canonical host) failed because the handler's "
+                "API version (0.5) is incompatible with the framework's API "
+                "version (0.4)")
+
+    def refuse(name, capsule, platform):
+        raise RuntimeError(xla_text)
+
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", refuse)
+    with pytest.raises(RuntimeError, match="is too old to load") as caught:
+        runtime.register_targets({"jaxring_allreduce_cpu": object()}, platform="cpu")
+    text = str(caught.value)
+    assert jaxlib.__version__ in text and xla_text in text
+    assert "--no-build-isolation" in text
+
+
+def test_other_registration_errors_pass_through(monkeypatch):
+    def refuse(name, capsule, platform):
+        raise ValueError("some other failure")
+
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", refuse)
+    with pytest.raises(ValueError, match="some other failure"):
+        runtime.register_targets({"x": object()}, platform="cpu")
+
+
+def test_every_jax_internal_goes_through_jax_compat():
+    offenders = []
+    for path in [*(ROOT / "jaxring").rglob("*.py"), *(ROOT / "examples").rglob("*.py"),
+                 *(ROOT / "benchmarks").rglob("*.py")]:
+        if path.name == "jax_compat.py":
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\bjax\._src\b|from jax import core\b", line):
+                offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
+    assert not offenders, offenders
