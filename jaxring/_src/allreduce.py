@@ -28,9 +28,9 @@ from jax import lax
 from jaxring._src import call_sites, cuda_backend, distributed, runtime, timeline
 from jaxring._src import topology as _topology
 from jaxring._src import tuning as _tuning
+from jaxring._src import jax_compat as compat
 from jaxring._src.config import config, parse_link, validate
 from jaxring._src.jax_compat import ad, batching, hlo, ir, mlir
-from jaxring._src import jax_compat as compat
 
 _OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
 _PUBLIC_OPS = ("sum", "mean", "max", "min", "prod")
@@ -427,7 +427,7 @@ def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s,
                     raise ValueError(
                         f"jaxring.allreduce over {axes}: the value is not varying "
                         f"over {missing} (see jax.typeof(x).vma); apply "
-                        "jax.lax.pvary first.")
+                        "jax.lax.pcast(x, axes, to='varying') first.")
                 leaf = compat.pvary(leaf, missing)
             fixed.append(leaf)
         leaves = fixed

@@ -52,7 +52,8 @@ def typeof(x):
 
 
 def pvary(x, axes: tuple):
-    """x made varying over axes: lax.pvary of old, lax.pcast(to='varying') now."""
+    """x made varying over axes (what jax's internal pvary does), through
+    the public lax.pcast."""
     return jax.lax.pcast(x, tuple(axes), to="varying")
 
 
