@@ -160,9 +160,14 @@ def test_results_are_repeatable_bit_for_bit():
     b = train(step, params, opt, data)
     jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), a, b)
     # The second run's starts took the first run's buffers from the pool
-    # (see xla_ffi/cpu/buffer_pool.h) instead of allocating more.
+    # (see xla_ffi/cpu/buffer_pool.h) instead of allocating more. The pool
+    # settles at the most buffers of each size in use at once, which depends
+    # on how the devices' threads interleave: a second run may need a few
+    # more at once than the first (seen: +6 %), while one that reused none
+    # would double the pool.
     assert pooled > 0
-    assert settled_pool_bytes() == pooled
+    grown = settled_pool_bytes() - pooled
+    assert 0 <= grown < pooled // 2, (pooled, grown)
 
 
 def settled_pool_bytes():

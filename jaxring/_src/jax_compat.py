@@ -118,7 +118,10 @@ def distributed_state():
 
 
 # Lowering caches of one module that call_sites makes refuse jaxring ops
-# (their names on every supported version).
+# (their names on every supported version). call_sites wraps the public
+# mlir.ModuleContext.__init__ to install them; the same patch works on
+# 0.10.2, 0.11.2 and 0.12.0.1, which tests/test_allreduce.py
+# (test_every_call_gets_its_own_op_id) checks on each.
 MODULE_CONTEXT_CACHES = ("cached_primitive_lowerings", "lowering_cache")
 
 
