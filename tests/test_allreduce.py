@@ -314,23 +314,80 @@ def _in_mesh(fn, x=None, check_vma=False):
                                  check_vma=check_vma))(x)
 
 
-def test_unknown_axis_name():
-    with pytest.raises(NameError, match="unbound axis name 'nope'"):
-        _in_mesh(lambda v: jaxring.allreduce(v, "nope"))
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001  (the error's type is compared)
+        return e
+    raise AssertionError("no error raised")
+
+
+def test_unknown_axis_name_reads_like_jax():
+    """Code that matches lax.psum's message matches jaxring's."""
+    ours = _error_of(lambda: _in_mesh(lambda v: jaxring.allreduce(v, "nope")))
+    theirs = _error_of(lambda: _in_mesh(lambda v: jax.lax.psum(v, "nope")))
+    assert type(ours) is type(theirs) is NameError
+    assert str(theirs) in str(ours) and "unbound axis name: nope" in str(ours)
 
 
 def test_outside_any_mapped_context():
-    with pytest.raises(NameError, match="unbound axis name"):
+    with pytest.raises(NameError, match="unbound axis name: i"):
         jax.jit(lambda v: jaxring.allreduce(v, "i"))(jnp.ones(3))
-    with pytest.raises(NameError, match="unbound axis name"):
+    with pytest.raises(NameError, match="unbound axis name: i"):
         jaxring.allreduce(jnp.ones(3), "i")
 
 
-@pytest.mark.parametrize("dtype", [np.complex64, np.bool_])
-def test_unsupported_dtype(dtype):
-    x = np.ones((8, 4), dtype)
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+@pytest.mark.parametrize("reducer", [jaxring.psum, jaxring.pmean])
+def test_complex_matches_lax(dtype, reducer):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((8, 5)) + 1j * rng.standard_normal((8, 5))).astype(dtype)
+    lax_reducer = {jaxring.psum: jax.lax.psum, jaxring.pmean: jax.lax.pmean}[reducer]
+    # A complex leaf and a float leaf of the same width share one operation.
+    got = _in_mesh(lambda v: reducer({"c": v, "r": v.real}, "i"), x=x)
+    want = _in_mesh(lambda v: lax_reducer({"c": v, "r": v.real}, "i"), x=x)
+    for k in ("c", "r"):
+        assert got[k].dtype == want[k].dtype
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5)
+
+
+def test_complex_gradient_matches_lax():
+    x = (np.arange(8 * 3) + 0.5j * np.arange(8 * 3)).astype(np.complex64).reshape(8, 3)
+
+    def grad_of(reducer):
+        def loss(v):
+            return jnp.sum(jnp.abs(reducer(v * v, "i")) ** 2)
+        return _in_mesh(lambda v: jax.grad(loss)(v), x=x)
+    np.testing.assert_allclose(np.asarray(grad_of(jaxring.psum)),
+                               np.asarray(grad_of(jax.lax.psum)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["max", "min", "prod"])
+def test_complex_without_an_order_is_refused(op):
+    x = np.ones((8, 4), np.complex64)
+    with pytest.raises(TypeError, match=f"op='{op}' is not defined for complex64"):
+        _in_mesh(lambda v: jaxring.allreduce(v, "i", op=op), x=x)
+
+
+def test_bool_matches_lax():
+    x = np.random.default_rng(4).random((8, 6)) < 0.5
+    x[:, 0], x[:, 1] = True, False  # all and none
+    cases = {"sum": (jaxring.psum, jax.lax.psum), "mean": (jaxring.pmean, jax.lax.pmean),
+             "max": (lambda v, a: jaxring.allreduce(v, a, op="max"), jax.lax.pmax),
+             "min": (lambda v, a: jaxring.allreduce(v, a, op="min"), jax.lax.pmin)}
+    for name, (ours, theirs) in cases.items():
+        got, want = (_in_mesh(lambda v: f(v, "i"), x=x) for f in (ours, theirs))
+        assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+    prod = _in_mesh(lambda v: jaxring.allreduce(v, "i", op="prod"), x=x)
+    np.testing.assert_array_equal(np.asarray(prod), np.asarray(
+        _in_mesh(lambda v: jax.lax.pmin(v, "i"), x=x)))
+
+
+def test_unsupported_dtype():
+    x = np.ones((8, 4), np.float32)
     with pytest.raises(TypeError, match="unsupported dtype"):
-        _in_mesh(lambda v: jaxring.allreduce(v, "i"), x=x)
+        _in_mesh(lambda v: jaxring.allreduce(v.astype(jnp.float8_e4m3fn), "i"), x=x)
 
 
 @pytest.mark.parametrize("kw,match", [({"op": "avg"}, "op must be one of"),

@@ -64,11 +64,14 @@ def _axes_tuple(axis_name: Any) -> tuple:
 
 
 def _check_bound(axes: tuple) -> None:
+    # JAX's own wording first, so that code matching lax.psum's error
+    # matches this one too; then what to do about it.
     for name in axes:
         if not compat.axis_is_bound(name):
             raise NameError(
-                f"jaxring.allreduce: unbound axis name {name!r}. Call it inside "
-                "jax.shard_map, jax.pmap or jax.vmap over an axis of that name.")
+                f"Found an unbound axis name: {name}. To fix this, please call "
+                "psum under `jax.shard_map` (jaxring.allreduce runs inside "
+                "jax.shard_map, jax.pmap or jax.vmap over an axis of that name).")
 
 
 # ---- varying-manual-axes (check_vma) helpers, across jax versions ----------
@@ -408,8 +411,38 @@ def _check_dtype(leaf) -> np.dtype:
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"jaxring.allreduce: unsupported dtype {dtype}; supported: "
-            + ", ".join(str(d) for d in SUPPORTED_DTYPES))
+            + ", ".join(str(d) for d in (*SUPPORTED_DTYPES, *_LANE_DTYPES)))
     return dtype
+
+
+# Dtypes the ring has no reduction for, carried in one it has.
+_LANE_DTYPES = (np.dtype(np.complex64), np.dtype(np.complex128), np.dtype(np.bool_))
+
+
+def _to_ring_form(leaf, op: str):
+    """(a value of a dtype the ring reduces, the function that makes the
+    reduced value the result lax would give).
+
+    A complex sum is the sum of its real and imaginary parts, so they travel
+    as two float lanes of one operation. A bool sum counts the True values
+    in int32, as lax.psum does; max, min and prod of bools are or, and, and
+    and again, which uint8 0/1 lanes compute exactly.
+    """
+    dtype = np.dtype(leaf.dtype)
+    if dtype.kind == "c":
+        if op != "sum":
+            raise TypeError(
+                f"jaxring.allreduce: op={op!r} is not defined for {dtype} "
+                "(complex numbers have no order, and a product does not act "
+                "on the real and imaginary parts apart); use op='sum' or 'mean'.")
+        lanes = jax.numpy.stack([jax.numpy.real(leaf), jax.numpy.imag(leaf)], axis=-1)
+        return lanes, lambda r: lax.complex(r[..., 0], r[..., 1])
+    if dtype == np.bool_:
+        if op == "sum":
+            return leaf.astype(np.int32), lambda r: r
+        return leaf.astype(np.uint8), lambda r: r.astype(np.bool_)
+    _check_dtype(leaf)
+    return leaf, lambda r: r
 
 
 def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s,
@@ -458,7 +491,10 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
     pytree ``x`` of one dtype are fused into one operation.
 
     Args:
-      x: an array or pytree of arrays.
+      x: an array or pytree of arrays: floats (16 to 64 bit), integers (8 to
+        64 bit), complex (``op="sum"``/``"mean"``: the real and imaginary
+        parts travel as float lanes) or bool (as ``lax.psum``: a sum counts
+        the True values in int32; max/min/prod are or/and/and).
       axis_name: a mesh axis name (from ``shard_map`` or ``pmap``) or a tuple
         of them.
       op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"prod"``.
@@ -513,11 +549,11 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
     if not leaves:
         return x
     _check_bound(axes)
-    leaves = [jax.numpy.asarray(l) for l in leaves]
+    ring_op = "sum" if op == "mean" else op
+    leaves, restore = zip(*(_to_ring_form(jax.numpy.asarray(l), ring_op) for l in leaves))
     by_dtype: dict[np.dtype, list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_dtype.setdefault(_check_dtype(leaf), []).append(i)
-    ring_op = "sum" if op == "mean" else op
     out: list[Any] = [None] * len(leaves)
     world = math.prod(compat.axis_size(a) for a in axes)
     for dtype, idx in by_dtype.items():
@@ -528,7 +564,7 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
                                      g_rings, g_chunk, timeout_s, g_algorithm,
                                      g_topology)
         for i, r in zip(idx, reduced):
-            out[i] = r
+            out[i] = restore[i](r)
     if op == "mean":
         n = math.prod(compat.axis_size(a) for a in axes)
         out = [v / n for v in out]

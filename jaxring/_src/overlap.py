@@ -9,7 +9,8 @@ needed early (a BatchNorm statistic) gets a bucket that is done before its
 first use. Reductions it cannot rewrite stay as they are and are reported, each
 time the step is traced, by an :class:`OverlapWarning` that says why: those inside ``scan``, ``cond``,
 ``while``, ``remat`` or custom-derivative bodies, those with
-``axis_index_groups``, over other axes, or of dtypes jaxring does not reduce.
+``axis_index_groups``, over other axes, or of dtypes its buckets do not carry
+(bool, complex).
 
 How. Each reduced value is ready once the equation producing it has run and
 needed at its first use. Values are grouped into buckets in the order they
@@ -121,7 +122,7 @@ def _find_reductions(jaxpr, want) -> tuple[list[Reduction], list[str]]:
         if bad:
             left.append(f"{eqn.primitive.name} of "
                         f"{', '.join(str(v.aval) for v in bad)} ({where(eqn)}): "
-                        "jaxring does not reduce constants or this dtype")
+                        "jaxring.overlap does not bucket constants or this dtype")
             continue
         for j, v in enumerate(eqn.invars):
             found.append(Reduction(i, j, axes, tuple(v.aval.shape),
