@@ -2,8 +2,8 @@
 
     python gpu_worker.py PROCESS NUM_PROCESSES PORT MODE
 
-Every process uses the one visible GPU (several processes share it with
-NCCL_MULTI_RANK_GPU_ENABLE=1 and a memory fraction each, see gpu_env).
+Every process uses the one visible GPU with a memory fraction each; how
+NCCL lets several ranks share one GPU depends on its version (see gpu_env).
 MODE:
 
 * ``correctness``: every dtype and op, both algorithms, random sizes, ring
@@ -27,52 +27,134 @@ MODE:
   computation) instead of hanging.
 
 Prints "OK" last on success. ``launch`` starts such a job.
+
+The ``selftest_*`` modes need no GPU and no JAX: they check ``launch``
+itself (a rank that hangs, one that prints a lot, one that dies).
 """
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
+# NCCL lets several ranks share one GPU with this setting from 2.30 on.
+_MULTI_RANK_NCCL = (2, 30, 0)
 
-def gpu_env(processes: int) -> dict:
-    """The environment of one of `processes` ranks sharing GPU 0."""
+
+def installed_nccl_version() -> tuple | None:
+    """(major, minor, patch) of the NCCL jaxring loads, or None without the
+    CUDA backend."""
+    try:
+        from jaxring import _jaxring_cuda
+    except ImportError:
+        return None
+    code = _jaxring_cuda.nccl_version()
+    return (code // 10000, code // 100 % 100, code % 100)
+
+
+def gpu_env(processes: int, rank: int = 0, nccl: tuple | None = None) -> dict:
+    """The environment of rank `rank` of `processes` ranks sharing GPU 0.
+
+    NCCL >= 2.30 shares a GPU among ranks with NCCL_MULTI_RANK_GPU_ENABLE.
+    Older NCCL refuses two ranks with the same host hash and bus id
+    ("Duplicate GPU detected"), so there each rank gets a host id of its own
+    and talks over loopback sockets, as ranks on different hosts would.
+    """
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cuda"
     env.pop("XLA_FLAGS", None)
     env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.8 / processes:.3f}"
+    env["PYTHONFAULTHANDLER"] = "1"
+    env.setdefault("NCCL_DEBUG", "WARN")
+    if nccl is None or nccl >= _MULTI_RANK_NCCL:
+        env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+    else:
+        env["NCCL_HOSTID"] = f"jaxring-rank-{rank}"
+        env["NCCL_SOCKET_IFNAME"] = "lo"
+        env["NCCL_IB_DISABLE"] = "1"
     return env
 
 
-def launch(processes: int, mode: str, timeout: float = 240) -> list[tuple[int, str]]:
-    """Runs a job of `processes` workers in `mode`; (return code, output) each."""
+def sharing_mode(nccl: tuple | None) -> str:
+    """How gpu_env lets ranks share the GPU with this NCCL, in words."""
+    if nccl is None or nccl >= _MULTI_RANK_NCCL:
+        return "NCCL_MULTI_RANK_GPU_ENABLE=1"
+    return "a host id per rank over loopback sockets (NCCL_HOSTID, NCCL < 2.30)"
+
+
+def launch(processes: int, mode: str, timeout: float = 240,
+           log_dir: str | None = None) -> list[tuple[int, str]]:
+    """Runs a job of `processes` workers in `mode`; (return code, output) each.
+
+    One deadline, `timeout` seconds, covers the whole job. Each rank writes
+    to a log file of its own under `log_dir` (default $JAXRING_GPU_LOGS, else
+    a temporary folder), never to a pipe: a rank that prints a lot cannot
+    block while its peer waits for it inside NCCL. Ranks still running at
+    the deadline get SIGABRT, which makes Python's fault handler write every
+    thread's stack into the log, and SIGKILL 5 s later.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = gpu_env(processes)
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(p),
-                               str(processes), str(port), mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env)
+    log_dir = log_dir or os.environ.get("JAXRING_GPU_LOGS") or tempfile.mkdtemp(
+        prefix="jaxring-gpu-")
+    os.makedirs(log_dir, exist_ok=True)
+    nccl = installed_nccl_version() if not mode.startswith("selftest") else None
+    paths = [os.path.join(log_dir, f"{mode}-{processes}-rank{p}.log")
              for p in range(processes)]
-    outs = []
-    try:
-        for p in procs:
-            try:
-                outs.append(p.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                p.kill()
-                outs.append(p.communicate()[0] + f"\n(killed after {timeout} s)")
-    finally:
-        for p in procs:
+    procs = []
+    for p, path in enumerate(paths):
+        with open(path, "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), str(p), str(processes),
+                 str(port), mode],
+                stdout=log, stderr=subprocess.STDOUT, env=gpu_env(processes, p, nccl)))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    late = [p for p in procs if p.poll() is None]
+    for p in late:
+        p.send_signal(signal.SIGABRT)
+    grace = time.monotonic() + 5
+    while time.monotonic() < grace and any(p.poll() is None for p in late):
+        time.sleep(0.1)
+    for p in late:
+        if p.poll() is None:
             p.kill()
-    return [(p.returncode, out) for p, out in zip(procs, outs)]
+        p.wait()
+    results = []
+    for p, path in zip(procs, paths):
+        with open(path, errors="replace") as log:
+            text = log.read()
+        if p in late:
+            text += f"\n(still running after {timeout} s: stopped with SIGABRT)"
+        results.append((p.returncode, text))
+    return results
+
+
+def differing_elements(got: bytes, want: bytes, name: str) -> np.ndarray:
+    """Indices where two reductions of type `name` (a key of
+    _jaxring.ELEM_TYPES) differ bit for bit, NaN against NaN counting as
+    equal: a NaN's payload is not specified (the CPU keeps an operand's, a
+    GPU may give the canonical NaN)."""
+    dtype = {"bfloat16": "uint16"}.get(name, name)
+    g, w = np.frombuffer(got, dtype), np.frombuffer(want, dtype)
+    bits = f"u{g.itemsize}"
+    differ = g.view(bits) != w.view(bits)
+    if name == "bfloat16":
+        def isnan(u):
+            return ((u & 0x7F80) == 0x7F80) & ((u & 0x007F) != 0)
+        differ &= ~(isnan(g) & isnan(w))
+    elif np.dtype(dtype).kind == "f":
+        differ &= ~(np.isnan(g) & np.isnan(w))
+    return np.flatnonzero(differ)
 
 
 class Job:
@@ -298,9 +380,26 @@ def overlap_bench(job: Job) -> int:
     return 0
 
 
+def _selftest(pid: int, mode: str) -> int:
+    """The launcher's own checks: no GPU, no JAX."""
+    if mode == "selftest_hang" and pid == 1:
+        time.sleep(3600)
+    if mode == "selftest_spew":
+        line = f"rank {pid} " + "x" * 1000 + "\n"
+        for _ in range(1100):  # about 1.1 MiB, far beyond a pipe's buffer
+            sys.stdout.write(line)
+    if mode == "selftest_die" and pid == 1:
+        os._exit(3)
+    return 0
+
+
 def main() -> None:
     pid, nprocs, port, mode = (int(sys.argv[1]), int(sys.argv[2]),
                                int(sys.argv[3]), sys.argv[4])
+    if mode.startswith("selftest"):
+        rc = _selftest(pid, mode)
+        print("OK" if rc == 0 else f"failed: {rc}", flush=True)
+        os._exit(rc)
     job = Job(pid, nprocs, port)
     rc = {"correctness": correctness, "bench": bench, "peer_missing": peer_missing,
           "peer_dies": peer_dies, "overlap": overlap,

@@ -15,7 +15,9 @@ set -uo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 logs="${1:-${OUT:-/tmp/jaxring-gpu-checks}}"
 mkdir -p "$logs"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+# Each rank of a multi-process check writes its own log here.
+export JAXRING_GPU_LOGS="$logs/ranks"
 py="${PYTHON:-python3}"
 start=$SECONDS
 
@@ -37,21 +39,25 @@ EOF
 fi
 
 echo "== build (JAXRING_CUDA=ON)"
-if ! (cd "$repo" && JAXRING_CUDA=ON "$py" -m pip install --no-build-isolation \
-        --no-deps -v . > "$logs/build.log" 2>&1); then
+if ! (cd "$repo" && JAXRING_CUDA=ON timeout 300 "$py" -m pip install \
+        --no-build-isolation --no-deps -v . > "$logs/build.log" 2>&1); then
   tail -40 "$logs/build.log"
   echo "BUILD FAILED"
   exit 1
 fi
 grep -E "jaxring CUDA backend|Successfully installed" "$logs/build.log"
 (cd /tmp && "$py" -c "import jaxring; print(jaxring.build_info())") || exit 1
+(cd "$repo/tests/gpu" && "$py" -c "import gpu_worker as w; v = w.installed_nccl_version(); \
+print('NCCL', v, '- ranks share the GPU with', w.sharing_mode(v))")
 echo "build took $((SECONDS - start)) s"
 
 echo "== GPU tests"
 # From outside the checkout, so that the installed package is imported.
 cd /tmp
-timeout 330 "$py" -m pytest -q -rA -p no:cacheprovider \
-    "$repo/tests/gpu" "$repo/tests/test_cuda_backend.py" 2>&1 | tee "$logs/tests.log" | tail -40
+# The CPU-side lowering tests first: cheap, and they tell a lowering bug
+# from a GPU one.
+timeout -s ABRT 330 "$py" -m pytest -q -rA -p no:cacheprovider \
+    "$repo/tests/test_cuda_backend.py" "$repo/tests/gpu" 2>&1 | tee "$logs/tests.log" | tail -40
 tests_rc=${PIPESTATUS[0]}
 echo "tests took $((SECONDS - start)) s in all"
 

@@ -85,10 +85,14 @@ Status wait_ready(Communicator* c, double timeout_s, const char* what) {
     if (state == ncclSuccess) return std::nullopt;
     std::ostringstream os;
     if (state != ncclInProgress) {
+      // ncclGetLastError holds NCCL's own reason (e.g. "Duplicate GPU
+      // detected"), which the error code alone does not say.
+      const char* last = ncclGetLastError(c->comm);
       os << "jaxring CUDA backend: NCCL error " << state << " ("
          << ncclGetErrorString(state) << ") while " << what << " (rank "
          << c->rank << " of " << c->world_size << ", device " << c->device
          << "); the communicator was aborted";
+      if (last != nullptr && last[0] != '\0') os << ". NCCL said: " << last;
       abort_communicator(c, os.str());
       return os.str();
     }
