@@ -393,8 +393,17 @@ def test_unsupported_dtype():
 @pytest.mark.parametrize("kw,match", [({"op": "avg"}, "op must be one of"),
                                        ({"rings": 0}, "rings must be"),
                                        ({"rings": 1.5}, "rings must be"),
+                                       # Beyond what the handlers can hold:
+                                       # refused, never narrowed or wrapped.
+                                       ({"rings": 2**31}, "rings must be an int from 1 to 64"),
+                                       ({"rings": 2**32 + 1}, "rings must be"),
+                                       ({"rings": 65}, "rings must be"),
                                        ({"chunk_bytes": -4}, "chunk_bytes must be"),
-                                       ({"timeout_s": 0}, "timeout_s must be")])
+                                       ({"chunk_bytes": 2**64}, "chunk_bytes must be"),
+                                       ({"timeout_s": 0}, "timeout_s must be"),
+                                       ({"timeout_s": float("inf")}, "timeout_s must be a finite"),
+                                       ({"timeout_s": float("nan")}, "timeout_s must be"),
+                                       ({"timeout_s": 1e10}, "at most 604800")])
 def test_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         _in_mesh(lambda v: jaxring.allreduce(v, "i", **kw))
@@ -465,7 +474,7 @@ def test_config_update_and_validation():
         assert np.array_equal(np.asarray(got), np.full((8, 4), 8.0, np.float32))
     finally:
         jaxring.config.reset("rings")
-    with pytest.raises(ValueError, match="rings must be a positive int"):
+    with pytest.raises(ValueError, match="rings must be an int from 1 to 64"):
         jaxring.config.update("rings", 0)
     with pytest.raises(AttributeError, match="no setting"):
         jaxring.config.update("ringz", 2)
@@ -483,7 +492,14 @@ def test_environment_variables(script):
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["4", "4096", "7.5", "ring"]
     res = script("import jaxring", env={"JAXRING_RINGS": "zero"})
-    assert res.returncode != 0 and "JAXRING_RINGS='zero': expected a positive int" in res.stderr
+    assert res.returncode != 0 and "JAXRING_RINGS='zero': expected an int from 1" in res.stderr
+    res = script("import jaxring", env={"JAXRING_RINGS": "2147483648"})
+    assert res.returncode != 0 and "JAXRING_RINGS='2147483648': expected" in res.stderr
+    res = script("import jaxring", env={"JAXRING_TIMEOUT_S": "inf"})
+    assert res.returncode != 0 and "JAXRING_TIMEOUT_S='inf': expected a finite" in res.stderr
+    res = script("import jaxring", env={"JAXRING_CPU_THREADS": "abc"})
+    assert res.returncode != 0 and \
+        "JAXRING_CPU_THREADS='abc': expected a thread count" in res.stderr
     res = script("import jaxring", env={"JAXRING_ALGORITHM": "tree"})
     assert res.returncode != 0 and "JAXRING_ALGORITHM='tree': expected one of" in res.stderr
 

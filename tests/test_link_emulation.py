@@ -28,7 +28,11 @@ def test_parse_link_units():
     assert parse_link("2GB, 1ms") == pytest.approx((2e9, 1e-3))
     assert parse_link("800kbit,0s") == pytest.approx((1e5, 0.0))
     # "Gb" could mean bits or bytes: refused.
-    for bad in ("fast", "10Gbit,20", "0Gbit", "-1MB", "1MB,2ms,3", "1Gb", "5mb"):
+    # Not a number, or no network at all: NaN, infinite, slower than a byte
+    # a second, or a latency beyond a minute.
+    for bad in ("fast", "10Gbit,20", "0Gbit", "-1MB", "1MB,2ms,3", "1Gb", "5mb",
+                "nanGbit", "infGbit", "10Gbit,infus", "10Gbit,nanms", "1e-300Gbit",
+                "4bit", "10Gbit,61s"):
         with pytest.raises(ValueError):
             parse_link(bad)
 

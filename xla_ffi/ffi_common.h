@@ -4,6 +4,8 @@
 // hand-written custom call).
 #pragma once
 
+#include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -11,6 +13,11 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxring {
+
+constexpr int64_t kMaxRings = 64;
+constexpr int64_t kMaxChunkBytes = int64_t{1} << 40;
+constexpr double kMaxTimeoutS = 7 * 24 * 3600.0;
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
 
 inline std::optional<ElemType> to_elem_type(xla::ffi::DataType t) {
   namespace ffi = xla::ffi;
@@ -42,9 +49,16 @@ inline std::optional<std::string> check_allreduce_attrs(
   if (!reduce_op_from_int(reduce_op, op)) {
     return "jaxring allreduce: unknown reduction op";
   }
-  if (world_size < 1 || num_rings < 1 || chunk_bytes < 1 || timeout_s <= 0) {
+  if (world_size < 1 || num_rings < 1 || chunk_bytes < 1 || !(timeout_s > 0)) {
     return "jaxring allreduce: world_size, rings, chunk_bytes and timeout "
            "must be positive";
+  }
+  // The bounds jaxring.config checks (config.py), again before the values
+  // are narrowed: rings to an int, the timeout into a deadline.
+  if (num_rings > kMaxRings || chunk_bytes > kMaxChunkBytes ||
+      !(timeout_s <= kMaxTimeoutS)) {
+    return "jaxring allreduce: rings, chunk_bytes or timeout beyond their "
+           "bounds (64 rings, 2**40 bytes, 7 days)";
   }
   *type = *t;
   return std::nullopt;

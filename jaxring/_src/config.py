@@ -9,6 +9,7 @@ change applies to functions traced after it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable
 
@@ -26,12 +27,27 @@ class _Option:
     doc: str
 
 
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+# Upper bounds of the numeric settings, checked here with a clear message and
+# again by the C++ handlers (xla_ffi/ffi_common.h), which hold them in
+# narrower types: a ring count beyond an int, a timeout past a deadline's
+# range, a chunk larger than any buffer.
+MAX_RINGS = 64
+MAX_CHUNK_BYTES = 1 << 40
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# An emulated link slower than a byte a second, or later than a minute,
+# models no network: it would only stall the job.
+MIN_LINK_BYTES_PER_S = 1.0
+MAX_LINK_LATENCY_S = 60.0
 
 
-def _positive_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+def _int_in(lo: int, hi: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _number_in(hi: float) -> Callable[[Any], bool]:
+    """A finite number in (0, hi]."""
+    return lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)
+                      and math.isfinite(v) and 0 < v <= hi)
 
 
 # Bits are spelled out ("Gbit"); bytes are a capital B ("GB"). "Gb" is
@@ -47,7 +63,7 @@ def _number_with_unit(text: str, units: dict) -> float:
     for unit in sorted(units, key=len, reverse=True):
         if t.endswith(unit) or (unit.endswith("bit") and t.lower().endswith(unit.lower())):
             value = float(t[: -len(unit)])
-            if value < 0:
+            if not math.isfinite(value) or value < 0:
                 raise ValueError(text)
             return value * units[unit]
     raise ValueError(text)
@@ -65,7 +81,7 @@ def parse_link(spec: str) -> tuple[float, float]:
         raise ValueError(spec)
     rate = _number_with_unit(parts[0], _RATE_UNITS)
     latency = _number_with_unit(parts[1], _TIME_UNITS) if len(parts) == 2 else 0.0
-    if rate <= 0:
+    if not (MIN_LINK_BYTES_PER_S <= rate < math.inf and latency <= MAX_LINK_LATENCY_S):
         raise ValueError(spec)
     return rate, latency
 
@@ -101,12 +117,12 @@ def _tuning_setting(v: Any) -> bool:
 _OPTIONS = {
     o.name: o
     for o in [
-        _Option("rings", "JAXRING_RINGS", 2, int, _positive_int,
-                "a positive int",
+        _Option("rings", "JAXRING_RINGS", 2, int, _int_in(1, MAX_RINGS),
+                f"an int from 1 to {MAX_RINGS}",
                 "Rings per allreduce. The buffer is split into one part per "
                 "ring; odd rings run in the opposite direction."),
         _Option("chunk_bytes", "JAXRING_CHUNK_BYTES", 1 << 20, int,
-                _positive_int, "a positive int",
+                _int_in(1, MAX_CHUNK_BYTES), "an int from 1 to 2**40",
                 "Pipelining unit: each ring moves its part in chunks of at "
                 "most this many bytes."),
         _Option("algorithm", "JAXRING_ALGORITHM", "auto", str,
@@ -131,7 +147,8 @@ _OPTIONS = {
                 "(default): derived from where the ranks run (process, host "
                 "address); \"flat\": one ring over all ranks."),
         _Option("timeout_s", "JAXRING_TIMEOUT_S", 300.0, float,
-                _positive_number, "a positive number",
+                _number_in(MAX_TIMEOUT_S),
+                f"a finite number of seconds, above 0 and at most {MAX_TIMEOUT_S:.0f} (7 days)",
                 "Seconds an allreduce waits for its peers before it fails "
                 "with an error that names the missing ranks."),
         _Option("tuning", "JAXRING_TUNING", "auto", str, _tuning_setting,
@@ -144,7 +161,8 @@ _OPTIONS = {
                 "uses the settings' defaults. A value set explicitly (an "
                 "argument, config.update, the environment) always wins."),
         _Option("cpu_link", "JAXRING_CPU_LINK", None, lambda s: s or None,
-                _link_spec, 'None or a link such as "10Gbit,20us"',
+                _link_spec, 'None or a link such as "10Gbit,20us" (at least 8bit, '
+                'a finite latency of at most 60s)',
                 "Link emulation for the in-process CPU transport: every "
                 "device's outgoing transfers share one link of this bandwidth "
                 "and arrive this much later. Waiting costs wall time, not CPU, "

@@ -20,6 +20,7 @@ import warnings
 # 500 back-to-back calls of psum and of jaxring.allreduce finish on 8 devices.
 _MIN_CPU_THREADS = 32
 _THREADS_PER_DEVICE = 4
+_MAX_CPU_THREADS = 4096
 
 _registered = False
 _pool_set_by_jaxring = False
@@ -39,6 +40,17 @@ def cpu_threads_for(devices: int) -> int:
                _THREADS_PER_DEVICE * devices)
 
 
+def _thread_count(text: str) -> int:
+    try:
+        threads = int(text)
+    except ValueError:
+        threads = 0
+    if not 1 <= threads <= _MAX_CPU_THREADS:
+        raise ValueError(f"JAXRING_CPU_THREADS={text!r}: expected a thread "
+                         f"count from 1 to {_MAX_CPU_THREADS}")
+    return threads
+
+
 def size_cpu_pool(devices: int | None = None) -> None:
     """Sets PJRT_NPROC before the CPU client starts, unless the user did.
 
@@ -51,7 +63,7 @@ def size_cpu_pool(devices: int | None = None) -> None:
     explicit = os.environ.get("JAXRING_CPU_THREADS")
     if devices is None:
         devices = _requested_cpu_devices()
-    threads = int(explicit) if explicit else cpu_threads_for(devices)
+    threads = _thread_count(explicit) if explicit else cpu_threads_for(devices)
     from jaxring._src import jax_compat
     if jax_compat.backends_are_initialized():
         warnings.warn(

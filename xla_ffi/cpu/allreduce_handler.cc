@@ -43,9 +43,11 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
                                          chunk_bytes, timeout_s, &type, &op)) {
     return error;
   }
-  if (link_bytes_per_s < 0 || link_latency_s < 0) {
+  // NaN fails both comparisons, so it is refused with the negatives.
+  if (!(link_bytes_per_s >= 0 && link_bytes_per_s < kInfinity) ||
+      !(link_latency_s >= 0 && link_latency_s <= 60.0)) {
     return "jaxring allreduce: the emulated link's bandwidth and latency "
-           "must not be negative";
+           "must be finite and not negative (latency at most 60 s)";
   }
   if (algorithm != static_cast<int64_t>(Algorithm::kRing) &&
       algorithm != static_cast<int64_t>(Algorithm::kDirect)) {
