@@ -70,8 +70,8 @@ def _check_bound(axes: tuple) -> None:
         if not compat.axis_is_bound(name):
             raise NameError(
                 f"Found an unbound axis name: {name}. To fix this, please call "
-                "psum under `jax.shard_map` (jaxring.allreduce runs inside "
-                "jax.shard_map, jax.pmap or jax.vmap over an axis of that name).")
+                "psum under `jax.shard_map`. jaxring.allreduce runs inside "
+                "jax.shard_map, jax.pmap or jax.vmap over an axis of that name.")
 
 
 # ---- varying-manual-axes (check_vma) helpers, across jax versions ----------
