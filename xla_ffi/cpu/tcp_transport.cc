@@ -599,13 +599,13 @@ class Transport {
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int64_t>(ops_.size());
   }
-  // Why process p can no longer be reached, or "" if it can.
   // The job's process count once the peers' addresses are set, else 0.
   int known_processes() {
     std::lock_guard<std::mutex> lock(links_mu_);
     return static_cast<int>(addresses_.size());
   }
 
+  // Why process p can no longer be reached, or "" if it can.
   std::string dead_reason(int p) {
     std::lock_guard<std::mutex> lock(links_mu_);
     auto it = dead_.find(p);
