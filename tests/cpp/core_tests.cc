@@ -9,6 +9,10 @@
 // (and the same with -DJAXRING_SANITIZE=thread). Each device is a thread,
 // as XLA's virtual CPU devices are. The TCP transport runs in two forked
 // processes first, while this process has no threads yet.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -143,6 +147,87 @@ void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
       CHECK((in_place ? in : out)[r][i] == static_cast<int32_t>(expect[i]));
 }
 
+// The wire format as a stranger sees it (tcp_transport.cc's Hello and
+// FrameHeader, native byte order).
+struct WireHello {
+  uint32_t magic, version;
+  int32_t process, channel;
+};
+struct WireHeader {
+  uint32_t magic, kind;
+  int64_t run_id, op_id, group;
+  int32_t ring, dst_rank, src_rank, elem_type, reduce_op, world_size, num_rings, phase;
+  int64_t count, chunk_bytes, topology, unit, payload_bytes;
+};
+static_assert(sizeof(WireHeader) == 104, "FrameHeader layout");
+constexpr uint32_t kWireMagic = 0x4a52494e, kWireVersion = 2;
+
+int connect_loopback(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether the peer closed fd within timeout_ms (reads return 0 or fail).
+bool closed_by_peer(int fd, int timeout_ms) {
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, timeout_ms) <= 0) return false;
+  char c;
+  return recv(fd, &c, 1, 0) <= 0;
+}
+
+// Hostile input against process `victim_port` of a 2-process job: what it
+// may allocate or believe must not depend on what a stranger announces.
+// Returns a connection to keep open until the job ends (closing it would
+// only look like process 1 leaving).
+int attack(int victim_port) {
+  // A hello for a process the job does not have: refused at once.
+  int fd = connect_loopback(victim_port);
+  CHECK(fd >= 0);
+  WireHello stranger{kWireMagic, kWireVersion, 5, 0};
+  CHECK(write(fd, &stranger, sizeof(stranger)) == sizeof(stranger));
+  CHECK(closed_by_peer(fd, 5000));
+  close(fd);
+  WireHello forged{kWireMagic, kWireVersion, 1, 0};
+  WireHeader h{};
+  h.magic = kWireMagic;
+  h.kind = 1;  // data
+  h.run_id = 99;
+  h.op_id = 12345;
+  h.world_size = 2;
+  h.num_rings = 1;
+  h.count = int64_t{1} << 37;
+  h.chunk_bytes = 1 << 20;
+  h.payload_bytes = int64_t{1} << 40;
+  // An unknown element type: nothing this build sends, so the connection
+  // is closed before any state is made for the operation.
+  fd = connect_loopback(victim_port);
+  CHECK(fd >= 0);
+  CHECK(write(fd, &forged, sizeof(forged)) == sizeof(forged));
+  h.elem_type = 99;
+  CHECK(write(fd, &h, sizeof(h)) == sizeof(h));
+  CHECK(closed_by_peer(fd, 5000));
+  close(fd);
+  // A plausible header whose payload (a TiB) does not fit the plan: refused
+  // and drained a slice at a time, never allocated from the frame's word
+  // (it used to end the victim with std::bad_alloc).
+  fd = connect_loopback(victim_port);
+  CHECK(fd >= 0);
+  CHECK(write(fd, &forged, sizeof(forged)) == sizeof(forged));
+  h.elem_type = 2;
+  CHECK(write(fd, &h, sizeof(h)) == sizeof(h));
+  std::vector<char> some(1 << 16, 7);
+  CHECK(write(fd, some.data(), some.size()) == static_cast<ssize_t>(some.size()));
+  return fd;
+}
+
 // One process of the TCP test: process `me` of 2 runs the ranks r with
 // process_of_rank[r] == me, all operations at once from their own threads.
 int tcp_process(int me, int port_out_fd, int ports_in_fd) {
@@ -174,9 +259,10 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
       {{0, 1, 0, 1}, 1, 777, 64, {2, 2}},
       {{0, 0, 0, 1, 1, 1}, 2, 5, 64, {3, 2}},
   };
-  std::vector<std::thread> threads;
   std::mutex mu;
   int ok = 0, expected = 0;
+  auto run_cases = [&](const std::vector<Case>& cases, int64_t first_op_id) {
+  std::vector<std::thread> threads;
   for (size_t k = 0; k < cases.size(); ++k) {
     const Case c = cases[k];
     const int p = static_cast<int>(c.procs.size());
@@ -198,7 +284,7 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
         bool finished = false;
         std::optional<std::string> err;
         jaxring::tcp_allreduce(
-            {7, static_cast<int64_t>(k), 0}, desc, r, /*device=*/r, c.procs,
+            {7, first_op_id + static_cast<int64_t>(k), 0}, desc, r, /*device=*/r, c.procs,
             in.data(), out.data(), 30.0,
             [&](const std::optional<std::string>& e) {
               std::lock_guard<std::mutex> lock(dmu);
@@ -221,10 +307,27 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
     }
   }
   for (auto& t : threads) t.join();
-  while (jaxring::tcp_pending_ops() > 0) {
+  };
+  run_cases(cases, 0);
+  // Process 1 plays a stranger against process 0; one more allreduce then
+  // shows that process 0 survived and still reduces correctly.
+  const int kept = me == 1 ? attack(ports[0]) : -1;
+  run_cases({{{0, 1}, 2, 1000, 256, {}}, {{1, 0, 1, 0}, 1, 777, 64, {2, 2}}}, 100);
+  // Every operation is dropped once its ranks completed, except, on process
+  // 0, the one the stranger's plausible frame made: it failed and stays until
+  // it expires. (Only at the end: a process waiting for this while its peer
+  // already started the next operation would wait for ever.)
+  const int64_t stray_ops = me == 0 ? 1 : 0;
+  while (jaxring::tcp_pending_ops() > stray_ops) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  return ok == expected ? 0 : 1;
+  if (kept >= 0) {
+    // Leave after process 0 is done, so that the kept connection's close
+    // cannot look like a lost peer while its last operation runs.
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    close(kept);
+  }
+  return ok == expected && failures == 0 ? 0 : 1;
 }
 
 // Forks the two processes of the TCP test and relays their ports.

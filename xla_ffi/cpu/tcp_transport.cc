@@ -357,6 +357,7 @@ struct Staged {
     release();
     size = o.size;
     data = std::move(o.data);
+    from_process = o.from_process;
     return *this;
   }
   ~Staged() { release(); }
@@ -365,6 +366,9 @@ struct Staged {
   }
   size_t size = 0;
   std::unique_ptr<char[]> data;
+  // The process whose connection brought it: checked against the plan once
+  // a local rank joins and says which process runs each rank.
+  int from_process = -1;
 };
 
 // ---- operations ------------------------------------------------------------
@@ -387,6 +391,10 @@ struct Inbox {
   std::map<int, int64_t> arrived;  // per phase (for timeout messages)
   // (phase, unit)s that came before the rank joined or reached their phase.
   std::map<std::pair<int, int64_t>, Staged> staged;
+  // Every (phase, unit) accepted so far, staged or written straight into the
+  // result: the plan sends each once, so a second copy is refused rather
+  // than counted again (a rank would then finish with a unit missing).
+  std::set<std::pair<int, int64_t>> received;
 };
 
 // A rank of the operation that runs in this process.
@@ -590,6 +598,11 @@ class Transport {
   int64_t pending() {
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int64_t>(ops_.size());
+  }
+  // The job's process count once the peers' addresses are set, else 0.
+  int known_processes() {
+    std::lock_guard<std::mutex> lock(links_mu_);
+    return static_cast<int>(addresses_.size());
   }
   // Why process p can no longer be reached, or "" if it can.
   std::string dead_reason(int p) {
@@ -891,6 +904,33 @@ ReadResult receive_payload(int fd, TcpOp& op, char* dest, size_t n,
   return ReadResult::kOk;
 }
 
+// Whether a data frame's header holds values this build could have sent
+// (the bounds jaxring.config and the handlers enforce), before any state is
+// made for its operation.
+bool plausible_data_header(const FrameHeader& h) {
+  ReduceOp unused;
+  return h.elem_type >= 0 && h.elem_type <= static_cast<int>(ElemType::kU64) &&
+         reduce_op_from_int(h.reduce_op, &unused) && h.world_size >= 1 &&
+         h.num_rings >= 1 && h.num_rings <= 64 && h.ring >= 0 &&
+         h.ring < h.num_rings && h.dst_rank >= 0 && h.dst_rank < h.world_size &&
+         h.src_rank >= 0 && h.src_rank < h.world_size && h.phase >= 0 &&
+         h.count >= 0 && h.chunk_bytes >= 1 && h.chunk_bytes <= (int64_t{1} << 40) &&
+         h.unit >= 0;
+}
+
+// Reads and drops n bytes of a frame nobody wants, a slice at a time: what
+// it allocates does not depend on what the frame announces.
+ReadResult drain_payload(int fd, int64_t n, double stall_s, std::string* error) {
+  char slice[64 * 1024];
+  while (n > 0) {
+    const size_t piece = static_cast<size_t>(std::min<int64_t>(n, sizeof(slice)));
+    const ReadResult r = read_exact(fd, slice, piece, false, stall_s, error);
+    if (r != ReadResult::kOk) return r;
+    n -= static_cast<int64_t>(piece);
+  }
+  return ReadResult::kOk;
+}
+
 void Transport::read_loop(int fd) {
   std::string error;
   Hello hello{};
@@ -901,11 +941,11 @@ void Transport::read_loop(int fd) {
     return;
   }
   const int peer = hello.process;
-  if (peer < 0 || peer >= kMaxProcesses) {
-    ::close(fd);
+  const int processes = known_processes();
+  if (peer < 0 || peer >= kMaxProcesses || (processes > 0 && peer >= processes)) {
+    ::close(fd);  // claims a process this job does not have
     return;
   }
-  std::vector<char> drain;
   for (;;) {
     FrameHeader h{};
     ReadResult r = read_exact(fd, reinterpret_cast<char*>(&h), sizeof(h),
@@ -943,6 +983,12 @@ void Transport::read_loop(int fd) {
         fail(op(key_of(h)), os.str(), /*tell_peers=*/false);
       }
       continue;
+    }
+    if (!plausible_data_header(h)) {
+      // Nothing this build sends: a stranger or garbage. The connection
+      // goes, quietly: no state is made for it, and no process is blamed.
+      ::close(fd);
+      return;
     }
     std::shared_ptr<TcpOp> op_ptr = op(key_of(h));
     TcpOp& o = *op_ptr;
@@ -995,10 +1041,19 @@ void Transport::read_loop(int fd) {
         const Span span =
             in_plan ? plan.recv_span(h.ring, h.phase, h.dst_rank, unit)
                     : Span{0, -1};
-        // Empty units are never sent, and a unit staged twice would free a
-        // buffer the worker may be reading: both only come from a broken peer.
-        if (!in_plan || span.count == 0 || span.count * esize != h.payload_bytes ||
-            o.inbox(h.dst_rank, h.ring).staged.count({h.phase, unit})) {
+        // Once a local rank has joined, the plan says which process runs
+        // each rank: a frame from a rank must come over a connection from
+        // that rank's process.
+        const bool from_its_process =
+            o.process_of_rank.empty() ||
+            (h.src_rank < static_cast<int64_t>(o.process_of_rank.size()) &&
+             o.process_of_rank[h.src_rank] == peer);
+        // Empty units are never sent, and a unit the plan sends once cannot
+        // come twice: a second copy would be counted again (or free a staged
+        // buffer the worker may be reading). Only a broken peer sends these.
+        if (!in_plan || !from_its_process || span.count == 0 ||
+            span.count * esize != h.payload_bytes ||
+            o.inbox(h.dst_rank, h.ring).received.count({h.phase, unit})) {
           mismatch = o.name() + ": protocol error: a frame does not fit the plan";
           discard = true;
         } else {
@@ -1007,11 +1062,23 @@ void Transport::read_loop(int fd) {
           if (local != o.locals.end() && h.phase == ib.phase) {
             dest = static_cast<char*>(local->second.out) + span.offset * esize;
           } else {
-            Staged& st = ib.staged[{h.phase, unit}];
-            st = Staged(static_cast<size_t>(h.payload_bytes));
-            dest = st.data.get();
+            try {
+              Staged staged(static_cast<size_t>(h.payload_bytes));
+              staged.from_process = peer;
+              dest = staged.data.get();
+              ib.staged[{h.phase, unit}] = std::move(staged);
+            } catch (const std::bad_alloc&) {
+              std::ostringstream os;
+              os << o.name() << ": cannot allocate " << h.payload_bytes
+                 << " bytes to stage a frame from process " << peer;
+              mismatch = os.str();
+              discard = true;
+            }
           }
-          ++o.writers;
+          if (!discard) {
+            ib.received.insert({h.phase, unit});
+            ++o.writers;
+          }
         }
       }
     }
@@ -1019,8 +1086,7 @@ void Transport::read_loop(int fd) {
     if (check_agreement) check_programs_agree(op_ptr);
     bool released = discard;
     if (discard) {
-      drain.resize(static_cast<size_t>(std::max<int64_t>(h.payload_bytes, 0)));
-      r = read_exact(fd, drain.data(), drain.size(), false, stall_s, &error);
+      r = drain_payload(fd, h.payload_bytes, stall_s, &error);
     } else {
       r = receive_payload(fd, o, dest, static_cast<size_t>(h.payload_bytes),
                           stall_s, &released, &error);
@@ -1178,8 +1244,10 @@ std::string send_unit(const std::shared_ptr<TcpOp>& op_ptr, int rank, int ring,
     } else {
       Staged& st = ib.staged[{phase, u}];
       st = Staged(static_cast<size_t>(bytes));
+      st.from_process = tr.me();
       std::memcpy(st.data.get(), data, static_cast<size_t>(bytes));
     }
+    ib.received.insert({phase, u});
     if (local != op.locals.end()) wake->push_back(local->second.worker);
     ib.ready[phase].push_back(u);
     ++ib.arrived[phase];
@@ -1447,6 +1515,29 @@ int tcp_process_index() { return Transport::get().me(); }
 
 int64_t tcp_pending_ops() { return Transport::get().pending(); }
 
+// A frame staged before any local rank joined that came from a process
+// other than the one running its sender rank (empty if none). Requires
+// op.mu held and op.process_of_rank set.
+std::string misrouted_staged_frame(const TcpOp& op) {
+  if (!op.has_desc) return "";
+  const TieredPlan& plan = *op.plan;
+  for (const auto& [where, ib] : op.inboxes) {
+    const auto& [dst, ring] = where;
+    for (const auto& [phase_unit, st] : ib.staged) {
+      const int src = plan.prev_rank(ring, phase_unit.first, dst);
+      const int runs_on = op.process_of_rank[src];
+      if (st.from_process != runs_on) {
+        std::ostringstream os;
+        os << op.name() << ": protocol error: a frame from rank " << src
+           << " came from process " << st.from_process << ", but rank " << src
+           << " runs on process " << runs_on;
+        return os.str();
+      }
+    }
+  }
+  return "";
+}
+
 void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
                    const std::vector<int>& process_of_rank, const void* in,
                    void* out, double timeout_s, Completion done) {
@@ -1496,6 +1587,9 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
     } else if (op->process_of_rank != process_of_rank) {
       error = op_name(key, desc) +
               ": ranks of this process disagree on where the ranks run";
+      tell = true;
+    } else if (std::string forged = misrouted_staged_frame(*op); !forged.empty()) {
+      error = forged;
       tell = true;
     } else if (op->locals.count(rank)) {
       std::ostringstream os;
