@@ -22,6 +22,7 @@ _runtime.size_cpu_pool()
 from jaxring._src.allreduce import allreduce, pmean, psum  # noqa: E402
 from jaxring._src.build_info import build_info  # noqa: E402
 from jaxring._src.config import config  # noqa: E402
+from jaxring._src.distributed import transport_info  # noqa: E402
 from jaxring._src.errors import (  # noqa: E402
     CollectiveTimeoutError, JaxringError, MismatchError, PeerLostError,
     translate_errors)
@@ -51,5 +52,6 @@ __all__ = [
     "psum",
     "timeline",
     "translate_errors",
+    "transport_info",
     "use_cpu_devices",
 ]

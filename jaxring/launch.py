@@ -4,7 +4,10 @@
     python -m jaxring.launch -n 4 -m jaxring.tune --quick
 
 Each process gets the coordinator's address, the number of processes and its
-own index, initializes ``jax.distributed`` and runs the script. Every output
+own index, initializes ``jax.distributed`` and runs the script. The processes
+share a fresh ``JAXRING_JOB_SECRET`` (or the caller's), with which jaxring's
+TCP transport authenticates them, and a coordinator on 127.0.0.1 listens on
+loopback only. Every output
 line is prefixed with the process's rank. If one process exits with an
 error, the launcher stops the others and exits with that status; Ctrl-C
 stops them all. On a cluster, skip the launcher: call
@@ -23,6 +26,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from jaxring._src.distributed import SECRET_ENV, new_secret_hex
 
 # How long processes get to exit after SIGTERM before SIGKILL. (JAX catches
 # SIGTERM as a preemption notice, so a busy process usually needs the KILL.)
@@ -120,9 +125,10 @@ _VALUED = {"-n", "--nproc", "--devices-per-process", "--coordinator", "--prefix-
 
 
 def child_env(base: dict, rank: int, nproc: int, coordinator: str,
-              devices_per_process: int | None) -> dict:
+              devices_per_process: int | None, job_secret: str) -> dict:
     env = dict(base)
     env.update(JAXRING_COORDINATOR=coordinator,
+               JAXRING_JOB_SECRET=job_secret,
                JAXRING_NUM_PROCESSES=str(nproc),
                JAXRING_PROCESS_ID=str(rank),
                PYTHONUNBUFFERED="1")
@@ -137,6 +143,9 @@ def child_env(base: dict, rank: int, nproc: int, coordinator: str,
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     coordinator = args.coordinator or f"127.0.0.1:{_free_port()}"
+    # One secret for the job's TCP transport: the caller's, or a fresh one
+    # that only these processes see.
+    job_secret = os.environ.get(SECRET_ENV) or new_secret_hex()
     out = sys.stdout.buffer
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
@@ -149,7 +158,7 @@ def main(argv=None) -> int:
              *(["-m", args.module] if args.module else [os.path.abspath(args.script)]),
              *args.args],
             env=child_env(os.environ, rank, args.nproc, coordinator,
-                          args.devices_per_process),
+                          args.devices_per_process, job_secret),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)  # its own group: stopped with its children
         procs.append(p)

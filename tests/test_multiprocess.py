@@ -167,14 +167,17 @@ class Job:
     """N processes of fault_loop.py started with the launcher's environment,
     so the test itself can kill or stop one of them."""
 
-    def __init__(self, nproc: int, timeout_s: float):
+    def __init__(self, nproc: int, timeout_s: float, script: str = "fault_loop.py",
+                 secret: str | None = None):
         coordinator = f"127.0.0.1:{launch._free_port()}"
+        self.secret = secret or launch.new_secret_hex()
         self.cwd = tempfile.TemporaryDirectory()
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "jaxring._src.launched",
-                 str(SCRIPTS / "fault_loop.py"), str(timeout_s)],
-                env=launch.child_env(os.environ, rank, nproc, coordinator, 1),
+                 str(SCRIPTS / script), str(timeout_s)],
+                env=launch.child_env(os.environ, rank, nproc, coordinator, 1,
+                                     self.secret),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                 cwd=self.cwd.name)
             for rank in range(nproc)]

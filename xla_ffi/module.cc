@@ -1,6 +1,7 @@
 // The nanobind module jaxring._jaxring: FFI handler capsules for the CPU
 // backend and the ring plan, exposed for inspection and tests.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -215,16 +216,47 @@ NB_MODULE(_jaxring, m) {
         "Bytes of released split-phase buffers kept for reuse.");
 
   // The TCP transport between processes (set up by jaxring._src.distributed).
-  m.def("tcp_listen", [](const std::string& bind_host) {
+  m.def("tcp_listen", [](const std::string& bind_host, int process, int processes,
+                         nb::bytes secret, nb::bytes job_id) {
+    jaxring::JobIdentity id;
+    id.process = process;
+    id.processes = processes;
+    id.secret.assign(secret.c_str(), secret.size());
+    id.job_id.assign(job_id.c_str(), job_id.size());
     std::string error;
-    const int port = jaxring::tcp_listen(bind_host, &error);
+    const int port = jaxring::tcp_listen(bind_host, id, &error);
     if (port < 0) throw std::runtime_error("jaxring TCP transport: " + error);
     return port;
-  }, nb::arg("bind_host"),
-        "Opens this process's listening socket; returns its port.");
-  m.def("tcp_set_peers", &jaxring::tcp_set_peers, nb::arg("process_index"),
-        nb::arg("addresses"),
-        "Sets this process's index and every process's host:port.");
+  }, nb::arg("bind_host"), nb::arg("process"), nb::arg("processes"),
+        nb::arg("secret"), nb::arg("job_id"),
+        "Opens this process's listening socket for one job (its peers must "
+        "prove the same secret and job id); returns its port.");
+  m.def("tcp_set_peers", [](const std::vector<std::string>& addresses) {
+    std::string error;
+    if (!jaxring::tcp_set_peers(addresses, &error)) {
+      throw std::runtime_error("jaxring TCP transport: " + error);
+    }
+  }, nb::arg("addresses"), "Sets every process's host:port.");
+  m.def("tcp_transport_info", [] {
+    const jaxring::TcpTransportInfo i = jaxring::tcp_transport_info();
+    nb::dict d;
+    d["listening"] = i.listening;
+    d["host"] = i.host;
+    d["port"] = i.port;
+    d["process"] = i.process;
+    d["processes"] = i.processes;
+    d["protocol_version"] = i.protocol_version;
+    d["auth_library"] = i.auth_library;
+    d["inbound"] = i.inbound;
+    d["outbound"] = i.outbound;
+    d["lost_processes"] = i.lost_processes;
+    d["refused_connections"] = i.refused_connections;
+    d["last_refusal"] = i.last_refusal;
+    d["pending_ops"] = i.pending_ops;
+    return d;
+  }, "The TCP transport's state, for jaxring.transport_info().");
+  m.def("tcp_auth_library", &jaxring::tcp_auth_library,
+        "The library that authenticates TCP peers, or '' if none was built in.");
   m.def("tcp_process_index", &jaxring::tcp_process_index,
         "This process's index in the TCP transport (-1: not set up).");
   m.def("tcp_pending_ops", &jaxring::tcp_pending_ops,

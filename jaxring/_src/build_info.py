@@ -34,6 +34,9 @@ def build_info() -> dict:
         "backends": {"cpu": hasattr(_jaxring, "registrations"),
                      "cuda": cuda_status == "built"},
         "cuda": cuda_status,
+        # What authenticates the TCP transport's peers (None: not built in,
+        # and the transport refuses to start).
+        "tcp_auth": _jaxring.tcp_auth_library() or None,
     }
     if cuda_status == "built":
         from jaxring import _jaxring_cuda

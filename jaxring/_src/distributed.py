@@ -9,20 +9,64 @@ publishes ``host:port`` under a jaxring key of the coordinator's key-value
 store and reads everyone else's: there is nothing for users to configure.
 The first cross-process lowering does this, so it works whether jaxring was
 imported before or after ``jax.distributed.initialize``.
+
+A peer is let in only after it proved, by an HMAC handshake
+(``xla_ffi/cpu/tcp_handshake.h``), that it holds the job's secret and the
+job's id. The secret comes from ``JAXRING_JOB_SECRET`` when set (the
+launcher always sets one); otherwise process 0 makes one and shares it
+through the key-value store, which is then only as private as the
+coordinator's port. Process 0 makes the job id for every job.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import os
+import re
+import secrets
 import socket
 import threading
 
 import numpy as np
 
-_KEY = "jaxring/tcp/v1/{}"
+_PREFIX = "jaxring/tcp/v2/"
+_ADDRESS_KEY = _PREFIX + "address/{}"
+_JOB_KEY = _PREFIX + "job"
+SECRET_ENV = "JAXRING_JOB_SECRET"
 _lock = threading.Lock()
 _ready = False
 _hosts: dict[int, str] = {}
+_secret_source = ""
+
+
+def secret_from_env(environ=os.environ) -> bytes | None:
+    """JAXRING_JOB_SECRET as bytes, None if unset; ValueError naming the
+    variable if it cannot be a secret of at least 128 bits."""
+    text = environ.get(SECRET_ENV)
+    if text is None:
+        return None
+    text = text.strip()
+    if not re.fullmatch(r"(?:[0-9a-fA-F]{2}){16,512}", text):
+        raise ValueError(
+            f"{SECRET_ENV} must be 32 to 1024 hexadecimal digits, an even "
+            f"number of them (at least 128 bits; e.g. the output of "
+            f"`python -c 'import secrets; print(secrets.token_hex(32))'`); "
+            f"got {len(text)} characters that are not")
+    return bytes.fromhex(text)
+
+
+def new_secret_hex() -> str:
+    """A fresh job secret (256 bits) in the form JAXRING_JOB_SECRET takes."""
+    return secrets.token_hex(32)
+
+
+def secret_fingerprint(secret: bytes, job_id: bytes) -> str:
+    """Says whether two processes hold the same secret without saying what
+    it is (an HMAC under the secret itself)."""
+    return hmac.new(secret, b"jaxring secret fingerprint" + job_id,
+                    hashlib.sha256).hexdigest()[:32]
 
 
 def device_assignment(axis_ctx) -> tuple | None:
@@ -75,10 +119,45 @@ def _local_host(coordinator: str | None) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def _job_secret_and_id(client, me: int, timeout_ms: int) -> tuple[bytes, bytes, str]:
+    """The job's secret, its id, and where the secret came from.
+
+    Process 0 publishes the job id, and the secret too when it has none from
+    the environment; every process must then agree on whether the
+    environment gives it one.
+    """
+    env_secret = secret_from_env()
+    if me == 0:
+        record = {"job_id": secrets.token_hex(16)}
+        if env_secret is None:
+            record["secret"] = new_secret_hex()
+        client.key_value_set(_JOB_KEY, json.dumps(record))
+    else:
+        try:
+            record = json.loads(client.blocking_key_value_get(_JOB_KEY, timeout_ms))
+        except Exception as e:  # the client raises its own error types
+            raise RuntimeError(
+                f"jaxring: process 0 did not publish the TCP transport's job "
+                f"record within {timeout_ms / 1000} s (is it running the same "
+                f"program?): {e}") from e
+    job_id = bytes.fromhex(record["job_id"])
+    if env_secret is not None:
+        if "secret" in record:
+            raise RuntimeError(
+                f"jaxring: {SECRET_ENV} is set in this process ({me}) but not "
+                f"in process 0; set it in every process of the job or in none")
+        return env_secret, job_id, "environment"
+    if "secret" not in record:
+        raise RuntimeError(
+            f"jaxring: process 0 has {SECRET_ENV} set but this process ({me}) "
+            f"does not; set it in every process of the job or in none")
+    return bytes.fromhex(record["secret"]), job_id, "key-value store"
+
+
 def ensure_tcp_transport(timeout_s: float) -> None:
     """Sets up the TCP transport once per process (blocks until every
     process has published its address, at most timeout_s)."""
-    global _ready
+    global _ready, _secret_source
     with _lock:
         if _ready:
             return
@@ -93,25 +172,79 @@ def ensure_tcp_transport(timeout_s: float) -> None:
                 "call jax.distributed.initialize() first (or start the job "
                 "with `python -m jaxring.launch`).")
         me, n, coordinator = jax_compat.distributed_state()
-        host = _local_host(coordinator)
-        port = _jaxring.tcp_listen(host)
-        address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-        client.key_value_set(_KEY.format(me), address)
         timeout_ms = int(timeout_s * 1000)
+        secret, job_id, source = _job_secret_and_id(client, me, timeout_ms)
+        host = _local_host(coordinator)
+        port = _jaxring.tcp_listen(host, me, n, secret, job_id)
+        address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        mine = secret_fingerprint(secret, job_id)
+        client.key_value_set(_ADDRESS_KEY.format(me), json.dumps(
+            {"address": address, "secret_fingerprint": mine}))
         addresses = []
         for q in range(n):
             try:
-                addresses.append(client.blocking_key_value_get(
-                    _KEY.format(q), timeout_ms))
+                record = json.loads(client.blocking_key_value_get(
+                    _ADDRESS_KEY.format(q), timeout_ms))
             except Exception as e:  # the client raises its own error types
                 raise RuntimeError(
                     f"jaxring: process {q} did not publish its TCP address "
                     f"within {timeout_s} s (is it running the same program?): "
                     f"{e}") from e
-        _jaxring.tcp_set_peers(me, addresses)
+            if record["secret_fingerprint"] != mine:
+                raise RuntimeError(
+                    f"jaxring: process {q} holds another {SECRET_ENV} than "
+                    f"this process ({me}); every process of a job needs the "
+                    f"same one")
+            addresses.append(record["address"])
+        _jaxring.tcp_set_peers(addresses)
+        _secret_source = source
         for q, a in enumerate(addresses):
             _hosts[q] = a.rsplit(":", 1)[0].strip("[]")
         _ready = True
+
+
+def transport_info() -> dict:
+    """This process's view of jaxring's TCP transport between processes.
+
+    Returns a dict with ``listening`` (False until the first allreduce that
+    spans processes set the transport up), ``address`` (``host:port`` that
+    peers connect to: the port to open in a firewall), ``process`` and
+    ``processes``, ``protocol_version``, ``authentication`` (the library
+    that checks peers, e.g. ``"OpenSSL 3.0.19 ..."``, or ``None`` in a build
+    without it), ``secret_source`` (``"environment"`` or
+    ``"key-value store"``), ``inbound`` and ``outbound`` (the authenticated
+    connections as ``(process, channel)`` pairs; a channel is a ring),
+    ``lost_processes``, ``refused_connections`` with ``last_refusal`` (why
+    the last stranger was turned away) and ``pending_ops``.
+
+    Example:
+        >>> jaxring.transport_info()["listening"]
+        False
+    """
+    from jaxring import _jaxring
+    raw = _jaxring.tcp_transport_info()
+    host = raw["host"]
+    with _lock:
+        source = _secret_source
+    address = None
+    if raw["listening"]:
+        address = (f"[{host}]:{raw['port']}" if ":" in host
+                   else f"{host}:{raw['port']}")
+    return {
+        "listening": raw["listening"],
+        "address": address,
+        "process": raw["process"] if raw["listening"] else None,
+        "processes": raw["processes"] if raw["listening"] else None,
+        "protocol_version": raw["protocol_version"],
+        "authentication": raw["auth_library"] or None,
+        "secret_source": source or None,
+        "inbound": sorted(tuple(x) for x in raw["inbound"]),
+        "outbound": sorted(tuple(x) for x in raw["outbound"]),
+        "lost_processes": sorted(raw["lost_processes"]),
+        "refused_connections": raw["refused_connections"],
+        "last_refusal": raw["last_refusal"] or None,
+        "pending_ops": raw["pending_ops"],
+    }
 
 
 def process_hosts() -> dict[int, str]:

@@ -33,6 +33,12 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
+def is_loopback(address: str) -> bool:
+    """Whether "host:port" names this host's loopback interface."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def main() -> None:
     if len(sys.argv) < 2 or (sys.argv[1] == "-m" and len(sys.argv) < 3):
         raise SystemExit("usage: python -m jaxring._src.launched "
@@ -46,10 +52,14 @@ def main() -> None:
     # JAX's own collectives across processes (lax.psum on CPU) need Gloo;
     # jaxring's own allreduces use jaxring's TCP transport either way.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    coordinator = os.environ["JAXRING_COORDINATOR"]
     jax.distributed.initialize(
-        coordinator_address=os.environ["JAXRING_COORDINATOR"],
+        coordinator_address=coordinator,
         num_processes=int(os.environ["JAXRING_NUM_PROCESSES"]),
-        process_id=int(os.environ["JAXRING_PROCESS_ID"]))
+        process_id=int(os.environ["JAXRING_PROCESS_ID"]),
+        # JAX's coordinator listens on every address unless told otherwise,
+        # and has no authentication: a job on one host keeps it on loopback.
+        coordinator_bind_address=coordinator if is_loopback(coordinator) else None)
     sys.argv = [script or module, *args]
     sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
     from jaxring._src.errors import translate_errors

@@ -147,12 +147,8 @@ void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
       CHECK((in_place ? in : out)[r][i] == static_cast<int32_t>(expect[i]));
 }
 
-// The wire format as a stranger sees it (tcp_transport.cc's Hello and
+// A data frame's header as it goes on the wire (tcp_transport.cc's
 // FrameHeader, native byte order).
-struct WireHello {
-  uint32_t magic, version;
-  int32_t process, channel;
-};
 struct WireHeader {
   uint32_t magic, kind;
   int64_t run_id, op_id, group;
@@ -160,7 +156,16 @@ struct WireHeader {
   int64_t count, chunk_bytes, topology, unit, payload_bytes;
 };
 static_assert(sizeof(WireHeader) == 104, "FrameHeader layout");
-constexpr uint32_t kWireMagic = 0x4a52494e, kWireVersion = 2;
+
+// The job of the TCP test, as process `me` holds it.
+jaxring::JobIdentity test_job(int me) {
+  jaxring::JobIdentity id;
+  id.process = me;
+  id.processes = 2;
+  id.secret = "core-test secret, 32 bytes long.";
+  id.job_id = "core-test job 01";
+  return id;
+}
 
 int connect_loopback(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -175,29 +180,106 @@ int connect_loopback(int port) {
   return fd;
 }
 
-// Whether the peer closed fd within timeout_ms (reads return 0 or fail).
+// Whether the peer closed fd within timeout_ms (reads return 0 or fail;
+// anything the peer sent first is skipped).
 bool closed_by_peer(int fd, int timeout_ms) {
-  pollfd p{fd, POLLIN, 0};
-  if (poll(&p, 1, timeout_ms) <= 0) return false;
-  char c;
-  return recv(fd, &c, 1, 0) <= 0;
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (;;) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 50) > 0) {
+      char c[256];
+      if (recv(fd, c, sizeof(c), 0) <= 0) return true;
+    }
+    if (std::chrono::steady_clock::now() > deadline) return false;
+  }
 }
 
-// Hostile input against process `victim_port` of a 2-process job: what it
-// may allocate or believe must not depend on what a stranger announces.
-// Returns a connection to keep open until the job ends (closing it would
-// only look like process 1 leaving).
-int attack(int victim_port) {
-  // A hello for a process the job does not have: refused at once.
-  int fd = connect_loopback(victim_port);
+bool write_all(int fd, const std::string& bytes) {
+  return write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size());
+}
+
+// A hello as the handshake's connector sends it (tcp_handshake.h).
+std::string hello_bytes(uint32_t version, int process, int channel,
+                        const std::string& nonce) {
+  std::string out;
+  for (uint32_t v : {jaxring::kWireMagic, version, static_cast<uint32_t>(process),
+                     static_cast<uint32_t>(channel)}) {
+    for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  }
+  return out + nonce;
+}
+
+// Sends a hello as process 1 on `channel`, reads the 64-byte reply and
+// answers with the proof `as` would compute; returns the connection.
+int prove_as(int victim_port, const jaxring::JobIdentity& as, int channel,
+             bool garble) {
+  const int fd = connect_loopback(victim_port);
   CHECK(fd >= 0);
-  WireHello stranger{kWireMagic, kWireVersion, 5, 0};
-  CHECK(write(fd, &stranger, sizeof(stranger)) == sizeof(stranger));
+  const std::string nonce(jaxring::kNonceBytes, 'n');
+  CHECK(write_all(fd, hello_bytes(jaxring::kProtocolVersion, 1, channel, nonce)));
+  char reply[64];
+  size_t got = 0;
+  while (got < sizeof(reply)) {
+    const ssize_t r = read(fd, reply + got, sizeof(reply) - got);
+    CHECK(r > 0);
+    if (r <= 0) return fd;
+    got += static_cast<size_t>(r);
+  }
+  std::string proof = jaxring::handshake_mac(
+      as, false, nonce, std::string(reply + 16, jaxring::kNonceBytes), 1, 0, channel);
+  if (garble) proof[0] ^= 1;
+  CHECK(write_all(fd, proof));
+  return fd;
+}
+
+// Hostile input against process 0 of a 2-process job, played by process 1.
+// Strangers never get past the handshake; a peer that did (process 1 on a
+// channel of its own) still cannot make process 0 allocate or believe what
+// its plan does not allow. Returns a connection to keep open until the job
+// ends (closing an authenticated one means that process 1 left).
+int attack(int victim_port) {
+  const jaxring::JobIdentity job = test_job(1);
+  // Bytes that are not jaxring at all.
+  int fd = connect_loopback(victim_port);
+  CHECK(fd >= 0 && write_all(fd, std::string(40, 'x')));
   CHECK(closed_by_peer(fd, 5000));
   close(fd);
-  WireHello forged{kWireMagic, kWireVersion, 1, 0};
+  // A hello of another protocol version: answered with this one, then closed.
+  fd = connect_loopback(victim_port);
+  CHECK(fd >= 0 && write_all(fd, hello_bytes(2, 1, 0, std::string(16, 'n'))));
+  CHECK(closed_by_peer(fd, 5000));
+  close(fd);
+  // A hello for a process the job does not have.
+  fd = connect_loopback(victim_port);
+  CHECK(fd >= 0 && write_all(fd, hello_bytes(jaxring::kProtocolVersion, 5, 0,
+                                             std::string(16, 'n'))));
+  CHECK(closed_by_peer(fd, 5000));
+  close(fd);
+  // A wrong proof; the proof of the same secret for another job; a proof
+  // made with another secret.
+  jaxring::JobIdentity other_job = job, other_secret = job;
+  other_job.job_id = "another job, 16b";
+  other_secret.secret = "a guess at the secret, 32 bytes.";
+  for (const auto& [as, garble] :
+       {std::pair{job, true}, std::pair{other_job, false}, std::pair{other_secret, false}}) {
+    fd = prove_as(victim_port, as, 5, garble);
+    CHECK(closed_by_peer(fd, 5000));
+    close(fd);
+  }
+  // Process 1 itself, once more on a channel it already has open: refused.
+  fd = connect_loopback(victim_port);
+  CHECK(fd >= 0);
+  std::string error;
+  CHECK(jaxring::connect_handshake(fd, job, 0, 0,
+                                   std::chrono::steady_clock::now() + std::chrono::seconds(5),
+                                   &error));
+  CHECK(closed_by_peer(fd, 5000));
+  close(fd);
+
+  // Process 1, authenticated on a channel of its own, then misbehaving.
   WireHeader h{};
-  h.magic = kWireMagic;
+  h.magic = jaxring::kWireMagic;
   h.kind = 1;  // data
   h.run_id = 99;
   h.op_id = 12345;
@@ -208,9 +290,7 @@ int attack(int victim_port) {
   h.payload_bytes = int64_t{1} << 40;
   // An unknown element type: nothing this build sends, so the connection
   // is closed before any state is made for the operation.
-  fd = connect_loopback(victim_port);
-  CHECK(fd >= 0);
-  CHECK(write(fd, &forged, sizeof(forged)) == sizeof(forged));
+  fd = prove_as(victim_port, job, 6, false);
   h.elem_type = 99;
   CHECK(write(fd, &h, sizeof(h)) == sizeof(h));
   CHECK(closed_by_peer(fd, 5000));
@@ -218,9 +298,7 @@ int attack(int victim_port) {
   // A plausible header whose payload (a TiB) does not fit the plan: refused
   // and drained a slice at a time, never allocated from the frame's word
   // (it used to end the victim with std::bad_alloc).
-  fd = connect_loopback(victim_port);
-  CHECK(fd >= 0);
-  CHECK(write(fd, &forged, sizeof(forged)) == sizeof(forged));
+  fd = prove_as(victim_port, job, 7, false);
   h.elem_type = 2;
   CHECK(write(fd, &h, sizeof(h)) == sizeof(h));
   std::vector<char> some(1 << 16, 7);
@@ -232,7 +310,7 @@ int attack(int victim_port) {
 // process_of_rank[r] == me, all operations at once from their own threads.
 int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   std::string error;
-  const int port = jaxring::tcp_listen("127.0.0.1", &error);
+  const int port = jaxring::tcp_listen("127.0.0.1", test_job(me), &error);
   if (port < 0) {
     std::fprintf(stderr, "tcp_listen: %s\n", error.c_str());
     return 1;
@@ -240,8 +318,9 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   if (write(port_out_fd, &port, sizeof(port)) != sizeof(port)) return 1;
   int ports[2];
   if (read(ports_in_fd, ports, sizeof(ports)) != sizeof(ports)) return 1;
-  jaxring::tcp_set_peers(me, {"127.0.0.1:" + std::to_string(ports[0]),
-                              "127.0.0.1:" + std::to_string(ports[1])});
+  CHECK(jaxring::tcp_set_peers({"127.0.0.1:" + std::to_string(ports[0]),
+                               "127.0.0.1:" + std::to_string(ports[1])},
+                              &error));
   struct Case {
     std::vector<int> procs;
     int rings;
@@ -320,6 +399,13 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   const int64_t stray_ops = me == 0 ? 1 : 0;
   while (jaxring::tcp_pending_ops() > stray_ops) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (me == 0) {
+    // Six strangers and one second connection were refused; the
+    // authenticated misbehaving connections are not refusals.
+    const jaxring::TcpTransportInfo info = jaxring::tcp_transport_info();
+    CHECK(info.refused_connections == 7);
+    CHECK(info.last_refusal.find("second connection") != std::string::npos);
   }
   if (kept >= 0) {
     // Leave after process 0 is done, so that the kept connection's close

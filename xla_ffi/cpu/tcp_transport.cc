@@ -29,6 +29,7 @@
 #include "../tiered_plan.h"
 #include "huge_pages.h"
 #include "socket_io.h"
+#include "tcp_handshake.h"
 #include "task_queue.h"
 #include "timeline.h"
 
@@ -36,11 +37,14 @@ namespace jaxring {
 
 namespace {
 
-constexpr uint32_t kMagic = 0x4a52494e;  // "JRIN"
-constexpr uint32_t kVersion = 2;
 constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
 // How long a connection may take to open, and an abort frame to leave.
 constexpr double kConnectTimeoutS = 30.0;
+// How long an accepted connection has to prove itself, and how many may be
+// at it at once (a job needs at most processes x rings connections, opened
+// once; strangers must not hold threads for longer, or more of them).
+constexpr double kHandshakeTimeoutS = 10.0;
+constexpr int kMaxHandshakes = 64;
 constexpr double kAbortSendTimeoutS = 10.0;
 // How long a failed rank waits for its abort frames to leave.
 constexpr auto kAbortFlush = std::chrono::seconds(1);
@@ -52,21 +56,12 @@ constexpr auto kLostPeerGrace = std::chrono::milliseconds(100);
 constexpr size_t kRecvSlice = 1 << 20;
 // Sanity bounds on what a peer announces (a corrupt or foreign client must
 // not make this process allocate without limit).
-constexpr int kMaxProcesses = 1 << 20;
 constexpr int64_t kMaxMessageBytes = 1 << 20;
 constexpr int64_t kMaxPayloadBytes = int64_t{1} << 40;
 
 // kData: a chunk; kAbort: an operation failed (payload: why); kPeerLost: the
 // process in `group` is unreachable (payload: why), sent to every process.
 enum FrameKind : uint32_t { kData = 1, kAbort = 2, kPeerLost = 3 };
-
-// Sent once by the connecting side.
-struct Hello {
-  uint32_t magic;
-  uint32_t version;
-  int32_t process;  // the sender's process index
-  int32_t channel;  // which ring's connection this is
-};
 
 // Precedes every frame. Fixed layout, native byte order: every process of a
 // job runs the same build on the same kind of machine.
@@ -351,8 +346,9 @@ void release_send(const OutFrame& f);
 // The connection to one process for one ring, with its sender thread.
 class OutLink {
  public:
-  OutLink(int process, int channel, std::string address)
-      : process_(process), channel_(channel), address_(std::move(address)) {
+  OutLink(int process, int channel, std::string address, JobIdentity identity)
+      : process_(process), channel_(channel), address_(std::move(address)),
+        identity_(std::move(identity)) {
     std::thread([this] { loop(); }).detach();
   }
   // Returns false if the link is already dead (the frame is not taken).
@@ -388,6 +384,7 @@ class OutLink {
   const int process_;
   const int channel_;
   const std::string address_;
+  const JobIdentity identity_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<OutFrame> queue_;
@@ -402,12 +399,33 @@ class Transport {
     return *t;
   }
 
-  int listen(const std::string& bind_host, std::string* error);
-  void set_peers(int me, const std::vector<std::string>& addresses) {
+  // Opens the listener; from then on a connection is let in only after it
+  // proved `identity`'s job (tcp_handshake.h).
+  int listen(const std::string& bind_host, const JobIdentity& identity,
+             std::string* error);
+  // Where every process listens; false (with *error) if listen() has not
+  // run or the count differs from the job's.
+  bool set_peers(const std::vector<std::string>& addresses, std::string* error) {
+    const JobIdentity id = identity();
+    if (id.processes == 0) {
+      *error = "tcp_set_peers before tcp_listen";
+      return false;
+    }
+    if (static_cast<int>(addresses.size()) != id.processes) {
+      *error = "got " + std::to_string(addresses.size()) + " addresses for a job of " +
+               std::to_string(id.processes) + " processes";
+      return false;
+    }
     std::lock_guard<std::mutex> lock(links_mu_);
     addresses_ = addresses;
-    me_.store(me);
+    me_.store(id.process);
+    return true;
   }
+  JobIdentity identity() {
+    std::lock_guard<std::mutex> lock(identity_mu_);
+    return identity_;
+  }
+  TcpTransportInfo info();
   int me() const { return me_.load(); }
 
   TcpWorker* worker(int device) {
@@ -434,10 +452,20 @@ class Transport {
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int64_t>(ops_.size());
   }
-  // The job's process count once the peers' addresses are set, else 0.
-  int known_processes() {
+  // Registers an authenticated incoming connection; false if that process
+  // already has one open for the channel.
+  bool claim_inbound(int p, int channel) {
     std::lock_guard<std::mutex> lock(links_mu_);
-    return static_cast<int>(addresses_.size());
+    return inbound_.insert({p, channel}).second;
+  }
+  void release_inbound(int p, int channel) {
+    std::lock_guard<std::mutex> lock(links_mu_);
+    inbound_.erase({p, channel});
+  }
+  void note_refusal(const std::string& why) {
+    ++refused_;
+    std::lock_guard<std::mutex> lock(links_mu_);
+    last_refusal_ = why;
   }
   // Why process p can no longer be reached, or "" if it can.
   std::string dead_reason(int p) {
@@ -456,7 +484,7 @@ class Transport {
         return false;
       }
       auto& l = links_[{p, channel}];
-      if (!l) l.reset(new OutLink(p, channel, addresses_[p]));
+      if (!l) l.reset(new OutLink(p, channel, addresses_[p], identity()));
       link = l.get();
     }
     return link->enqueue(std::move(f));
@@ -483,12 +511,25 @@ class Transport {
   // Lock order: mu_ may be held while taking an operation's mu (garbage
   // collection); an operation's mu may be held while taking links_mu_
   // (sending). Nothing takes mu_ while holding an operation's mu.
-  std::mutex mu_;  // ops_, workers_, the listener
+  // identity_mu_ is taken last, under any of them.
+  std::mutex mu_;  // ops_, workers_, the listener and identity_
   int listen_fd_ = -1;
   int port_ = -1;
+  std::string listen_host_;
+  // Set once, by listen(). A lock of its own, taken last: senders read it
+  // while holding an operation's mu.
+  std::mutex identity_mu_;
+  JobIdentity identity_;
+  // Connections in their handshake (capped: a stranger may open many), and
+  // those refused so far with the last reason (for transport_info).
+  std::atomic<int> handshaking_{0};
+  std::atomic<int64_t> refused_{0};
+  std::string last_refusal_;  // under links_mu_
+  // (process, channel) of every authenticated incoming connection: one each.
+  std::set<std::pair<int, int>> inbound_;  // under links_mu_
   std::map<int, std::unique_ptr<TcpWorker>> workers_;
   std::map<OpKey, std::shared_ptr<TcpOp>> ops_;
-  std::mutex links_mu_;  // addresses_, links_, dead_
+  std::mutex links_mu_;  // addresses_, links_, dead_, inbound_, last_refusal_
   std::atomic<int> me_{-1};
   std::vector<std::string> addresses_;
   std::map<std::pair<int, int>, std::unique_ptr<OutLink>> links_;
@@ -518,7 +559,7 @@ bool Transport::fail(const std::shared_ptr<TcpOp>& op, const std::string& why,
       // complete (and its process exit) before the aborts are written.
       op->aborts_in_flight.fetch_add(static_cast<int>(peers.size()));
     }
-    h.magic = kMagic;
+    h.magic = kWireMagic;
     h.kind = kAbort;
     h.run_id = op->key.run_id;
     h.op_id = op->key.op_id;
@@ -573,7 +614,7 @@ void Transport::peer_lost(int p, const std::string& why, bool tell_others) {
     for (int q = 0; q < processes; ++q) {
       if (q == p || q == me()) continue;
       OutFrame f;
-      f.header.magic = kMagic;
+      f.header.magic = kWireMagic;
       f.header.kind = kPeerLost;
       f.header.group = p;
       f.header.payload_bytes = static_cast<int64_t>(reason.size());
@@ -655,9 +696,27 @@ void Transport::collect_garbage() {
   }
 }
 
-int Transport::listen(const std::string& bind_host, std::string* error) {
+int Transport::listen(const std::string& bind_host, const JobIdentity& identity,
+                      std::string* error) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (listen_fd_ >= 0) return port_;
+  if (listen_fd_ >= 0) {
+    const JobIdentity mine = this->identity();
+    if (identity.process != mine.process || identity.processes != mine.processes ||
+        identity.secret != mine.secret || identity.job_id != mine.job_id) {
+      *error = "the TCP transport already listens for another job identity";
+      return -1;
+    }
+    return port_;
+  }
+  if (std::string problem = identity_problem(identity); !problem.empty()) {
+    *error = problem;
+    return -1;
+  }
+  {
+    std::lock_guard<std::mutex> id_lock(identity_mu_);
+    identity_ = identity;
+  }
+  listen_host_ = bind_host;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -703,7 +762,14 @@ void Transport::accept_loop(int listen_fd) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       continue;
     }
+    if (handshaking_.load() >= kMaxHandshakes) {
+      // Strangers hold every handshake slot: this one waits for none.
+      ::close(fd);
+      note_refusal("too many connections in their handshake");
+      continue;
+    }
     tune_socket(fd);
+    ++handshaking_;
     std::thread([this, fd] { read_loop(fd); }).detach();
   }
 }
@@ -768,24 +834,30 @@ ReadResult drain_payload(int fd, int64_t n, double stall_s, std::string* error) 
 
 void Transport::read_loop(int fd) {
   std::string error;
-  Hello hello{};
-  if (read_exact(fd, reinterpret_cast<char*>(&hello), sizeof(hello), false,
-                 kConnectTimeoutS, &error) != ReadResult::kOk ||
-      hello.magic != kMagic || hello.version != kVersion) {
-    ::close(fd);  // not a jaxring peer, or another version
+  int peer = -1, channel = -1;
+  const bool proved = accept_handshake(fd, identity(), after_seconds(kHandshakeTimeoutS),
+                                       &peer, &channel, &error);
+  --handshaking_;
+  if (!proved || !claim_inbound(peer, channel)) {
+    // A stranger, another job, or a second connection for a channel already
+    // open: it goes quietly, and no process of the job is blamed.
+    ::close(fd);
+    note_refusal(proved ? "a second connection from process " + std::to_string(peer) +
+                              " for channel " + std::to_string(channel)
+                        : error);
     return;
   }
-  const int peer = hello.process;
-  const int processes = known_processes();
-  if (peer < 0 || peer >= kMaxProcesses || (processes > 0 && peer >= processes)) {
-    ::close(fd);  // claims a process this job does not have
-    return;
-  }
+  // From here on the connection speaks for process `peer`.
+  struct Release {
+    Transport* t;
+    int peer, channel;
+    ~Release() { t->release_inbound(peer, channel); }
+  } release{this, peer, channel};
   for (;;) {
     FrameHeader h{};
     ReadResult r = read_exact(fd, reinterpret_cast<char*>(&h), sizeof(h),
                               /*idle_ok=*/true, kConnectTimeoutS, &error);
-    if (r == ReadResult::kOk && h.magic != kMagic) {
+    if (r == ReadResult::kOk && h.magic != kWireMagic) {
       error = "protocol error: bad frame magic";
       r = ReadResult::kError;
     }
@@ -985,10 +1057,8 @@ void OutLink::loop() {
     die(error);
     return;
   }
-  Hello hello{kMagic, kVersion, Transport::get().me(), channel_};
-  const char* hp = reinterpret_cast<const char*>(&hello);
-  size_t hn = sizeof(hello);
-  if (!write_all(fd, hp, hn, kConnectTimeoutS, nullptr, &error)) {
+  if (!connect_handshake(fd, identity_, process_, channel_,
+                         after_seconds(kHandshakeTimeoutS), &error)) {
     ::close(fd);
     die(error);
     return;
@@ -1090,7 +1160,7 @@ std::string send_unit(const std::shared_ptr<TcpOp>& op_ptr, int rank, int ring,
   }
   OutFrame f;
   FrameHeader& h = f.header;
-  h.magic = kMagic;
+  h.magic = kWireMagic;
   h.kind = kData;
   h.run_id = op.key.run_id;
   h.op_id = op.key.op_id;
@@ -1338,12 +1408,37 @@ bool TcpWorker::advance(Task& task, bool* finished) {
 
 }  // namespace
 
-int tcp_listen(const std::string& bind_host, std::string* error) {
-  return Transport::get().listen(bind_host, error);
+int tcp_listen(const std::string& bind_host, const JobIdentity& identity,
+               std::string* error) {
+  return Transport::get().listen(bind_host, identity, error);
 }
 
-void tcp_set_peers(int process_index, const std::vector<std::string>& addresses) {
-  Transport::get().set_peers(process_index, addresses);
+bool tcp_set_peers(const std::vector<std::string>& addresses, std::string* error) {
+  return Transport::get().set_peers(addresses, error);
+}
+
+TcpTransportInfo tcp_transport_info() { return Transport::get().info(); }
+
+TcpTransportInfo Transport::info() {
+  TcpTransportInfo i;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    i.listening = listen_fd_ >= 0;
+    i.host = listen_host_;
+    i.port = port_;
+    i.pending_ops = static_cast<int64_t>(ops_.size());
+  }
+  const JobIdentity id = identity();
+  i.process = id.process;
+  i.processes = id.processes;
+  i.auth_library = tcp_auth_library();
+  i.refused_connections = refused_.load();
+  std::lock_guard<std::mutex> lock(links_mu_);
+  i.inbound.assign(inbound_.begin(), inbound_.end());
+  for (const auto& [where, link] : links_) i.outbound.push_back(where);
+  for (const auto& [p, why] : dead_) i.lost_processes.push_back(p);
+  i.last_refusal = last_refusal_;
+  return i;
 }
 
 int tcp_process_index() { return Transport::get().me(); }

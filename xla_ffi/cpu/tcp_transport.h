@@ -32,16 +32,20 @@
 #include <vector>
 
 #include "inprocess_transport.h"
+#include "tcp_handshake.h"
 
 namespace jaxring {
 
-// Opens this process's listening socket on bind_host (a free port). Returns
-// the port, or -1 with *error set. Calling it again returns the same port.
-int tcp_listen(const std::string& bind_host, std::string* error);
+// Opens this process's listening socket on bind_host (a free port), for the
+// job `identity` names: a connection is let in only once it proved that it
+// comes from another process of that job (tcp_handshake.h). Returns the
+// port, or -1 with *error set. Calling it again returns the same port.
+int tcp_listen(const std::string& bind_host, const JobIdentity& identity,
+               std::string* error);
 
-// Tells the transport which process this is and where every process
-// listens ("host:port", indexed by process). Call once after tcp_listen.
-void tcp_set_peers(int process_index, const std::vector<std::string>& addresses);
+// Tells the transport where every process listens ("host:port", indexed by
+// process). Call once after tcp_listen; false with *error on a bad table.
+bool tcp_set_peers(const std::vector<std::string>& addresses, std::string* error);
 
 // This process's index once tcp_set_peers ran, else -1.
 int tcp_process_index();
@@ -55,5 +59,23 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
 
 // Operations currently held by the transport (for tests: must drop to 0).
 int64_t tcp_pending_ops();
+
+// What an operator needs to see of the transport.
+struct TcpTransportInfo {
+  bool listening = false;
+  std::string host;  // as given to tcp_listen
+  int port = -1;
+  int process = -1;
+  int processes = 0;
+  uint32_t protocol_version = kProtocolVersion;
+  std::string auth_library;  // "" when built without authentication
+  // Authenticated connections: (process, channel) in and out.
+  std::vector<std::pair<int, int>> inbound, outbound;
+  std::vector<int> lost_processes;
+  int64_t refused_connections = 0;
+  std::string last_refusal;  // why the last one was refused
+  int64_t pending_ops = 0;
+};
+TcpTransportInfo tcp_transport_info();
 
 }  // namespace jaxring
