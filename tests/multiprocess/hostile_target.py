@@ -1,0 +1,68 @@
+"""Run by tests/test_hostile_peers.py: a job that keeps allreducing, checks
+every result against numpy, and reports what it holds, while the test
+attacks its TCP transport from outside.
+
+Prints READY with the transport's address and this process's threads, open
+descriptors and RSS once the transport is up; loops until a file named
+`stop` appears in its working directory (the test makes it after the
+attacks and the handshake deadline); then prints the same counts again and
+DONE with the number of steps and of wrong results.
+"""
+
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxring
+
+
+def resources() -> str:
+    status = pathlib.Path("/proc/self/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    threads = int(fields["Threads"])
+    rss_kib = int(fields["VmRSS"].split()[0])
+    fds = len(os.listdir("/proc/self/fd"))
+    return f"threads={threads} fds={fds} rss_mib={rss_kib / 1024:.1f}"
+
+
+limit_s = float(sys.argv[1])
+devices = np.array(jax.devices())
+mesh = Mesh(devices, ("x",))
+f = jax.jit(jax.shard_map(
+    lambda v: jaxring.psum(v, "x", timeout_s=60.0),
+    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+rng = np.random.default_rng(0)  # the same data in every process
+steps = wrong = 0
+started = time.monotonic()
+with jaxring.translate_errors():
+    while True:
+        # Integers in float32: the sum is exact, so any change shows. The last
+        # column carries each process's wish to stop, so that all stop after
+        # the same step.
+        x = rng.integers(-1000, 1000, (devices.size, 4097)).astype(np.float32)
+        x[:, -1] = float(pathlib.Path("stop").exists()
+                         or time.monotonic() - started > limit_s)
+        arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
+                                           lambda idx: x[idx])
+        out = f(arr)
+        want = x[:, :-1].sum(0)
+        stop = False
+        for shard in out.addressable_shards:
+            got = np.asarray(shard.data)
+            wrong += int((got[:, :-1] != want).any())
+            stop = bool(got[0, -1] > 0)
+        steps += 1
+        if steps == 3:
+            info = jaxring.transport_info()
+            print(f"READY {info['address']} {resources()}", flush=True)
+        if stop:
+            break
+info = jaxring.transport_info()
+print(f"AFTER {resources()} refused={info['refused_connections']} "
+      f"lost={info['lost_processes']}", flush=True)
+print(f"DONE steps={steps} wrong={wrong}", flush=True)

@@ -1,0 +1,241 @@
+"""jaxring's TCP transport as a network service: strangers against a running
+2-process job.
+
+The job (tests/multiprocess/hostile_target.py) keeps allreducing and checks
+every result against numpy. Meanwhile this test plays strangers on loopback
+who speak the wire format (tcp_handshake.h, tcp_transport.cc) without the
+job's secret, or with the secret but for another job. Each attack must be
+turned away by process 0 without touching the job: afterwards every result
+was exact, no process was declared lost, no process died, and threads,
+descriptors and memory are back within stated bounds.
+"""
+
+import hashlib
+import hmac
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from test_multiprocess import Job
+
+pytestmark = pytest.mark.multiprocess
+
+MAGIC = 0x4A52494E
+VERSION = 3
+# What the victim may keep after the attacks, beyond what it held before.
+EXTRA_THREADS, EXTRA_FDS, EXTRA_RSS_MIB = 16, 16, 128.0
+HANDSHAKE_DEADLINE_S = 10.0
+
+
+def hello(process: int, channel: int = 0, nonce: bytes = b"n" * 16,
+          version: int = VERSION) -> bytes:
+    return struct.pack("<IIii", MAGIC, version, process, channel) + nonce
+
+
+def mac(secret: bytes, job_id: bytes, from_acceptor: bool, connector_nonce: bytes,
+        acceptor_nonce: bytes, connector: int, acceptor: int, channel: int) -> bytes:
+    label = (b"jaxring accept" if from_acceptor else b"jaxring connect").ljust(16, b"\0")
+    msg = (label + struct.pack("<I", VERSION) + job_id + connector_nonce +
+           acceptor_nonce + struct.pack("<iii", connector, acceptor, channel))
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def frame_header(kind: int, **fields) -> bytes:
+    """A FrameHeader (native order, 104 bytes) with the given fields."""
+    f = dict(run_id=1, op_id=0, group=0, ring=0, dst_rank=0, src_rank=1,
+             elem_type=2, reduce_op=0, world_size=2, num_rings=1, phase=0,
+             count=8192, chunk_bytes=1 << 20, topology=0, unit=0, payload_bytes=0)
+    f.update(fields)
+    return struct.pack("=IIqqqiiiiiiiiqqqqq", MAGIC, kind, f["run_id"], f["op_id"],
+                       f["group"], f["ring"], f["dst_rank"], f["src_rank"],
+                       f["elem_type"], f["reduce_op"], f["world_size"],
+                       f["num_rings"], f["phase"], f["count"], f["chunk_bytes"],
+                       f["topology"], f["unit"], f["payload_bytes"])
+
+
+def connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host.strip("[]"), int(port)), timeout=5)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the victim closed the connection within `seconds` (what it
+    sent before closing is read and dropped)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            if not sock.recv(4096):
+                return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except socket.timeout:
+            return False
+    return False
+
+
+def send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass  # the victim may close before everything is written
+
+
+def prove(address: str, secret: bytes, job_id: bytes, process: int = 1,
+          channel: int = 9, garble: bool = False) -> socket.socket:
+    s = connect(address)
+    nonce = secrets.token_bytes(16)
+    s.sendall(hello(process, channel, nonce))
+    reply = b""
+    while len(reply) < 64:
+        chunk = s.recv(64 - len(reply))
+        assert chunk, "the victim closed before its reply"
+        reply += chunk
+    proof = mac(secret, job_id, False, nonce, reply[16:32], process, 0, channel)
+    if garble:
+        proof = bytes([proof[0] ^ 1]) + proof[1:]
+    s.sendall(proof)
+    return s
+
+
+def attacks(address: str, secret: bytes):
+    """(name, function returning whether the victim turned it away)."""
+    other_job = secrets.token_bytes(16)
+
+    def one(data: bytes, within: float = 5.0):
+        def run():
+            with connect(address) as s:
+                send_quietly(s, data)
+                return closed_within(s, within)
+        return run
+
+    def with_proof(key: bytes, job_id: bytes, garble: bool = False):
+        def run():
+            with prove(address, key, job_id, garble=garble) as s:
+                return closed_within(s, 5.0)
+        return run
+
+    def truncated():
+        with connect(address) as s:
+            s.sendall(hello(1)[:10])
+            s.shutdown(socket.SHUT_WR)
+            return closed_within(s, 5.0)
+
+    def trickle():
+        with connect(address) as s:
+            started = time.monotonic()
+            for byte in hello(1):
+                send_quietly(s, bytes([byte]))
+                if closed_within(s, 1.0):
+                    return time.monotonic() - started < HANDSHAKE_DEADLINE_S + 5
+            return False
+
+    def idle_300():
+        socks = [connect(address) for _ in range(300)]
+        try:
+            return all(closed_within(s, HANDSHAKE_DEADLINE_S + 5) for s in socks)
+        finally:
+            for s in socks:
+                s.close()
+
+    def aborts_200():
+        with connect(address) as s:
+            for _ in range(200):
+                key = secrets.randbits(40)
+                send_quietly(s, frame_header(2, run_id=key, op_id=key,
+                                             payload_bytes=1 << 20) + b"x" * (1 << 20))
+            return closed_within(s, 5.0)
+
+    return [
+        ("garbage bytes", one(os.urandom(256))),
+        ("hello, then no proof", one(hello(1) + b"\0" * 32)),
+        ("hello with a wrong secret", with_proof(secrets.token_bytes(32), b"j" * 16)),
+        ("proof with one bit flipped", with_proof(secret, b"j" * 16, garble=True)),
+        ("hello for nonexistent process 5", one(hello(5))),
+        ("replayed hello from another job", with_proof(secret, other_job)),
+        ("hello of protocol version 2", one(hello(1, version=2))),
+        ("data frames for upcoming run ids", one(b"".join(
+            frame_header(1, run_id=r, payload_bytes=32768) + b"\0" * 32768
+            for r in range(1, 5)))),
+        ("duplicate units", one(2 * (frame_header(1, payload_bytes=4) + b"\0" * 4))),
+        ("huge and negative counts, sizes, types", one(
+            frame_header(1, count=-1, payload_bytes=1 << 40, elem_type=99) +
+            frame_header(1, count=1 << 62, payload_bytes=-5, world_size=-3))),
+        ("truncated header", truncated),
+        ("trickles a byte a second", trickle),
+        ("300 idle connections", idle_300),
+        ("200 abort frames for random keys", aborts_200),
+        ("forged peer-lost notice", one(frame_header(3, group=1, payload_bytes=7) +
+                                        b"spoofed")),
+    ]
+
+
+def parse(line: str) -> dict:
+    return dict(item.split("=", 1) for item in line.split() if "=" in item)
+
+
+def test_strangers_are_turned_away_and_the_job_stays_exact():
+    job = Job(2, 600.0, script="hostile_target.py")
+    try:
+        job.wait_ready(timeout=180)
+        ready = {r: next(l for l in job.lines[r] if l.startswith("READY"))
+                 for r in range(2)}
+        address = ready[0].split()[1]
+        secret = bytes.fromhex(job.secret)
+        table = []
+        results = {}
+        runners = []
+        for name, run in attacks(address, secret):
+            def go(name=name, run=run):
+                started = time.monotonic()
+                try:
+                    results[name] = (bool(run()), None)
+                except Exception as e:  # the attack itself failed
+                    results[name] = (False, repr(e))
+                results[name] += (time.monotonic() - started,)
+            t = threading.Thread(target=go)
+            t.start()
+            runners.append(t)
+            if name not in ("trickles a byte a second", "300 idle connections"):
+                t.join()  # the slow ones run beside the others
+        for t in runners:
+            t.join()
+        # Every handshake has met its deadline by now: the victim holds
+        # nothing more for the strangers.
+        time.sleep(2.0)
+        open(os.path.join(job.cwd.name, "stop"), "w").close()
+        deadline = time.monotonic() + 120
+        while not all(any(l.startswith("DONE") for l in job.lines[r]) for r in range(2)):
+            assert time.monotonic() < deadline, job.lines
+            assert all(p.poll() in (None, 0) for p in job.procs), job.lines
+            time.sleep(0.1)
+        for p in job.procs:
+            assert p.wait(timeout=60) == 0, job.lines
+        after = {r: next(l for l in job.lines[r] if l.startswith("AFTER"))
+                 for r in range(2)}
+        done = {r: parse(next(l for l in job.lines[r] if l.startswith("DONE")))
+                for r in range(2)}
+        before0, after0 = parse(ready[0]), parse(after[0])
+        for name, (ok, err, took) in results.items():
+            table.append(f"| {name} | {'turned away' if ok else 'NOT turned away'} "
+                         f"| {took:.1f} s | {err or ''} |")
+        print("\n".join(["| attack | result | took | error |", "|---|---|---|---|",
+                         *table]))
+        print(f"process 0 before: {ready[0]}\nprocess 0 after: {after[0]}")
+        assert all(ok for ok, _, _ in results.values()), table
+        for r in range(2):
+            assert done[r]["wrong"] == "0", (r, done[r])
+            assert int(done[r]["steps"]) > 3
+            assert "lost=[]" in after[r], after[r]
+        assert int(after0["threads"]) <= int(before0["threads"]) + EXTRA_THREADS, (ready[0], after[0])
+        assert int(after0["fds"]) <= int(before0["fds"]) + EXTRA_FDS, (ready[0], after[0])
+        assert float(after0["rss_mib"]) <= float(before0["rss_mib"]) + EXTRA_RSS_MIB, (ready[0], after[0])
+        # One refusal per connection: 300 idle ones, one for each other attack.
+        assert int(after0["refused"]) == len(results) - 1 + 300, after[0]
+    finally:
+        job.kill_all()
