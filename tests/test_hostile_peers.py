@@ -1,13 +1,18 @@
-"""jaxring's TCP transport as a network service: strangers against a running
-2-process job.
+"""jaxring's TCP transport as a network service: strangers, and a member
+that misbehaves, against a running 2-process job.
 
 The job (tests/multiprocess/hostile_target.py) keeps allreducing and checks
-every result against numpy. Meanwhile this test plays strangers on loopback
-who speak the wire format (tcp_handshake.h, tcp_transport.cc) without the
-job's secret, or with the secret but for another job. Each attack must be
-turned away by process 0 without touching the job: afterwards every result
-was exact, no process was declared lost, no process died, and threads,
-descriptors and memory are back within stated bounds.
+every result against numpy. Meanwhile these tests speak the wire format
+(tcp_handshake.h, tcp_transport.cc) on loopback to process 0:
+
+- as strangers, without the job's secret or with it for another job: each
+  attack is turned away without touching the job. Afterwards every result
+  was exact, no process was declared lost or died, and threads, descriptors
+  and memory are back within stated bounds;
+- as process 1 on channels of its own (it holds the secret): frames the
+  plan does not allow change no result and cost bounded memory, and a flood
+  of operations ahead of the victim is capped and named in the error that
+  ends the job.
 """
 
 import hashlib
@@ -27,7 +32,8 @@ pytestmark = pytest.mark.multiprocess
 
 MAGIC = 0x4A52494E
 VERSION = 3
-# What the victim may keep after the attacks, beyond what it held before.
+# What the victim may keep after the attacks, beyond what it held before
+# (the insider's 4096 kept operations stage 2 KiB each).
 EXTRA_THREADS, EXTRA_FDS, EXTRA_RSS_MIB = 16, 16, 128.0
 HANDSHAKE_DEADLINE_S = 10.0
 
@@ -175,22 +181,78 @@ def attacks(address: str, secret: bytes):
     ]
 
 
+def insider_attacks(address: str, secret: bytes, job_id: bytes, kept: list):
+    """A process of the job (it holds the secret) that misbehaves on
+    channels of its own; each connection stays open until the job ends,
+    since an authenticated connection that closes means its process left."""
+
+    def member(channel: int) -> socket.socket:
+        s = prove(address, secret, job_id, process=1, channel=channel)
+        kept.append(s)
+        return s
+
+    def duplicate_units():
+        s = member(21)
+        frame = frame_header(1, run_id=2 * 10**9, count=1024, chunk_bytes=4096,
+                             payload_bytes=2048) + b"\0" * 2048
+        send_quietly(s, frame + frame)
+        return not closed_within(s, 1.0)
+
+    def abort_flood():
+        # 200 aborts with 1 MiB messages for random keys: each keeps 4 KiB.
+        s = member(22)
+        for _ in range(200):
+            key = secrets.randbits(40)
+            send_quietly(s, frame_header(2, run_id=3 * 10**9 + key, op_id=key,
+                                         payload_bytes=1 << 20) + b"x" * (1 << 20))
+        return not closed_within(s, 1.0)
+
+    def peer_lost_about_no_one():
+        # Process 1 reporting itself, process 0 (the victim), and process 7
+        # (the job has two) lost: all ignored.
+        s = member(23)
+        for lost in (1, 0, 7):
+            send_quietly(s, frame_header(3, group=lost, payload_bytes=7) + b"spoofed")
+        return not closed_within(s, 1.0)
+
+    def implausible_header():
+        # Values this build never sends: the connection goes, quietly (no
+        # process is declared lost for it).
+        s = member(24)
+        kept.remove(s)
+        send_quietly(s, frame_header(1, count=-1, elem_type=99, payload_bytes=1 << 40))
+        return closed_within(s, 5.0)
+
+    return [
+        ("the same unit twice", duplicate_units),
+        ("200 aborts of 1 MiB for random keys", abort_flood),
+        ("peer-lost notices about no other process", peer_lost_about_no_one),
+        ("a header with values never sent", implausible_header),
+    ]
+
+
+def job_output(job) -> str:
+    return "\n".join(f"[{r}] {line}" for r in job.lines for line in job.lines[r])
+
+
 def parse(line: str) -> dict:
     return dict(item.split("=", 1) for item in line.split() if "=" in item)
 
 
-def test_strangers_are_turned_away_and_the_job_stays_exact():
+def run_against_job(make_attacks, concurrent=()):
+    """Starts the job, runs the attacks against process 0, stops the job.
+    Returns the attacks' results and what each process printed."""
     job = Job(2, 600.0, script="hostile_target.py")
+    kept = []
     try:
         job.wait_ready(timeout=180)
         ready = {r: next(l for l in job.lines[r] if l.startswith("READY"))
                  for r in range(2)}
         address = ready[0].split()[1]
-        secret = bytes.fromhex(job.secret)
-        table = []
+        job_id = bytes.fromhex(parse(ready[0])["job_id"])
         results = {}
         runners = []
-        for name, run in attacks(address, secret):
+        for name, run in make_attacks(address, bytes.fromhex(job.secret), job_id, kept):
             def go(name=name, run=run):
                 started = time.monotonic()
                 try:
@@ -201,7 +263,7 @@ def test_strangers_are_turned_away_and_the_job_stays_exact():
             t = threading.Thread(target=go)
             t.start()
             runners.append(t)
-            if name not in ("trickles a byte a second", "300 idle connections"):
+            if name not in concurrent:
                 t.join()  # the slow ones run beside the others
         for t in runners:
             t.join()
@@ -212,30 +274,78 @@ def test_strangers_are_turned_away_and_the_job_stays_exact():
         deadline = time.monotonic() + 120
         while not all(any(l.startswith("DONE") for l in job.lines[r]) for r in range(2)):
             assert time.monotonic() < deadline, job.lines
-            assert all(p.poll() in (None, 0) for p in job.procs), job.lines
+            assert all(p.poll() in (None, 0) for p in job.procs), job_output(job)
             time.sleep(0.1)
+        for s in kept:  # the job is done: an insider may leave now
+            s.close()
         for p in job.procs:
             assert p.wait(timeout=60) == 0, job.lines
-        after = {r: next(l for l in job.lines[r] if l.startswith("AFTER"))
-                 for r in range(2)}
-        done = {r: parse(next(l for l in job.lines[r] if l.startswith("DONE")))
-                for r in range(2)}
-        before0, after0 = parse(ready[0]), parse(after[0])
-        for name, (ok, err, took) in results.items():
-            table.append(f"| {name} | {'turned away' if ok else 'NOT turned away'} "
-                         f"| {took:.1f} s | {err or ''} |")
-        print("\n".join(["| attack | result | took | error |", "|---|---|---|---|",
-                         *table]))
-        print(f"process 0 before: {ready[0]}\nprocess 0 after: {after[0]}")
-        assert all(ok for ok, _, _ in results.values()), table
-        for r in range(2):
-            assert done[r]["wrong"] == "0", (r, done[r])
-            assert int(done[r]["steps"]) > 3
-            assert "lost=[]" in after[r], after[r]
-        assert int(after0["threads"]) <= int(before0["threads"]) + EXTRA_THREADS, (ready[0], after[0])
-        assert int(after0["fds"]) <= int(before0["fds"]) + EXTRA_FDS, (ready[0], after[0])
-        assert float(after0["rss_mib"]) <= float(before0["rss_mib"]) + EXTRA_RSS_MIB, (ready[0], after[0])
-        # One refusal per connection: 300 idle ones, one for each other attack.
-        assert int(after0["refused"]) == len(results) - 1 + 300, after[0]
+        lines = {r: {kind: next(l for l in job.lines[r] if l.startswith(kind))
+                     for kind in ("READY", "AFTER", "DONE")} for r in range(2)}
     finally:
+        for s in kept:
+            s.close()
+        job.kill_all()
+    table = ["| attack | result | took | error |", "|---|---|---|---|"]
+    for name, (ok, err, took) in results.items():
+        table.append(f"| {name} | {'held' if ok else 'FAILED'} | {took:.1f} s | {err or ''} |")
+    print("\n".join(table))
+    for r in range(2):
+        print(f"process {r}: {lines[r]['READY']} / {lines[r]['AFTER']} / {lines[r]['DONE']}")
+    assert all(ok for ok, _, _ in results.values()), table
+    for r in range(2):
+        done, after = parse(lines[r]["DONE"]), lines[r]["AFTER"]
+        assert done["wrong"] == "0", (r, lines[r])
+        assert int(done["steps"]) > 3, lines[r]
+        assert "lost=[]" in after, (r, after)
+    before0, after0 = parse(lines[0]["READY"]), parse(lines[0]["AFTER"])
+    assert int(after0["threads"]) <= int(before0["threads"]) + EXTRA_THREADS, lines[0]
+    assert int(after0["fds"]) <= int(before0["fds"]) + EXTRA_FDS, lines[0]
+    assert float(after0["rss_mib"]) <= float(before0["rss_mib"]) + EXTRA_RSS_MIB, lines[0]
+    return results, lines
+
+
+def test_strangers_are_turned_away_and_the_job_stays_exact():
+    results, lines = run_against_job(
+        lambda address, secret, job_id, kept: attacks(address, secret),
+        concurrent=("trickles a byte a second", "300 idle connections"))
+    # One refusal per connection: 300 idle ones, one for each other attack.
+    assert int(parse(lines[0]["AFTER"])["refused"]) == len(results) - 1 + 300, lines[0]
+
+
+def test_a_member_that_misbehaves_cannot_change_results_or_exhaust_the_victim():
+    results, lines = run_against_job(insider_attacks)
+    # Authenticated: nothing was refused at the door.
+    assert int(parse(lines[0]["AFTER"])["refused"]) == 0, lines[0]
+
+
+def test_a_member_flooding_unstarted_operations_is_capped_and_named():
+    """Frames for 5000 operations the victim never starts: it keeps 4096,
+    refuses the rest and tells the sender. The job's own next operation is
+    refused too (a member that floods has broken the job), so every process
+    ends with a clear error instead of growing without bound."""
+    job = Job(2, 600.0, script="hostile_target.py")
+    kept = []
+    try:
+        job.wait_ready(timeout=180)
+        ready = next(l for l in job.lines[0] if l.startswith("READY"))
+        s = prove(ready.split()[1], bytes.fromhex(job.secret),
+                  bytes.fromhex(parse(ready)["job_id"]), process=1, channel=20)
+        kept.append(s)
+        for k in range(5000):
+            send_quietly(s, frame_header(1, run_id=10**9 + k, count=1024,
+                                         chunk_bytes=4096, payload_bytes=2048) +
+                         b"\0" * 2048)
+        for p in job.procs:
+            assert p.wait(timeout=120) == 3, job_output(job)
+        failed = {r: next(l for l in job.lines[r] if l.startswith("FAILED"))
+                  for r in range(2)}
+        print(job_output(job))
+        assert any("refuses more" in failed[r] for r in range(2)), job_output(job)
+        assert int(parse(failed[0])["pending"]) <= 4096 + 8, failed[0]
+        before, after = parse(ready), parse(failed[0])
+        assert float(after["rss_mib"]) <= float(before["rss_mib"]) + EXTRA_RSS_MIB, failed[0]
+    finally:
+        for s in kept:
+            s.close()
         job.kill_all()

@@ -245,6 +245,7 @@ NB_MODULE(_jaxring, m) {
     d["port"] = i.port;
     d["process"] = i.process;
     d["processes"] = i.processes;
+    d["job_id"] = nb::bytes(i.job_id.data(), i.job_id.size());
     d["protocol_version"] = i.protocol_version;
     d["auth_library"] = i.auth_library;
     d["inbound"] = i.inbound;

@@ -209,7 +209,9 @@ def transport_info() -> dict:
     Returns a dict with ``listening`` (False until the first allreduce that
     spans processes set the transport up), ``address`` (``host:port`` that
     peers connect to: the port to open in a firewall), ``process`` and
-    ``processes``, ``protocol_version``, ``authentication`` (the library
+    ``processes``, ``job_id`` (hex: the id process 0 made for this job,
+    which every handshake covers), ``protocol_version``,
+    ``authentication`` (the library
     that checks peers, e.g. ``"OpenSSL 3.0.19 ..."``, or ``None`` in a build
     without it), ``secret_source`` (``"environment"`` or
     ``"key-value store"``), ``inbound`` and ``outbound`` (the authenticated
@@ -235,6 +237,7 @@ def transport_info() -> dict:
         "address": address,
         "process": raw["process"] if raw["listening"] else None,
         "processes": raw["processes"] if raw["listening"] else None,
+        "job_id": raw["job_id"].hex() if raw["listening"] else None,
         "protocol_version": raw["protocol_version"],
         "authentication": raw["auth_library"] or None,
         "secret_source": source or None,

@@ -392,12 +392,12 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   // shows that process 0 survived and still reduces correctly.
   const int kept = me == 1 ? attack(ports[0]) : -1;
   run_cases({{{0, 1}, 2, 1000, 256, {}}, {{1, 0, 1, 0}, 1, 777, 64, {2, 2}}}, 100);
-  // Every operation is dropped once its ranks completed, except, on process
-  // 0, the one the stranger's plausible frame made: it failed and stays until
-  // it expires. (Only at the end: a process waiting for this while its peer
-  // already started the next operation would wait for ever.)
-  const int64_t stray_ops = me == 0 ? 1 : 0;
-  while (jaxring::tcp_pending_ops() > stray_ops) {
+  // Every operation is dropped once its ranks completed, except the one the
+  // misbehaving frame made on process 0, which failed and stays until it
+  // expires, and its echo on process 1 (process 0 tells the frame's sender).
+  // (Only at the end: a process waiting for this while its peer already
+  // started the next operation would wait for ever.)
+  while (jaxring::tcp_pending_ops() > 1) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   if (me == 0) {

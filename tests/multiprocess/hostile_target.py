@@ -6,7 +6,8 @@ Prints READY with the transport's address and this process's threads, open
 descriptors and RSS once the transport is up; loops until a file named
 `stop` appears in its working directory (the test makes it after the
 attacks and the handshake deadline); then prints the same counts again and
-DONE with the number of steps and of wrong results.
+DONE with the number of steps and of wrong results. A jaxring error ends it
+with FAILED, the same counts and the error.
 """
 
 import os
@@ -39,30 +40,47 @@ f = jax.jit(jax.shard_map(
 rng = np.random.default_rng(0)  # the same data in every process
 steps = wrong = 0
 started = time.monotonic()
-with jaxring.translate_errors():
-    while True:
-        # Integers in float32: the sum is exact, so any change shows. The last
-        # column carries each process's wish to stop, so that all stop after
-        # the same step.
-        x = rng.integers(-1000, 1000, (devices.size, 4097)).astype(np.float32)
-        x[:, -1] = float(pathlib.Path("stop").exists()
-                         or time.monotonic() - started > limit_s)
-        arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
-                                           lambda idx: x[idx])
-        out = f(arr)
-        want = x[:, :-1].sum(0)
-        stop = False
-        for shard in out.addressable_shards:
-            got = np.asarray(shard.data)
-            wrong += int((got[:, :-1] != want).any())
-            stop = bool(got[0, -1] > 0)
-        steps += 1
-        if steps == 3:
-            info = jaxring.transport_info()
-            print(f"READY {info['address']} {resources()}", flush=True)
-        if stop:
-            break
+
+
+def step():
+    """One allreduce, checked; returns whether every process wants to stop."""
+    global steps, wrong
+    # Integers in float32: the sum is exact, so any change shows. The last
+    # column carries each process's wish to stop, so that all stop after the
+    # same step.
+    x = rng.integers(-1000, 1000, (devices.size, 4097)).astype(np.float32)
+    x[:, -1] = float(pathlib.Path("stop").exists()
+                     or time.monotonic() - started > limit_s)
+    arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
+                                       lambda idx: x[idx])
+    out = f(arr)
+    want = x[:, :-1].sum(0)
+    stop = False
+    for shard in out.addressable_shards:
+        got = np.asarray(shard.data)
+        wrong += int((got[:, :-1] != want).any())
+        stop = bool(got[0, -1] > 0)
+    steps += 1
+    if steps == 3:
+        info = jaxring.transport_info()
+        print(f"READY {info['address']} job_id={info['job_id']} {resources()}",
+              flush=True)
+    return stop
+
+
+try:
+    with jaxring.translate_errors():
+        while not step():
+            pass
+except jaxring.JaxringError as e:
+    # What a broken job must end in: a clear error, with what it holds.
+    info = jaxring.transport_info()
+    print(f"FAILED {resources()} pending={info['pending_ops']} "
+          f"{type(e).__name__}: {' '.join(str(e).split())[:400]}", flush=True)
+    if jax.process_index() == 0:
+        time.sleep(5.0)  # it hosts the coordination service: leave last
+    os._exit(3)
 info = jaxring.transport_info()
 print(f"AFTER {resources()} refused={info['refused_connections']} "
-      f"lost={info['lost_processes']}", flush=True)
+      f"pending={info['pending_ops']} lost={info['lost_processes']}", flush=True)
 print(f"DONE steps={steps} wrong={wrong}", flush=True)

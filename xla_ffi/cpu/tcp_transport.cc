@@ -58,6 +58,18 @@ constexpr size_t kRecvSlice = 1 << 20;
 // not make this process allocate without limit).
 constexpr int64_t kMaxMessageBytes = 1 << 20;
 constexpr int64_t kMaxPayloadBytes = int64_t{1} << 40;
+// What frames for operations this process has not started may make it hold
+// (a peer that runs ahead is normal; one that runs thousands of operations
+// ahead, or stages gigabytes, is not): operations created by frames, bytes
+// staged from the wire, and how much of a peer's abort message is kept.
+// Frames beyond these fail their operation with an error that says so.
+constexpr int kMaxFrameCreatedOps = 4096;
+constexpr int64_t kMaxStagedFromWire = int64_t{8} << 30;
+constexpr size_t kMaxKeptMessage = 4096;
+// How long an operation created by frames waits for a local rank to start
+// it before it is dropped, until a local call says otherwise (jaxring's
+// default timeout_s).
+constexpr double kDefaultTimeoutS = 300.0;
 
 // kData: a chunk; kAbort: an operation failed (payload: why); kPeerLost: the
 // process in `group` is unreachable (payload: why), sent to every process.
@@ -152,6 +164,7 @@ class StagingPool {
     return *p;
   }
   std::unique_ptr<char[]> take(size_t n) {
+    in_use_ += static_cast<int64_t>(n);
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = free_.find(n);
@@ -165,14 +178,20 @@ class StagingPool {
     return std::unique_ptr<char[]>(new char[std::max<size_t>(n, 1)]);
   }
   void give(size_t n, std::unique_ptr<char[]> b) {
+    in_use_ -= static_cast<int64_t>(n);
     std::lock_guard<std::mutex> lock(mu_);
     if (held_ + n > kMaxHeld) return;  // freed here
     held_ += n;
     free_.emplace(n, std::move(b));
   }
 
+ public:
+  // Bytes of staged chunks not yet consumed.
+  int64_t in_use() const { return in_use_.load(); }
+
  private:
   static constexpr size_t kMaxHeld = size_t{256} << 20;
+  std::atomic<int64_t> in_use_{0};
   std::mutex mu_;
   std::multimap<size_t, std::unique_ptr<char[]>> free_;
   size_t held_ = 0;
@@ -255,8 +274,10 @@ struct TcpOp {
   int completed_locals = 0;
   std::map<int, LocalRank> locals;
   std::map<std::pair<int, int>, Inbox> inboxes;  // (rank, ring)
-  Clock::time_point deadline = after_seconds(3600);
-  double timeout_s = 3600;
+  // Until a local rank joins: when an operation created by frames expires
+  // (see Transport::op_for_frame).
+  Clock::time_point deadline = after_seconds(kDefaultTimeoutS);
+  double timeout_s = kDefaultTimeoutS;
   bool failed = false;
   std::atomic<bool> failed_flag{false};  // readable without mu by the I/O
   std::string error;
@@ -443,6 +464,32 @@ class Transport {
     if (!slot) slot = std::make_shared<TcpOp>(key);
     return slot;
   }
+  // The operation a frame is for: created if new, unless frames already
+  // made kMaxFrameCreatedOps operations that no local rank started (then
+  // nullptr). A new one expires after the longest timeout local calls used
+  // so far, if no local rank starts it.
+  std::shared_ptr<TcpOp> op_for_frame(const OpKey& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    collect_garbage();
+    auto it = ops_.find(key);
+    if (it != ops_.end()) return it->second;
+    if (frame_created_ops_ >= kMaxFrameCreatedOps) return nullptr;
+    auto op = std::make_shared<TcpOp>(key);
+    const double seen = frame_state_timeout_s_.load();
+    const double t = seen > 0 ? seen : kDefaultTimeoutS;
+    op->timeout_s = t;
+    op->deadline = after_seconds(t);
+    ops_[key] = op;
+    ++frame_created_ops_;
+    return op;
+  }
+  // A local call's timeout: frame-created operations live as long as the
+  // longest one seen (kDefaultTimeoutS before any).
+  void note_timeout(double timeout_s) {
+    double seen = frame_state_timeout_s_.load();
+    while (timeout_s > seen && !frame_state_timeout_s_.compare_exchange_weak(seen, timeout_s)) {
+    }
+  }
   void forget(const std::shared_ptr<TcpOp>& op) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = ops_.find(op->key);
@@ -502,6 +549,19 @@ class Transport {
   // held. Returns whether this call failed it (false: it already was).
   bool fail(const std::shared_ptr<TcpOp>& op, const std::string& why,
             bool tell_peers);
+  // Tells process p that the operation `key` failed here, for an operation
+  // this process holds no state for.
+  void send_abort(int p, const OpKey& key, const std::string& why) {
+    OutFrame f;
+    f.header.magic = kWireMagic;
+    f.header.kind = kAbort;
+    f.header.run_id = key.run_id;
+    f.header.op_id = key.op_id;
+    f.header.group = key.group;
+    f.header.payload_bytes = static_cast<int64_t>(why.size());
+    f.message = why;
+    send(p, 0, std::move(f));
+  }
 
  private:
   void accept_loop(int listen_fd);
@@ -529,6 +589,10 @@ class Transport {
   std::set<std::pair<int, int>> inbound_;  // under links_mu_
   std::map<int, std::unique_ptr<TcpWorker>> workers_;
   std::map<OpKey, std::shared_ptr<TcpOp>> ops_;
+  // Operations in ops_ that no local rank joined (counted by
+  // collect_garbage), and how long such an operation may wait.
+  int frame_created_ops_ = 0;
+  std::atomic<double> frame_state_timeout_s_{0};
   std::mutex links_mu_;  // addresses_, links_, dead_, inbound_, last_refusal_
   std::atomic<int> me_{-1};
   std::vector<std::string> addresses_;
@@ -554,6 +618,11 @@ bool Transport::fail(const std::shared_ptr<TcpOp>& op, const std::string& why,
     if (tell_peers) {
       for (int p : op->process_of_rank) {
         if (p != me()) peers.insert(p);
+      }
+      // Before a local rank joined, the process whose frame made it is
+      // the one known to wait for it.
+      if (op->process_of_rank.empty() && op->first_sender >= 0) {
+        peers.insert(op->first_sender);
       }
       // Counted before any worker is woken, so a failed rank cannot
       // complete (and its process exit) before the aborts are written.
@@ -681,18 +750,26 @@ void Transport::check_programs_agree(const std::shared_ptr<TcpOp>& op) {
 
 void Transport::collect_garbage() {
   const auto now = Clock::now();
+  frame_created_ops_ = 0;
   for (auto it = ops_.begin(); it != ops_.end();) {
     TcpOp& op = *it->second;
-    bool drop;
+    bool drop, unstarted;
     {
       std::lock_guard<std::mutex> lock(op.mu);
+      unstarted = op.process_of_rank.empty();
       // A failed operation stays so that latecomers fail fast with its
-      // error; it goes a timeout after its deadline.
+      // error; it goes a timeout after its deadline. One no local rank
+      // started goes at its deadline.
       const auto grace = std::chrono::duration_cast<Clock::duration>(
           std::chrono::duration<double>(op.timeout_s));
-      drop = now > op.deadline + grace;
+      drop = unstarted ? now > op.deadline : now > op.deadline + grace;
     }
-    it = drop ? ops_.erase(it) : std::next(it);
+    if (drop) {
+      it = ops_.erase(it);
+    } else {
+      frame_created_ops_ += unstarted;
+      ++it;
+    }
   }
 }
 
@@ -882,12 +959,22 @@ void Transport::read_loop(int fd) {
         peer_lost(peer, error);
         return;
       }
+      if (message.size() > kMaxKeptMessage) {
+        message.resize(kMaxKeptMessage);
+        message += "...";
+      }
       std::ostringstream os;
       os << message << " [reported by process " << peer << "]";
       if (h.kind == kPeerLost) {
-        peer_lost(static_cast<int>(h.group), os.str(), /*tell_others=*/false);
-      } else {
-        fail(op(key_of(h)), os.str(), /*tell_peers=*/false);
+        // Only about another process of the job: a process cannot report
+        // itself or this one lost.
+        const int lost = h.group >= 0 && h.group < identity().processes
+                             ? static_cast<int>(h.group) : -1;
+        if (lost >= 0 && lost != peer && lost != me()) {
+          peer_lost(lost, os.str(), /*tell_others=*/false);
+        }
+      } else if (std::shared_ptr<TcpOp> target = op_for_frame(key_of(h))) {
+        fail(target, os.str(), /*tell_peers=*/false);
       }
       continue;
     }
@@ -897,7 +984,24 @@ void Transport::read_loop(int fd) {
       ::close(fd);
       return;
     }
-    std::shared_ptr<TcpOp> op_ptr = op(key_of(h));
+    std::shared_ptr<TcpOp> op_ptr = op_for_frame(key_of(h));
+    if (!op_ptr) {
+      // Too many operations ahead of this process: the sender's fails, and
+      // says why, instead of waiting out its timeout.
+      std::ostringstream os;
+      os << "jaxring allreduce (op " << h.op_id << ", group " << h.group << ", run "
+         << h.run_id << "): process " << me() << " holds " << kMaxFrameCreatedOps
+         << " operations that peers started and it did not, and refuses more: "
+            "the processes do not run the same allreduces";
+      send_abort(peer, key_of(h), os.str());
+      r = drain_payload(fd, h.payload_bytes, kConnectTimeoutS, &error);
+      if (r != ReadResult::kOk) {
+        ::close(fd);
+        peer_lost(peer, error);
+        return;
+      }
+      continue;
+    }
     TcpOp& o = *op_ptr;
     // A data frame: find where its bytes go.
     std::string mismatch;
@@ -970,14 +1074,20 @@ void Transport::read_loop(int fd) {
             dest = static_cast<char*>(local->second.out) + span.offset * esize;
           } else {
             try {
+              if (StagingPool::get().in_use() + h.payload_bytes > kMaxStagedFromWire) {
+                throw std::bad_alloc();
+              }
               Staged staged(static_cast<size_t>(h.payload_bytes));
               staged.from_process = peer;
               dest = staged.data.get();
               ib.staged[{h.phase, unit}] = std::move(staged);
             } catch (const std::bad_alloc&) {
               std::ostringstream os;
-              os << o.name() << ": cannot allocate " << h.payload_bytes
-                 << " bytes to stage a frame from process " << peer;
+              os << o.name() << ": cannot stage " << h.payload_bytes
+                 << " more bytes from process " << peer << " (this process "
+                 << "holds " << StagingPool::get().in_use() << " bytes of "
+                 << "frames for operations it has not reached, at most "
+                 << kMaxStagedFromWire << ")";
               mismatch = os.str();
               discard = true;
             }
@@ -1431,6 +1541,7 @@ TcpTransportInfo Transport::info() {
   const JobIdentity id = identity();
   i.process = id.process;
   i.processes = id.processes;
+  i.job_id = id.job_id;
   i.auth_library = tcp_auth_library();
   i.refused_connections = refused_.load();
   std::lock_guard<std::mutex> lock(links_mu_);
@@ -1504,6 +1615,7 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
       op->timeout_s = timeout_s;
       op->deadline = after_seconds(timeout_s);
     }
+    tr.note_timeout(timeout_s);
     if (op->failed) {
       error = op->error;
     } else if (op->has_desc && !same_operation(op->desc, desc)) {

@@ -67,6 +67,7 @@ struct TcpTransportInfo {
   int port = -1;
   int process = -1;
   int processes = 0;
+  std::string job_id;  // raw bytes
   uint32_t protocol_version = kProtocolVersion;
   std::string auth_library;  // "" when built without authentication
   // Authenticated connections: (process, channel) in and out.
