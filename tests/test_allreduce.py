@@ -440,6 +440,33 @@ def test_missing_rank_times_out_with_its_name(algorithm):
                           np.full((8, 4), 8.0, np.float32))
 
 
+def test_the_failure_tag_alone_picks_the_exception_and_the_peer():
+    from jaxring._src.errors import translate
+    # What a handler returns, as XLA reports it: its status, then the tag.
+    lost = translate(RuntimeError(
+        "UNAVAILABLE: [jaxring kind=peer_lost peer=2] jaxring allreduce (op 4, "
+        "group 0, run 9, 8 x float32): process 2 (h:1) is unreachable: gone"))
+    assert type(lost) is jaxring.PeerLostError
+    assert (lost.operation, lost.peer_process) == ("op 4, group 0, run 9", 2)
+    # A peer's words come after the tag: whatever they say chooses nothing.
+    reported = translate(RuntimeError(
+        "FAILED_PRECONDITION: [jaxring kind=mismatch peer=1] jaxring allreduce "
+        "(op 5, group 0, run 9): process 3 (h:1) is unreachable: timed out after "
+        "[jaxring kind=peer_lost peer=3] [reported by process 1]"))
+    assert type(reported) is jaxring.MismatchError and reported.peer_process == 1
+    timeout = translate(RuntimeError(
+        "DEADLINE_EXCEEDED: [jaxring kind=timeout peer=-1] jaxring allreduce "
+        "(op 6, group 0, run 9) timed out after 1 s: rank(s) 1 never arrived"))
+    assert type(timeout) is jaxring.CollectiveTimeoutError and timeout.peer_process is None
+    resource = translate(RuntimeError(
+        "RESOURCE_EXHAUSTED: [jaxring kind=resource peer=0] jaxring allreduce "
+        "(op 7, group 0, run 9): process 0 holds 4096 operations"))
+    assert type(resource) is jaxring.JaxringError and resource.peer_process == 0
+    # Untagged: a jaxring message without a kind, or not jaxring's at all.
+    assert type(translate(RuntimeError("jaxring allreduce (op 1): ?"))) is jaxring.JaxringError
+    assert translate(RuntimeError("something else")) is None
+
+
 def test_translate_errors_passes_other_exceptions_through():
     with pytest.raises(ValueError, match="not jaxring's") as e:
         with jaxring.translate_errors():

@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "failure.h"
 #include "reduce.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -18,6 +19,25 @@ constexpr int64_t kMaxRings = 64;
 constexpr int64_t kMaxChunkBytes = int64_t{1} << 40;
 constexpr double kMaxTimeoutS = 7 * 24 * 3600.0;
 constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+// The XLA status for a failure message, from its tag (failure.h); INTERNAL
+// for a message without one.
+inline xla::ffi::Error failure_error(const std::string& message) {
+  namespace ffi = xla::ffi;
+  FailureKind kind = FailureKind::kInternal;
+  int peer = -1;
+  std::string rest;
+  parse_tag(message, &kind, &peer, &rest);
+  switch (kind) {
+    case FailureKind::kPeerLost: return ffi::Error(ffi::ErrorCode::kUnavailable, message);
+    case FailureKind::kTimeout: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, message);
+    case FailureKind::kMismatch: return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
+    case FailureKind::kInvalid: return ffi::Error(ffi::ErrorCode::kInvalidArgument, message);
+    case FailureKind::kResource: return ffi::Error(ffi::ErrorCode::kResourceExhausted, message);
+    case FailureKind::kInternal: break;
+  }
+  return ffi::Error(ffi::ErrorCode::kInternal, message);
+}
 
 inline std::optional<ElemType> to_elem_type(xla::ffi::DataType t) {
   namespace ffi = xla::ffi;

@@ -3,9 +3,12 @@
 A jaxring allreduce fails inside a compiled XLA program, and XLA reports the
 failure with its own exception type (``jax.errors.JaxRuntimeError``, or a
 ``ValueError`` for some status codes) when the result is fetched. The message
-is jaxring's; ``translate_errors`` turns such an exception into the
-``JaxringError`` subclass that says what happened, with the operation and the
-peer as attributes, chained to XLA's original (``__cause__``).
+is jaxring's, and starts with a tag written where the failure was found
+(``xla_ffi/failure.h``), e.g. ``[jaxring kind=peer_lost peer=1]``;
+``translate_errors`` turns such an exception into the ``JaxringError``
+subclass the tag names, with the operation and the peer as attributes,
+chained to XLA's original (``__cause__``). Only the first tag counts: text a
+peer reported comes after it and chooses nothing.
 """
 
 from __future__ import annotations
@@ -46,20 +49,16 @@ class MismatchError(JaxringError):
     processes compiled different programs."""
 
 
+_TAG = re.compile(r"\[jaxring kind=([a-z_]+) peer=(-1|\d+)\] ")
 _OPERATION = re.compile(
-    r"jaxring allreduce(?: done)? \((op -?\d+(?:, group -?\d+)?(?:, run -?\d+)?)")
-_UNREACHABLE = re.compile(r"process (\d+) \([^)]*\) is unreachable")
-_WAITS_FOR = re.compile(r"waits for rank \d+ \(process (\d+)\)")
-_REPORTED_BY = re.compile(r"\[reported by process (\d+)\]")
+    r"jaxring allreduce(?: done| start)? \((op -?\d+(?:, group -?\d+)?(?:, run -?\d+)?)")
 
-# The class for each kind of message; the first that matches wins, so the
-# cause (a lost peer) is reported ahead of its consequences.
-_KINDS = (
-    (PeerLostError, re.compile(r"is unreachable|cannot send to rank")),
-    (MismatchError, re.compile(r"must pass the same|different program|"
-                               r"does not fit the plan|disagree")),
-    (CollectiveTimeoutError, re.compile(r"timed out after")),
-)
+# The class for each kind a tag can name (xla_ffi/failure.h).
+_CLASSES = {
+    "peer_lost": PeerLostError,
+    "timeout": CollectiveTimeoutError,
+    "mismatch": MismatchError,
+}
 
 
 for _cls in (JaxringError, PeerLostError, CollectiveTimeoutError, MismatchError):
@@ -72,27 +71,19 @@ def translate(exc: BaseException) -> JaxringError | None:
     if isinstance(exc, JaxringError):
         return exc
     message = str(exc)
-    if "jaxring allreduce" not in message:
-        return None
-    op = _OPERATION.search(message)
-    cls = next((c for c, pattern in _KINDS if pattern.search(message)), JaxringError)
-    return cls(message, operation=op.group(1) if op else None,
-               peer_process=_peer_of(message))
-
-
-def _peer_of(message: str) -> int | None:
-    lost = _UNREACHABLE.search(message)
-    if lost:
-        return int(lost.group(1))
-    # A timeout lists the process each unfinished ring waits for; which of
-    # them is stuck is known only if there is one.
-    waited_for = set(_WAITS_FOR.findall(message))
-    if len(waited_for) == 1:
-        return int(waited_for.pop())
-    if waited_for:
-        return None
-    reporter = _REPORTED_BY.search(message)
-    return int(reporter.group(1)) if reporter else None
+    tag = _TAG.search(message)
+    if tag is None:
+        # Not from a jaxring handler (or from a build before tags): no kind.
+        if "jaxring allreduce" not in message:
+            return None
+        op = _OPERATION.search(message)
+        return JaxringError(message, operation=op.group(1) if op else None)
+    # The operation is named right after the tag, before any peer's words.
+    op = _OPERATION.search(message, tag.end())
+    peer = int(tag.group(2))
+    return _CLASSES.get(tag.group(1), JaxringError)(
+        message, operation=op.group(1) if op else None,
+        peer_process=peer if peer >= 0 else None)
 
 
 class translate_errors(contextlib.ContextDecorator):

@@ -102,13 +102,14 @@ std::optional<std::string> processes_of_group(
   return std::nullopt;
 }
 
-// A promise completed by the transport: errors are deadline or peer failures.
+// A promise completed by the transport, with the status its failure's tag
+// names.
 ffi::Future future_for(std::function<void(Completion)> start) {
   ffi::Promise promise;
   ffi::Future future(promise);
   start([promise](const std::optional<std::string>& error) mutable {
     if (error) {
-      promise.SetError(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, *error));
+      promise.SetError(failure_error(*error));
     } else {
       promise.SetAvailable();
     }
@@ -215,7 +216,7 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
   if (auto error = split_phase_start(key, desc, rank_buf.typed_data()[0],
                                      device, processes, inputs, timeout_s,
                                      gang)) {
-    return ffi::Error::Internal(*error);
+    return failure_error(*error);
   }
   return ffi::Error::Success();
 }

@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "../failure.h"
 #include "../plan.h"
 #include "huge_pages.h"
 #include "task_queue.h"
@@ -427,7 +428,7 @@ bool Worker::advance(Task& task, bool* finished) {
     } else {
       os << "rank(s) " << op.ranks_without(&RankSlot::finished) << " did not finish.";
     }
-    op.fail(os.str());
+    op.fail(tagged(FailureKind::kTimeout, -1, os.str()));
   }
   return progressed;
 }
@@ -544,7 +545,7 @@ class Registry {
          << desc.describe() << " but an earlier rank used "
          << op->desc.describe()
          << ". Every rank must pass the same shape, dtype and op.";
-      *error = os.str();
+      *error = tagged(FailureKind::kMismatch, -1, os.str());
       op->fail(*error);
       return nullptr;
     }
@@ -553,7 +554,7 @@ class Registry {
       std::ostringstream os;
       os << op->name() << ": rank " << rank
          << " joined twice (two devices computed the same rank).";
-      *error = os.str();
+      *error = tagged(FailureKind::kInternal, -1, os.str());
       op->fail(*error);
       return nullptr;
     }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "../failure.h"
 #include "tcp_transport.h"
 
 namespace jaxring {
@@ -16,19 +17,22 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
   if (desc.algorithm == Algorithm::kDirect &&
       (!one_process || desc.link_bytes_per_s > 0)) {
     // Python refuses this at trace time; this guards hand-written calls.
-    done("jaxring allreduce: algorithm=direct reads its peers' buffers, so "
-         "it needs every rank in one process and no link emulation");
+    done(tagged(FailureKind::kInvalid, -1,
+                "jaxring allreduce: algorithm=direct reads its peers' buffers, so "
+                "it needs every rank in one process and no link emulation"));
   } else if (one_process && desc.topology.size() > 1) {
     // Python refuses this at trace time; this guards hand-written calls.
-    done("jaxring allreduce: a tiered topology runs between processes; the "
-         "devices of one process form a single tier");
+    done(tagged(FailureKind::kInvalid, -1,
+                "jaxring allreduce: a tiered topology runs between processes; the "
+                "devices of one process form a single tier"));
   } else if (one_process) {
     inprocess_allreduce(key, desc, rank, device, in, out, timeout_s,
                         std::move(done));
   } else if (desc.link_bytes_per_s > 0) {
     // Python refuses this at trace time; this guards hand-written calls.
-    done("jaxring allreduce: link emulation applies to the in-process "
-         "transport only; across processes, shape the real network instead");
+    done(tagged(FailureKind::kInvalid, -1,
+                "jaxring allreduce: link emulation applies to the in-process "
+                "transport only; across processes, shape the real network instead"));
   } else {
     tcp_allreduce(key, desc, rank, device, process_of_rank, in, out, timeout_s,
                   std::move(done));

@@ -173,7 +173,16 @@ int connect_to(const std::string& addr, double timeout_s, std::string* error) {
     if (rc == 0) {
       for (addrinfo* ai = res; ai; ai = ai->ai_next) {
         const int fd = ::socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
-        if (fd < 0) continue;
+        if (fd < 0) {
+          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+            // This process's fault, not the peer's: say so, and stop.
+            *error = std::string("this process cannot open a socket: ") +
+                     std::strerror(errno) + " (raise its limit: ulimit -n)";
+            ::freeaddrinfo(res);
+            return -1;
+          }
+          continue;
+        }
         if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
           ::freeaddrinfo(res);
           tune_socket(fd);

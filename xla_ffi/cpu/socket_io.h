@@ -50,7 +50,9 @@ bool split_address(const std::string& addr, std::string* host,
                    std::string* port);
 
 // Connects to "host:port", retrying until timeout_s (the peer may still be
-// starting its listener). Returns the socket, or -1 with *error set.
+// starting its listener). Returns the socket, or -1 with *error set; when
+// this process is out of descriptors or memory for a socket, at once, with
+// an error that says so.
 int connect_to(const std::string& addr, double timeout_s, std::string* error);
 
 }  // namespace jaxring

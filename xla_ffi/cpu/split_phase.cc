@@ -10,6 +10,7 @@
 #include <tuple>
 #include <utility>
 
+#include "../failure.h"
 #include "buffer_pool.h"
 #include "gang_start.h"
 
@@ -106,7 +107,7 @@ std::optional<std::string> split_phase_start(
     std::ostringstream os;
     os << "jaxring allreduce start (op " << key.op_id << "): inputs hold "
        << s->bytes << " bytes but the operation describes " << expected;
-    return os.str();
+    return tagged(FailureKind::kInvalid, -1, os.str());
   }
   s->in = acquire_buffer(s->bytes);
   size_t at = 0;
@@ -120,7 +121,7 @@ std::optional<std::string> split_phase_start(
     os << "jaxring allreduce start (op " << key.op_id << ", run "
        << key.run_id << "): started twice on device " << device
        << " without a finish in between";
-    return os.str();
+    return tagged(FailureKind::kInvalid, -1, os.str());
   }
   if (desc.world_size == 1) {
     s->out = std::move(s->in);
@@ -152,7 +153,7 @@ void split_phase_finish(int64_t run_id, int device, int64_t op_id,
     os << "jaxring allreduce done (op " << op_id << ", run " << run_id
        << "): no matching start on device " << device
        << " (the start failed or never ran)";
-    done(os.str());
+    done(tagged(FailureKind::kInvalid, -1, os.str()));
     return;
   }
   size_t total = 0;
@@ -163,7 +164,7 @@ void split_phase_finish(int64_t run_id, int device, int64_t op_id,
        << " bytes but the start was given " << s->bytes;
     // Fail at once. The operation itself runs on: the transport's
     // completion holds the entry, so peers can still read its buffers.
-    done(os.str());
+    done(tagged(FailureKind::kInvalid, -1, os.str()));
     return;
   }
   auto finish_now = [s, outputs = std::move(outputs), done = std::move(done)] {

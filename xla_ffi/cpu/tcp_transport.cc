@@ -21,11 +21,13 @@
 #include <mutex>
 #include <set>
 #include <stdexcept>
+#include <system_error>
 #include <sstream>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "../failure.h"
 #include "../tiered_plan.h"
 #include "huge_pages.h"
 #include "socket_io.h"
@@ -71,8 +73,10 @@ constexpr size_t kMaxKeptMessage = 4096;
 // default timeout_s).
 constexpr double kDefaultTimeoutS = 300.0;
 
-// kData: a chunk; kAbort: an operation failed (payload: why); kPeerLost: the
-// process in `group` is unreachable (payload: why), sent to every process.
+// kData: a chunk; kAbort: an operation failed (payload: why; `phase` holds
+// the FailureKind and `src_rank` the process the failure points at, or -1);
+// kPeerLost: the process in `group` is unreachable (payload: why), sent to
+// every process.
 enum FrameKind : uint32_t { kData = 1, kAbort = 2, kPeerLost = 3 };
 
 // Precedes every frame. Fixed layout, native byte order: every process of a
@@ -509,8 +513,10 @@ class Transport {
     std::lock_guard<std::mutex> lock(links_mu_);
     inbound_.erase({p, channel});
   }
-  void note_refusal(const std::string& why) {
-    ++refused_;
+  // `connection`: a connection was turned away (counted), not only a
+  // condition noted.
+  void note_refusal(const std::string& why, bool connection = true) {
+    if (connection) ++refused_;
     std::lock_guard<std::mutex> lock(links_mu_);
     last_refusal_ = why;
   }
@@ -531,7 +537,17 @@ class Transport {
         return false;
       }
       auto& l = links_[{p, channel}];
-      if (!l) l.reset(new OutLink(p, channel, addresses_[p], identity()));
+      if (!l) {
+        try {
+          l.reset(new OutLink(p, channel, addresses_[p], identity()));
+        } catch (const std::system_error& e) {
+          // No thread for the link: this process's limit, not the peer's.
+          dead_[p] = "this process (" + std::to_string(me()) +
+                     ") cannot start a thread for the connection: " + e.what();
+          links_.erase({p, channel});
+          return false;
+        }
+      }
       link = l.get();
     }
     return link->enqueue(std::move(f));
@@ -551,13 +567,15 @@ class Transport {
             bool tell_peers);
   // Tells process p that the operation `key` failed here, for an operation
   // this process holds no state for.
-  void send_abort(int p, const OpKey& key, const std::string& why) {
+  void send_abort(int p, const OpKey& key, FailureKind kind, const std::string& why) {
     OutFrame f;
     f.header.magic = kWireMagic;
     f.header.kind = kAbort;
     f.header.run_id = key.run_id;
     f.header.op_id = key.op_id;
     f.header.group = key.group;
+    f.header.phase = static_cast<int32_t>(kind);
+    f.header.src_rank = me();
     f.header.payload_bytes = static_cast<int64_t>(why.size());
     f.message = why;
     send(p, 0, std::move(f));
@@ -634,6 +652,13 @@ bool Transport::fail(const std::shared_ptr<TcpOp>& op, const std::string& why,
     h.op_id = op->key.op_id;
     h.group = op->key.group;
     h.payload_bytes = static_cast<int64_t>(why.size());
+    // The kind and peer travel as numbers; the receiver tags from those.
+    FailureKind kind = FailureKind::kInternal;
+    int peer = -1;
+    std::string rest;
+    parse_tag(why, &kind, &peer, &rest);
+    h.phase = static_cast<int32_t>(kind);
+    h.src_rank = peer;
   }
   // Its frames still queued are dropped now: behind a frame that stalls
   // (a peer that stopped reading), they would keep its ranks from
@@ -705,7 +730,10 @@ void Transport::peer_lost(int p, const std::string& why, bool tell_others) {
                            p) != op->process_of_rank.end();
       name = op->name();
     }
-    if (involved) fail(op, name + ": " + reason, /*tell_peers=*/true);
+    if (involved) {
+      fail(op, tagged(FailureKind::kPeerLost, p, name + ": " + reason),
+           /*tell_peers=*/true);
+    }
   }
 }
 
@@ -739,7 +767,7 @@ void Transport::check_programs_agree(const std::shared_ptr<TcpOp>& op) {
          << remote->desc.describe()
          << ". Every process must run the same program with the same shapes, "
             "dtypes and ops.";
-      message = os.str();
+      message = tagged(FailureKind::kMismatch, remote->first_sender, os.str());
       // The remote run's abort must reach its ranks: they run elsewhere.
       remote->process_of_rank = local->process_of_rank;
     }
@@ -836,6 +864,13 @@ void Transport::accept_loop(int listen_fd) {
     const int fd = ::accept(listen_fd, nullptr, nullptr);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EMFILE || errno == ENFILE) {
+        // Peers cannot get in until descriptors are free: transport_info
+        // says why.
+        note_refusal(std::string("this process cannot accept a connection: ") +
+                     std::strerror(errno) + " (raise its limit: ulimit -n)",
+                     /*connection=*/false);
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       continue;
     }
@@ -847,7 +882,13 @@ void Transport::accept_loop(int listen_fd) {
     }
     tune_socket(fd);
     ++handshaking_;
-    std::thread([this, fd] { read_loop(fd); }).detach();
+    try {
+      std::thread([this, fd] { read_loop(fd); }).detach();
+    } catch (const std::system_error& e) {
+      --handshaking_;
+      ::close(fd);
+      note_refusal(std::string("this process cannot start a thread: ") + e.what());
+    }
   }
 }
 
@@ -959,12 +1000,25 @@ void Transport::read_loop(int fd) {
         peer_lost(peer, error);
         return;
       }
-      if (message.size() > kMaxKeptMessage) {
-        message.resize(kMaxKeptMessage);
-        message += "...";
+      // The sender's words are kept as text only: its own tag is dropped,
+      // and this process tags the failure from the header's numbers.
+      FailureKind ignored_kind;
+      int ignored_peer;
+      std::string words;
+      parse_tag(message, &ignored_kind, &ignored_peer, &words);
+      if (words.size() > kMaxKeptMessage) {
+        words.resize(kMaxKeptMessage);
+        words += "...";
       }
+      const int processes = identity().processes;
+      const FailureKind kind = h.phase >= 0 && h.phase < kNumFailureKinds
+                                   ? static_cast<FailureKind>(h.phase)
+                                   : FailureKind::kInternal;
+      // The process the sender's failure points at, or else the sender.
+      const int points_at =
+          h.src_rank >= 0 && h.src_rank < processes ? h.src_rank : peer;
       std::ostringstream os;
-      os << message << " [reported by process " << peer << "]";
+      os << words << " [reported by process " << peer << "]";
       if (h.kind == kPeerLost) {
         // Only about another process of the job: a process cannot report
         // itself or this one lost.
@@ -974,7 +1028,7 @@ void Transport::read_loop(int fd) {
           peer_lost(lost, os.str(), /*tell_others=*/false);
         }
       } else if (std::shared_ptr<TcpOp> target = op_for_frame(key_of(h))) {
-        fail(target, os.str(), /*tell_peers=*/false);
+        fail(target, tagged(kind, points_at, os.str()), /*tell_peers=*/false);
       }
       continue;
     }
@@ -993,7 +1047,8 @@ void Transport::read_loop(int fd) {
          << h.run_id << "): process " << me() << " holds " << kMaxFrameCreatedOps
          << " operations that peers started and it did not, and refuses more: "
             "the processes do not run the same allreduces";
-      send_abort(peer, key_of(h), os.str());
+      send_abort(peer, key_of(h), FailureKind::kResource,
+                 tagged(FailureKind::kResource, me(), os.str()));
       r = drain_payload(fd, h.payload_bytes, kConnectTimeoutS, &error);
       if (r != ReadResult::kOk) {
         ::close(fd);
@@ -1028,7 +1083,8 @@ void Transport::read_loop(int fd) {
           o.first_sender = peer;
           check_agreement = true;
         } catch (const std::exception& e) {
-          mismatch = o.name() + ": protocol error: " + e.what();
+          mismatch = tagged(FailureKind::kMismatch, peer,
+                            o.name() + ": protocol error: " + e.what());
           discard = true;
         }
       } else if (!same_operation(o.desc, theirs)) {
@@ -1036,7 +1092,7 @@ void Transport::read_loop(int fd) {
         os << o.name() << ": rank " << h.src_rank << " (process " << peer
            << ") called it with " << theirs.describe()
            << ". Every rank must pass the same shape, dtype and op.";
-        mismatch = os.str();
+        mismatch = tagged(FailureKind::kMismatch, peer, os.str());
         discard = true;
       }
       if (!discard) {
@@ -1065,7 +1121,8 @@ void Transport::read_loop(int fd) {
         if (!in_plan || !from_its_process || span.count == 0 ||
             span.count * esize != h.payload_bytes ||
             o.inbox(h.dst_rank, h.ring).received.count({h.phase, unit})) {
-          mismatch = o.name() + ": protocol error: a frame does not fit the plan";
+          mismatch = tagged(FailureKind::kMismatch, peer,
+                            o.name() + ": protocol error: a frame does not fit the plan");
           discard = true;
         } else {
           Inbox& ib = o.inbox(h.dst_rank, h.ring);
@@ -1088,7 +1145,7 @@ void Transport::read_loop(int fd) {
                  << "holds " << StagingPool::get().in_use() << " bytes of "
                  << "frames for operations it has not reached, at most "
                  << kMaxStagedFromWire << ")";
-              mismatch = os.str();
+              mismatch = tagged(FailureKind::kResource, peer, os.str());
               discard = true;
             }
           }
@@ -1298,7 +1355,7 @@ std::string send_unit(const std::shared_ptr<TcpOp>& op_ptr, int rank, int ring,
     std::ostringstream os;
     os << op.name() << ": cannot send to rank " << next << " (process " << proc
        << "): " << tr.dead_reason(proc);
-    return os.str();
+    return tagged(FailureKind::kPeerLost, proc, os.str());
   }
   return std::string();
 }
@@ -1489,6 +1546,7 @@ bool TcpWorker::advance(Task& task, bool* finished) {
     os << op.name() << " timed out after " << op.timeout_s << " s on rank "
        << task.rank << ": ";
     const char* sep = "";
+    std::set<int> waited_for;
     for (int r = 0; r < plan.num_rings(); ++r) {
       const int j = task.phase[r];
       if (j >= phases) continue;
@@ -1499,6 +1557,7 @@ bool TcpWorker::advance(Task& task, bool* finished) {
       if (phases > 1) {
         os << " (" << phase_name(ph.kind) << " along tier " << ph.tier << ")";
       }
+      waited_for.insert(op.process_of_rank[prev]);
       os << " waits for rank " << prev << " (process "
          << op.process_of_rank[prev] << "): " << ib.arrived[j] << " of "
          << ib.arrived[j] + task.remaining[r] << " chunks arrived";
@@ -1509,7 +1568,9 @@ bool TcpWorker::advance(Task& task, bool* finished) {
     }
     os << ". Every process must run the same allreduces; a peer that stopped "
           "responding or took a different branch never sends.";
-    return fail_all(os.str());
+    // Which peer is stuck is known only when every ring waits for the same.
+    const int peer = waited_for.size() == 1 ? *waited_for.begin() : -1;
+    return fail_all(tagged(FailureKind::kTimeout, peer, os.str()));
   }
   lock.unlock();
   for (TcpWorker* w : wake) w->wake();
@@ -1585,19 +1646,22 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
   Transport& tr = Transport::get();
   const int me = tr.me();
   if (me < 0) {
-    done(op_name(key, desc) +
-         ": the TCP transport is not set up (jaxring sets it up when it "
-         "lowers a cross-process allreduce after jax.distributed.initialize)");
+    done(tagged(FailureKind::kInvalid, -1,
+                op_name(key, desc) +
+                    ": the TCP transport is not set up (jaxring sets it up when it "
+                    "lowers a cross-process allreduce after "
+                    "jax.distributed.initialize)"));
     return;
   }
   if (static_cast<int>(process_of_rank.size()) != desc.world_size) {
-    done(op_name(key, desc) + ": the process table does not match the world size");
+    done(tagged(FailureKind::kInvalid, -1,
+                op_name(key, desc) + ": the process table does not match the world size"));
     return;
   }
   for (int p : process_of_rank) {
     const std::string dead = tr.dead_reason(p);
     if (!dead.empty()) {
-      done(op_name(key, desc) + ": " + dead);
+      done(tagged(FailureKind::kPeerLost, p, op_name(key, desc) + ": " + dead));
       return;
     }
   }
@@ -1624,27 +1688,28 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
          << " (process " << me << ") called it with " << desc.describe()
          << " but rank(s) elsewhere with " << op->desc.describe()
          << ". Every rank must pass the same shape, dtype and op.";
-      error = os.str();
+      error = tagged(FailureKind::kMismatch, -1, os.str());
       tell = true;
     } else if (op->process_of_rank != process_of_rank) {
-      error = op_name(key, desc) +
-              ": ranks of this process disagree on where the ranks run";
+      error = tagged(FailureKind::kMismatch, -1,
+                     op_name(key, desc) +
+                         ": ranks of this process disagree on where the ranks run");
       tell = true;
     } else if (std::string forged = misrouted_staged_frame(*op); !forged.empty()) {
-      error = forged;
+      error = tagged(FailureKind::kMismatch, -1, forged);
       tell = true;
     } else if (op->locals.count(rank)) {
       std::ostringstream os;
       os << op_name(key, desc) << ": rank " << rank
          << " joined twice (two devices computed the same rank)";
-      error = os.str();
+      error = tagged(FailureKind::kInternal, -1, os.str());
       tell = true;
     }
     if (error.empty() && !op->has_desc) {
       try {
         op->set_desc(desc);
       } catch (const std::exception& e) {
-        error = op_name(key, desc) + ": " + e.what();
+        error = tagged(FailureKind::kInvalid, -1, op_name(key, desc) + ": " + e.what());
         tell = true;  // the peers would otherwise wait for this rank
       }
     }
@@ -1677,7 +1742,8 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
   for (int p : process_of_rank) {
     const std::string dead = tr.dead_reason(p);
     if (!dead.empty()) {
-      tr.fail(op, op_name(key, desc) + ": " + dead, /*tell_peers=*/true);
+      tr.fail(op, tagged(FailureKind::kPeerLost, p, op_name(key, desc) + ": " + dead),
+              /*tell_peers=*/true);
       break;
     }
   }

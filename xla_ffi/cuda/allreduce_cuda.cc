@@ -5,6 +5,7 @@
 #include <optional>
 #include <vector>
 
+#include "../ffi_common.h"
 #include "checks.h"
 #include "communicators.h"
 #include "ring_ops.h"
@@ -55,7 +56,7 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
   if (Status s = issue_allreduce(stream, device, op, nccl_ids, x.untyped_data(),
                                  out->untyped_data(),
                                  static_cast<int64_t>(x.element_count()), how)) {
-    return ffi::Error::Internal(*s);
+    return failure_error(*s);
   }
   return ffi::Error::Success();
 }

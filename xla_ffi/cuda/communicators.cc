@@ -7,6 +7,7 @@
 #include <thread>
 #include <utility>
 
+#include "../failure.h"
 #include "device_guard.h"
 #include "watchdog.h"
 
@@ -93,16 +94,21 @@ Status wait_ready(Communicator* c, double timeout_s, const char* what) {
          << c->rank << " of " << c->world_size << ", device " << c->device
          << "); the communicator was aborted";
       if (last != nullptr && last[0] != '\0') os << ". NCCL said: " << last;
-      abort_communicator(c, os.str());
-      return os.str();
+      // A remote error is another rank's failure reaching this one.
+      const std::string message = tagged(
+          state == ncclRemoteError ? FailureKind::kPeerLost : FailureKind::kInternal, -1,
+          os.str());
+      abort_communicator(c, message);
+      return message;
     }
     if (Clock::now() > deadline) {
       os << "jaxring CUDA backend: timed out after " << timeout_s << " s "
          << what << " (rank " << c->rank << " of " << c->world_size
          << ", device " << c->device
          << "): a peer did not arrive or stopped; the communicator was aborted";
-      abort_communicator(c, os.str());
-      return os.str();
+      const std::string message = tagged(FailureKind::kTimeout, -1, os.str());
+      abort_communicator(c, message);
+      return message;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "../ffi_common.h"
 #include "checks.h"
 #include "communicators.h"
 #include "device_guard.h"
@@ -164,7 +165,7 @@ ffi::Error AllreduceStartCudaImpl(cudaStream_t stream, int32_t device,
   // their joins. Either way the buffers are freed behind every join.
   if (Status e = start(stream, device, args, num_deps, op, nccl_ids, &s)) {
     wait_and_release(s, device, stream);
-    return ffi::Error::Internal(*e);
+    return failure_error(*e);
   }
   // The handle's value is not used: done finds the start by (run, device,
   // op).
@@ -229,11 +230,11 @@ ffi::Error AllreduceDoneCudaImpl(cudaStream_t stream, int32_t device,
   if (Status e = wait_for_rings(s, stream, guard)) {
     // Not waited on every ring: leak the buffers rather than free them.
     abandon(s);
-    return ffi::Error::Internal(*e);
+    return failure_error(*e);
   }
   Status e = copy_out(stream, s, results);
   release(s, stream);  // after the copies, on the same stream
-  if (e) return ffi::Error::Internal(*e);
+  if (e) return failure_error(*e);
   return ffi::Error::Success();
 }
 
