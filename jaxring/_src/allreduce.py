@@ -17,7 +17,6 @@ named mesh axes. Its rules mirror lax.psum's so that it composes the same way:
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any, Sequence
 
@@ -39,11 +38,10 @@ SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (
     np.int8, np.int16, np.int32, np.int64,
     np.uint8, np.uint16, np.uint32, np.uint64))
 
-# Op ids tell concurrent allreduces of one execution apart. Every device
-# runs the same lowered module, so a counter at lowering time gives each call
-# site the same id on every device and a fresh one in every module; see
-# call_sites for how every call gets a lowering of its own.
-_op_ids = itertools.count(1)
+# Op ids tell concurrent allreduces of one execution apart: each call site
+# of a module gets its own, the same on every device and in every process
+# (call_sites.next_op_id, and call_sites for how every call gets a lowering
+# of its own).
 
 
 def _axes_tuple(axis_name: Any) -> tuple:
@@ -292,12 +290,14 @@ def resolve_algorithm(algorithm: str, link, rank_process) -> str:
     return algorithm
 
 
-def ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
+def ring_attributes(ctx, world, op, rings, chunk_bytes, timeout_s, link,
                     rank_process, algorithm, topology) -> dict:
-    """The custom-call attributes every ring operation carries, with a fresh op id."""
+    """The custom-call attributes every ring operation carries, with the op
+    id of its place in the module being lowered."""
     chosen = resolve_algorithm(algorithm, link, rank_process)
     tiers = _topology.resolve(topology, world, rank_process)
-    return dict(op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
+    return dict(op_id=np.int64(call_sites.next_op_id(ctx.module_context)),
+                world_size=np.int64(world),
                 algorithm=np.int64(_ALGORITHM_IDS[chosen]),
                 topology=np.asarray(tiers, np.int64),
                 rank_process=np.asarray(rank_process, np.int64),
@@ -317,7 +317,7 @@ def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
     (aval,) = ctx.avals_in
     call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
     sub_ctx = ctx.replace(avals_in=[aval, SCALAR_I32, SCALAR_I32])
-    attrs = ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
+    attrs = ring_attributes(ctx, world, op, rings, chunk_bytes, timeout_s, link,
                             rank_process, algorithm, topology)
     timeline.name_op(attrs["op_id"], f"allreduce {op} over {','.join(map(str, axes))}")
     return call(sub_ctx, x, rank, group, **attrs)
@@ -383,7 +383,8 @@ def cuda_attributes(ctx, axes, op, rings, chunk_bytes, timeout_s, link,
             "lowering (no device assignment).")
     chosen = resolve_cuda_algorithm(algorithm, dtype)
     groups = _groups(devices, rank_table, group_table, world)
-    return dict(op_id=np.int64(next(_op_ids)), world_size=np.int64(world),
+    return dict(op_id=np.int64(call_sites.next_op_id(ctx.module_context)),
+                world_size=np.int64(world),
                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes),
                 timeout_s=np.float64(timeout_s),

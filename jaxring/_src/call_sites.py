@@ -1,8 +1,13 @@
 """One lowering, and so one op id, per jaxring call in a program.
 
 A jaxring op's identity is a constant attribute chosen at lowering
-(``allreduce._op_ids``). JAX reuses lowerings in two ways, and either would
-give two calls one op id inside one run:
+(``next_op_id``): a hash of the module's name and the op's place among the
+jaxring ops of that module. Every process of a job lowers the same program
+the same way, so they agree on it, whatever else each process lowered
+before (a function only process 0 runs does not shift the ids of the
+others). Operations of different programs are told apart by XLA's run id,
+which derives from the compiled program's fingerprint. JAX reuses lowerings
+in two ways, and either would give two calls one op id inside one run:
 
 * every equation's lowering is cached by (primitive, params, avals), so two
   allreduces of same-shaped values in one function would share one;
@@ -21,6 +26,8 @@ time for those functions only; XLA inlines the calls anyway.
 from __future__ import annotations
 
 import functools
+import hashlib
+import itertools
 import weakref
 
 from jaxring._src import jax_compat as compat
@@ -74,11 +81,29 @@ class _FunctionCache(dict):
 
     JAX's lowering looks a function or an equation up by a key holding its
     jaxpr (or params) and stores it after lowering; refusing the store makes
-    the next call site lower it again."""
+    the next call site lower it again. One module's contexts share it, so it
+    also counts the module's jaxring ops."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.op_ordinals = itertools.count(1)
 
     def __setitem__(self, key, value):
         if not _has_jaxring_op(key):
             super().__setitem__(key, value)
+
+
+def next_op_id(module_context) -> int:
+    """The op id of the next jaxring op lowered into this module: the same in
+    every process that lowers the same program, and a positive int64."""
+    cache = getattr(module_context, compat.MODULE_CONTEXT_CACHES[-1])
+    if not isinstance(cache, _FunctionCache):
+        raise RuntimeError("jaxring: internal error: a module context without "
+                           "jaxring's lowering cache (call_sites._install)")
+    name = str(module_context.module.operation.attributes["sym_name"])
+    ordinal = next(cache.op_ordinals)
+    digest = hashlib.blake2b(f"{name}\0{ordinal}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 2) or 1
 
 
 def _install() -> None:

@@ -38,8 +38,9 @@ from jaxring._src import timeline
 from jaxring._src.config import config
 
 # A start and its done share a *pair* number, taken at trace time. The op id
-# the transport matches ranks by is taken when the start is lowered, from the
-# counter jaxring.allreduce uses, and the done lowered after it looks it up.
+# the transport matches ranks by is taken when the start is lowered, as
+# jaxring.allreduce takes it (call_sites.next_op_id), and the done lowered
+# after it looks it up.
 # So a traced step that is lowered twice into one module (a scan unrolled by
 # JAX, the same jaxpr evaluated twice) gets a fresh op id per copy.
 _pairs = itertools.count(1)
@@ -82,7 +83,7 @@ def _start_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s, link,
                     algorithm, topology, pair, label, num_deps):
     world, rank, group, rank_process = _ar.ring_coordinates(ctx, axes, timeout_s,
                                                             link)
-    attrs = _ar.ring_attributes(world, op, rings, chunk_bytes, timeout_s, link,
+    attrs = _ar.ring_attributes(ctx, world, op, rings, chunk_bytes, timeout_s, link,
                                 rank_process, algorithm, topology)
     _op_id_of_pair[pair] = int(attrs["op_id"])
     timeline.name_op(attrs["op_id"], label)

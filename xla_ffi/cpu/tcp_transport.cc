@@ -48,6 +48,12 @@ constexpr double kConnectTimeoutS = 30.0;
 constexpr double kHandshakeTimeoutS = 10.0;
 constexpr int kMaxHandshakes = 64;
 constexpr double kAbortSendTimeoutS = 10.0;
+// How long a rank must have waited without progress before it checks
+// whether a peer runs another program at its call site (and how often it
+// checks again). A peer merely ahead, in the next program, is the normal
+// case; one that never sent this operation anything and has been waiting
+// at the same call site with another description for this long is not.
+constexpr auto kMismatchProbeAfter = std::chrono::seconds(1);
 // How long a failed rank waits for its abort frames to leave.
 constexpr auto kAbortFlush = std::chrono::seconds(1);
 // After one connection of a peer closes, how long before the peer is
@@ -287,6 +293,7 @@ struct TcpOp {
   std::string error;
   int writers = 0;  // readers currently receiving into a local buffer
   int first_sender = -1;  // process whose frame created it, if one did
+  std::set<int> heard_from;  // processes whose data frames it accepted
   // Abort frames this process queued for the operation and not yet written;
   // a failed rank completes once they are out (or kAbortFlushS passed), so
   // peers learn the cause even if this process exits right after.
@@ -336,6 +343,10 @@ struct Task {
   std::vector<int> phase;
   std::vector<int64_t> remaining;
   bool started = false;  // phase 0 entered on every ring
+  // When this rank last consumed a unit (or joined), and when it may next
+  // look for a peer running another program (see kMismatchProbeAfter).
+  Clock::time_point last_progress = Clock::now();
+  Clock::time_point next_probe = Clock::now();
 };
 
 class TcpWorker {
@@ -559,7 +570,9 @@ class Transport {
   void peer_lost(int p, const std::string& why, bool tell_others = true);
   // Fails op and any operation of the same call site (op id, group) in
   // another run whose description differs while exactly one of the two has
-  // ranks in this process: the processes compiled different programs.
+  // ranks in this process, and the local one never heard from the process
+  // that sent the other: the processes compiled different programs. Run by
+  // a rank that has waited kMismatchProbeAfter without progress.
   void check_programs_agree(const std::shared_ptr<TcpOp>& op);
   // Fails op and tells every other process of its group. Requires op.mu not
   // held. Returns whether this call failed it (false: it already was).
@@ -754,9 +767,12 @@ void Transport::check_programs_agree(const std::shared_ptr<TcpOp>& op) {
     {
       std::scoped_lock lock(op->mu, other->mu);
       if (op->locals.empty()) std::swap(local, remote);
+      // A local operation that heard from the remote one's sender runs the
+      // same program as that sender: the remote one is a later program's.
       if (local->locals.empty() || !remote->locals.empty() ||
           local->failed || remote->failed || !local->has_desc ||
-          !remote->has_desc || same_operation(local->desc, remote->desc)) {
+          !remote->has_desc || same_operation(local->desc, remote->desc) ||
+          local->heard_from.count(remote->first_sender)) {
         continue;
       }
       std::ostringstream os;
@@ -1060,7 +1076,6 @@ void Transport::read_loop(int fd) {
     TcpOp& o = *op_ptr;
     // A data frame: find where its bytes go.
     std::string mismatch;
-    bool check_agreement = false;
     char* dest = nullptr;
     double stall_s;  // read under the lock: a joining rank may set it
     bool discard = false;
@@ -1081,7 +1096,6 @@ void Transport::read_loop(int fd) {
           }
           o.set_desc(theirs);
           o.first_sender = peer;
-          check_agreement = true;
         } catch (const std::exception& e) {
           mismatch = tagged(FailureKind::kMismatch, peer,
                             o.name() + ": protocol error: " + e.what());
@@ -1151,13 +1165,13 @@ void Transport::read_loop(int fd) {
           }
           if (!discard) {
             ib.received.insert({h.phase, unit});
+            o.heard_from.insert(peer);
             ++o.writers;
           }
         }
       }
     }
     if (!mismatch.empty()) fail(op_ptr, mismatch, /*tell_peers=*/true);
-    if (check_agreement) check_programs_agree(op_ptr);
     bool released = discard;
     if (discard) {
       r = drain_payload(fd, h.payload_bytes, stall_s, &error);
@@ -1541,6 +1555,18 @@ bool TcpWorker::advance(Task& task, bool* finished) {
   if (op.failed) return true;  // completes through the failure, next pass
   if (all_done && me.outstanding_sends == 0) return complete(std::nullopt);
 
+  const auto now = Clock::now();
+  if (progressed) task.last_progress = now;
+  if (!progressed && now > task.last_progress + kMismatchProbeAfter &&
+      now > task.next_probe && now <= op.deadline) {
+    // Waiting with nothing to do: is a peer at this call site in another
+    // program? (It fails this operation if so; the next pass completes.)
+    task.next_probe = now + kMismatchProbeAfter;
+    lock.unlock();
+    for (TcpWorker* w : wake) w->wake();
+    Transport::get().check_programs_agree(task.op);
+    return false;
+  }
   if (!progressed && Clock::now() > op.deadline) {
     std::ostringstream os;
     os << op.name() << " timed out after " << op.timeout_s << " s on rank "
@@ -1736,7 +1762,6 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
   Task task{op, rank, std::move(done), std::vector<int>(desc.num_rings, 0),
             std::vector<int64_t>(desc.num_rings, 0)};
   worker->submit(std::move(task));
-  tr.check_programs_agree(op);
   // A peer lost between the check above and the join would not have seen
   // this op among those to fail.
   for (int p : process_of_rank) {
