@@ -290,14 +290,25 @@ def resolve_algorithm(algorithm: str, link, rank_process) -> str:
     return algorithm
 
 
-def ring_attributes(ctx, world, op, rings, chunk_bytes, timeout_s, link,
+def allreduce_label(op, axes) -> str:
+    """What the timeline calls a jaxring.allreduce."""
+    return f"allreduce {op} over {','.join(map(str, axes))}"
+
+
+def _op_id(ctx, label: str) -> np.int64:
+    """The op id of the call being lowered, named `label` in the timeline."""
+    op_id = call_sites.next_op_id(ctx.module_context, label)
+    timeline.name_op(op_id, label)
+    return np.int64(op_id)
+
+
+def ring_attributes(ctx, label, world, op, rings, chunk_bytes, timeout_s, link,
                     rank_process, algorithm, topology) -> dict:
     """The custom-call attributes every ring operation carries, with the op
     id of its place in the module being lowered."""
     chosen = resolve_algorithm(algorithm, link, rank_process)
     tiers = _topology.resolve(topology, world, rank_process)
-    return dict(op_id=np.int64(call_sites.next_op_id(ctx.module_context)),
-                world_size=np.int64(world),
+    return dict(op_id=_op_id(ctx, label), world_size=np.int64(world),
                 algorithm=np.int64(_ALGORITHM_IDS[chosen]),
                 topology=np.asarray(tiers, np.int64),
                 rank_process=np.asarray(rank_process, np.int64),
@@ -317,9 +328,9 @@ def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
     (aval,) = ctx.avals_in
     call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
     sub_ctx = ctx.replace(avals_in=[aval, SCALAR_I32, SCALAR_I32])
-    attrs = ring_attributes(ctx, world, op, rings, chunk_bytes, timeout_s, link,
-                            rank_process, algorithm, topology)
-    timeline.name_op(attrs["op_id"], f"allreduce {op} over {','.join(map(str, axes))}")
+    attrs = ring_attributes(ctx, allreduce_label(op, axes), world, op, rings,
+                            chunk_bytes, timeout_s, link, rank_process, algorithm,
+                            topology)
     return call(sub_ctx, x, rank, group, **attrs)
 
 
@@ -362,7 +373,7 @@ def _groups(devices, rank_table: np.ndarray, group_table: np.ndarray,
     return groups
 
 
-def cuda_attributes(ctx, axes, op, rings, chunk_bytes, timeout_s, link,
+def cuda_attributes(ctx, label, axes, op, rings, chunk_bytes, timeout_s, link,
                     algorithm, topology, dtype) -> dict:
     """The attributes every CUDA ring operation carries, with a fresh op id;
     registers the CUDA targets first (or raises why there are none)."""
@@ -383,8 +394,7 @@ def cuda_attributes(ctx, axes, op, rings, chunk_bytes, timeout_s, link,
             "lowering (no device assignment).")
     chosen = resolve_cuda_algorithm(algorithm, dtype)
     groups = _groups(devices, rank_table, group_table, world)
-    return dict(op_id=np.int64(call_sites.next_op_id(ctx.module_context)),
-                world_size=np.int64(world),
+    return dict(op_id=_op_id(ctx, label), world_size=np.int64(world),
                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes),
                 timeout_s=np.float64(timeout_s),
@@ -397,8 +407,9 @@ def _cuda_lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
                    algorithm, topology, invariant):
     del invariant
     (aval,) = ctx.avals_in
-    attrs = cuda_attributes(ctx, axes, op, rings, chunk_bytes, timeout_s, link,
-                            algorithm, topology, aval.dtype)
+    attrs = cuda_attributes(ctx, allreduce_label(op, axes), axes, op, rings,
+                            chunk_bytes, timeout_s, link, algorithm, topology,
+                            aval.dtype)
     return jax.ffi.ffi_lowering("jaxring_allreduce_cuda")(ctx, x, **attrs)
 
 

@@ -1,8 +1,10 @@
 """One lowering, and so one op id, per jaxring call in a program.
 
 A jaxring op's identity is a constant attribute chosen at lowering
-(``next_op_id``): a hash of the module's name and the op's place among the
-jaxring ops of that module. Every process of a job lowers the same program
+(``next_op_id``): a hash of the module's name, the op's place among the
+jaxring ops of that module and its label (what the timeline calls it, e.g.
+"bucket 3"; two programs of one name that differ there get different ids,
+so their spans keep their own names). Every process of a job lowers the same program
 the same way, so they agree on it, whatever else each process lowered
 before (a function only process 0 runs does not shift the ids of the
 others). Operations of different programs are told apart by XLA's run id,
@@ -93,16 +95,18 @@ class _FunctionCache(dict):
             super().__setitem__(key, value)
 
 
-def next_op_id(module_context) -> int:
-    """The op id of the next jaxring op lowered into this module: the same in
-    every process that lowers the same program, and a positive int64."""
+def next_op_id(module_context, label: str) -> int:
+    """The op id of the next jaxring op lowered into this module, labelled
+    `label`: the same in every process that lowers the same program, and a
+    positive int64."""
     cache = getattr(module_context, compat.MODULE_CONTEXT_CACHES[-1])
     if not isinstance(cache, _FunctionCache):
         raise RuntimeError("jaxring: internal error: a module context without "
                            "jaxring's lowering cache (call_sites._install)")
     name = str(module_context.module.operation.attributes["sym_name"])
     ordinal = next(cache.op_ordinals)
-    digest = hashlib.blake2b(f"{name}\0{ordinal}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{name}\0{ordinal}\0{label}".encode(),
+                             digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 2) or 1
 
 

@@ -34,7 +34,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxring._src import allreduce as _ar
 from jaxring._src import call_sites
 from jaxring._src import jax_compat as compat
-from jaxring._src import timeline
 from jaxring._src.config import config
 
 # A start and its done share a *pair* number, taken at trace time. The op id
@@ -83,10 +82,9 @@ def _start_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s, link,
                     algorithm, topology, pair, label, num_deps):
     world, rank, group, rank_process = _ar.ring_coordinates(ctx, axes, timeout_s,
                                                             link)
-    attrs = _ar.ring_attributes(ctx, world, op, rings, chunk_bytes, timeout_s, link,
-                                rank_process, algorithm, topology)
+    attrs = _ar.ring_attributes(ctx, label, world, op, rings, chunk_bytes, timeout_s,
+                                link, rank_process, algorithm, topology)
     _op_id_of_pair[pair] = int(attrs["op_id"])
-    timeline.name_op(attrs["op_id"], label)
     attrs["num_deps"] = np.int64(num_deps)
     attrs["gang"] = bool(config.cpu_gang_start)
     call = jax.ffi.ffi_lowering("jaxring_allreduce_start_cpu")
@@ -129,11 +127,10 @@ call_sites.register_lowering(done_p, _done_lowering, platform="cpu")
 
 def _start_cuda_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s,
                          link, algorithm, topology, pair, label, num_deps):
-    attrs = _ar.cuda_attributes(ctx, axes, op, rings, chunk_bytes, timeout_s,
+    attrs = _ar.cuda_attributes(ctx, label, axes, op, rings, chunk_bytes, timeout_s,
                                 link, algorithm, topology,
                                 ctx.avals_in[num_deps].dtype)
     _op_id_of_pair[pair] = int(attrs["op_id"])
-    timeline.name_op(attrs["op_id"], label)
     attrs["num_deps"] = np.int64(num_deps)
     return jax.ffi.ffi_lowering("jaxring_allreduce_start_cuda")(ctx, *xs, **attrs)
 

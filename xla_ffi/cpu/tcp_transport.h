@@ -2,6 +2,11 @@
 // processes (multi-controller JAX, jax.distributed), for the CPU backend.
 //
 // Why it looks the way it does:
+//  * The listening port is reachable by anyone, so a connection carries
+//    frames only once both ends proved that they belong to the job
+//    (tcp_handshake.h), and it then speaks for the process it proved: a
+//    frame's source rank must run there. What frames can make this process
+//    hold is bounded by its own plan and fixed caps, never by the frame.
 //  * One TCP connection per (destination process, ring), opened on first use
 //    and kept for the life of the process. Rings get their own connections so
 //    several rings are on the wire at once, and odd rings run the other way
