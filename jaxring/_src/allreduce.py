@@ -39,9 +39,8 @@ SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (
     np.uint8, np.uint16, np.uint32, np.uint64))
 
 # Op ids tell concurrent allreduces of one execution apart: each call site
-# of a module gets its own, the same on every device and in every process
-# (call_sites.next_op_id, and call_sites for how every call gets a lowering
-# of its own).
+# gets its own at lowering, the same on every device (call_sites.next_op_id,
+# and call_sites for how every call gets a lowering of its own).
 
 
 def _axes_tuple(axis_name: Any) -> tuple:
@@ -295,9 +294,9 @@ def allreduce_label(op, axes) -> str:
     return f"allreduce {op} over {','.join(map(str, axes))}"
 
 
-def _op_id(ctx, label: str) -> np.int64:
+def _op_id(label: str) -> np.int64:
     """The op id of the call being lowered, named `label` in the timeline."""
-    op_id = call_sites.next_op_id(ctx.module_context, label)
+    op_id = call_sites.next_op_id()
     timeline.name_op(op_id, label)
     return np.int64(op_id)
 
@@ -308,7 +307,7 @@ def ring_attributes(ctx, label, world, op, rings, chunk_bytes, timeout_s, link,
     id of its place in the module being lowered."""
     chosen = resolve_algorithm(algorithm, link, rank_process)
     tiers = _topology.resolve(topology, world, rank_process)
-    return dict(op_id=_op_id(ctx, label), world_size=np.int64(world),
+    return dict(op_id=_op_id(label), world_size=np.int64(world),
                 algorithm=np.int64(_ALGORITHM_IDS[chosen]),
                 topology=np.asarray(tiers, np.int64),
                 rank_process=np.asarray(rank_process, np.int64),
@@ -394,7 +393,7 @@ def cuda_attributes(ctx, label, axes, op, rings, chunk_bytes, timeout_s, link,
             "lowering (no device assignment).")
     chosen = resolve_cuda_algorithm(algorithm, dtype)
     groups = _groups(devices, rank_table, group_table, world)
-    return dict(op_id=_op_id(ctx, label), world_size=np.int64(world),
+    return dict(op_id=_op_id(label), world_size=np.int64(world),
                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes),
                 timeout_s=np.float64(timeout_s),

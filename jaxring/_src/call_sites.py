@@ -1,15 +1,13 @@
 """One lowering, and so one op id, per jaxring call in a program.
 
 A jaxring op's identity is a constant attribute chosen at lowering
-(``next_op_id``): a hash of the module's name, the op's place among the
-jaxring ops of that module and its label (what the timeline calls it, e.g.
-"bucket 3"; two programs of one name that differ there get different ids,
-so their spans keep their own names). Every process of a job lowers the same program
-the same way, so they agree on it, whatever else each process lowered
-before (a function only process 0 runs does not shift the ids of the
-others). Operations of different programs are told apart by XLA's run id,
-which derives from the compiled program's fingerprint. JAX reuses lowerings
-in two ways, and either would give two calls one op id inside one run:
+(``next_op_id``), from a counter of this process: every lowering gets ids no
+other lowering in the process has, so two executables of an identical
+program (which XLA gives the same run ids) never share an operation. Every
+process of a job must therefore lower the same jaxring functions in the same
+order (a function only process 0 lowers shifts the ids after it). JAX
+reuses lowerings in two ways, and either would give two calls one op id
+inside one run:
 
 * every equation's lowering is cached by (primitive, params, avals), so two
   allreduces of same-shaped values in one function would share one;
@@ -28,14 +26,16 @@ time for those functions only; XLA inlines the calls anyway.
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
+import threading
 import weakref
 
 from jaxring._src import jax_compat as compat
 from jaxring._src.jax_compat import mlir
 
 _primitives: set = set()
+_op_ids = itertools.count(1)
+_op_ids_lock = threading.Lock()
 _contains_memo: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -83,31 +83,17 @@ class _FunctionCache(dict):
 
     JAX's lowering looks a function or an equation up by a key holding its
     jaxpr (or params) and stores it after lowering; refusing the store makes
-    the next call site lower it again. One module's contexts share it, so it
-    also counts the module's jaxring ops."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.op_ordinals = itertools.count(1)
+    the next call site lower it again."""
 
     def __setitem__(self, key, value):
         if not _has_jaxring_op(key):
             super().__setitem__(key, value)
 
 
-def next_op_id(module_context, label: str) -> int:
-    """The op id of the next jaxring op lowered into this module, labelled
-    `label`: the same in every process that lowers the same program, and a
-    positive int64."""
-    cache = getattr(module_context, compat.MODULE_CONTEXT_CACHES[-1])
-    if not isinstance(cache, _FunctionCache):
-        raise RuntimeError("jaxring: internal error: a module context without "
-                           "jaxring's lowering cache (call_sites._install)")
-    name = str(module_context.module.operation.attributes["sym_name"])
-    ordinal = next(cache.op_ordinals)
-    digest = hashlib.blake2b(f"{name}\0{ordinal}\0{label}".encode(),
-                             digest_size=8).digest()
-    return (int.from_bytes(digest, "little") >> 2) or 1
+def next_op_id() -> int:
+    """The op id of the next jaxring op lowered in this process."""
+    with _op_ids_lock:
+        return next(_op_ids)
 
 
 def _install() -> None:
