@@ -1,6 +1,7 @@
 """GPU benchmarks of the CUDA backend, on a machine with one GPU.
 
-    python benchmarks/gpu_allreduce.py [--worlds 2 4] [--kernel-bytes N]
+    python benchmarks/gpu_allreduce.py [--parts kernel busbw overlap]
+                                       [--worlds 2 4] [--kernel-bytes N]
 
 Prints, from one run:
 
@@ -40,23 +41,28 @@ def kernel_bandwidth(nbytes: int, iters: int) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", default=["kernel", "busbw", "overlap"],
+                        choices=["kernel", "busbw", "overlap"],
+                        help="which of the three benchmarks to run (default all)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--kernel-bytes", type=int, default=1 << 30)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args(argv)
-    kernel_bandwidth(args.kernel_bytes, args.iters)
     rc = 0
-    for world in args.worlds:
+    if "kernel" in args.parts:
+        kernel_bandwidth(args.kernel_bytes, args.iters)
+    for world in args.worlds if "busbw" in args.parts else ():
         results = gpu_worker.launch(world, "bench", timeout=300)
         print(results[0][1])
         if any(code != 0 for code, _ in results):
             rc = 1
             for code, out in results[1:]:
                 print(out[-2000:])
-    results = gpu_worker.launch(2, "overlap_bench", timeout=300)
-    print(results[0][1])
-    if any(code != 0 for code, _ in results):
-        rc = 1
+    if "overlap" in args.parts:
+        results = gpu_worker.launch(2, "overlap_bench", timeout=300)
+        print(results[0][1])
+        if any(code != 0 for code, _ in results):
+            rc = 1
     return rc
 
 

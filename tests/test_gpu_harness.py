@@ -1,19 +1,25 @@
 """The GPU checks' harness, on CPU: the job launcher (one deadline, a log
 file per rank, SIGABRT with stack dumps for a rank that hangs), the choice
 of how ranks share a GPU by NCCL version, and the NaN-aware comparison of
-reduce kernels. A GPU run is rare and short, so what decides whether it
-yields evidence is tested where it is cheap."""
+reduce kernels, the device script's runner (budget, step limits, summary,
+packed logs) and the compiled-order check of the overlap test. A GPU run is
+rare and short, so what decides whether it yields evidence is tested where
+it is cheap."""
 
 import os
 import signal
+import subprocess
 import sys
+import tarfile
 import time
 
 import numpy as np
+import pytest
 
 from jaxring import _jaxring
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+GPU_DIR = os.path.join(os.path.dirname(__file__), "gpu")
+sys.path.insert(0, GPU_DIR)
 import gpu_worker  # noqa: E402
 
 
@@ -81,3 +87,104 @@ def test_nan_payloads_compare_equal_and_numbers_do_not():
     ints = np.array([5, 6], np.int32).tobytes()
     assert list(gpu_worker.differing_elements(ints, np.array([5, 7], np.int32).tobytes(),
                                               "int32")) == [1]
+
+
+@pytest.mark.slow
+def test_the_device_script_names_each_failure_within_its_budget(tmp_path):
+    """run_device_checks.sh with stand-in steps (device_checks.selftest_steps):
+    a job whose rank hangs, one whose ranks print a mebibyte, one whose rank
+    dies, a step that needs the dead one, a step longer than what is left
+    of the budget, and one for which no time is left."""
+    budget = 35
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", os.path.join(GPU_DIR, "run_device_checks.sh"), str(tmp_path),
+                        "--selftest", "--budget", str(budget)],
+                       capture_output=True, text=True, timeout=budget + 30, cwd="/tmp")
+    took = time.monotonic() - t0
+    assert took < budget + 10, took
+    assert r.returncode == 1, r.stdout + r.stderr
+    # Three files at most, whatever the number of logs.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "summary.txt"]
+    summary = (tmp_path / "summary.txt").read_text()
+    status = {}
+    for line in summary.splitlines():
+        words = line.split()
+        if words and words[0] in ("PASS", "FAIL", "TIMEOUT", "SKIPPED"):
+            status[words[1]] = (words[0], line)
+    assert [(n, s) for n, (s, _) in status.items()] == [
+        ("passes", "PASS"), ("spews", "PASS"), ("hangs", "TIMEOUT"), ("dies", "FAIL"),
+        ("after_death", "SKIPPED"), ("outlasts_budget", "TIMEOUT"),
+        ("no_time_left", "SKIPPED")], summary
+    assert "exit status 3" in status["dies"][1]
+    assert "needs dies" in status["after_death"][1]
+    assert "budget spent" in status["no_time_left"][1]
+    # The hanging rank's stack, from its own log, is in the summary.
+    hang_part = summary.split("TIMEOUT hangs")[1].split("FAIL    dies")[0]
+    assert "selftest_hang-2-rank1.log" in hang_part and "in _selftest" in hang_part
+    # Every step's and every rank's log is packed.
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        names = set(tar.getnames())
+        spew = tar.extractfile("logs/ranks/selftest_spew-2-rank0.log").read()
+    assert {"logs/02-hangs.log", "logs/ranks/selftest_hang-2-rank1.log"} <= names, names
+    assert len(spew) > 1 << 20
+    assert summary.rstrip().splitlines()[-1].startswith("done in")
+
+
+def test_only_named_steps_run_and_unknown_names_are_refused(tmp_path, capsys):
+    import device_checks
+    assert device_checks.main([str(tmp_path), "--selftest", "--only", "passes", "dies",
+                               "after_death"]) == 1
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "PASS    passes" in summary and "FAIL    dies" in summary
+    assert "SKIPPED after_death" in summary and "hangs" not in summary
+    with pytest.raises(SystemExit):
+        device_checks.main([str(tmp_path), "--only", "no_such_step"])
+    assert "no step ['no_such_step']" in capsys.readouterr().err
+
+
+def test_every_gpu_step_names_prerequisites_that_come_before_it():
+    import device_checks
+    seen = set()
+    for step in device_checks.gpu_steps():
+        assert set(step.needs) <= seen, (step.name, step.needs)
+        seen.add(step.name)
+    assert {"probe", "build", "world2", "busbw"} <= seen
+
+
+# A compiled overlapped step as XLA prints it (trimmed): the schedule is the
+# order of the instructions in the computation that holds the starts.
+_SCHEDULED = """HloModule jit_step, is_scheduled=true
+
+%fused_tanh (p: f32[64,256]) -> f32[64,256] {
+  %p = f32[64,256]{1,0} parameter(0)
+  ROOT %t = f32[64,256]{1,0} tanh(%p)
+}
+
+ENTRY %main.1 (w: f32[256,256], x: f32[64,256]) -> f32[256,256] {
+  %w = f32[256,256]{1,0} parameter(0)
+  %x = f32[64,256]{1,0} parameter(1)
+  %gemm.1 = (f32[64,256]{1,0}, s8[0]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm"
+  %fusion.1 = f32[64,256]{1,0} fusion(%gemm.1), kind=kLoop, calls=%fused_tanh
+  %start.1 = f32[256,256]{1,0} custom-call(%w), custom_call_target="jaxring_allreduce_start_cuda"
+  %gemm.2 = (f32[256,256]{1,0}, s8[0]{0}) custom-call(%fusion.1, %x), custom_call_target="__cublas$gemm"
+  %start.2 = f32[256,256]{1,0} custom-call(%gemm.2), custom_call_target="jaxring_allreduce_start_cuda"
+  %done.1 = f32[256,256]{1,0} custom-call(%start.1), custom_call_target="jaxring_allreduce_done_cuda"
+  ROOT %done.2 = f32[256,256]{1,0} custom-call(%start.2), custom_call_target="jaxring_allreduce_done_cuda"
+}
+"""
+
+
+def test_the_compiled_order_check_reads_a_schedule():
+    comps = gpu_worker.hlo_computations(_SCHEDULED)
+    assert list(comps) == ["%fused_tanh", "%main.1"]
+    assert len(comps["%main.1"]) == 9
+    assert gpu_worker.overlap_schedule(_SCHEDULED) == (True, "cx2 S c S Dx2")
+    # Every start after the last computation: nothing overlaps.
+    lines = _SCHEDULED.splitlines()
+    starts = [l for l in lines if "allreduce_start" in l]
+    rest = [l for l in lines if "allreduce_start" not in l]
+    at = next(i for i, l in enumerate(rest) if "%done.1" in l)
+    serial = "\n".join(rest[:at] + starts + rest[at:])
+    assert gpu_worker.overlap_schedule(serial) == (False, "cx3 Sx2 Dx2")
+    assert gpu_worker.overlap_schedule(_SCHEDULED.replace("jaxring_allreduce_start_cuda",
+                                                          "other"))[0] is False

@@ -73,6 +73,14 @@ def gpu_env(processes: int, rank: int = 0, nccl: tuple | None = None) -> dict:
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.8 / processes:.3f}"
     env["PYTHONFAULTHANDLER"] = "1"
     env.setdefault("NCCL_DEBUG", "WARN")
+    # Every rank's kernels must be resident on the GPU at once, or a ring
+    # step waits for a peer that cannot run: up to 3 rings per rank, so the
+    # blocks each communicator may use are capped to fit the 132 SMs of an
+    # H100/H200 (NCCL's notes on sharing a GPU advise NCCL_MAX_CTAS).
+    env.setdefault("NCCL_MAX_CTAS", str(max(2, 96 // (3 * processes))))
+    # Several communicators issued side by side (one per ring) need this
+    # since NCCL 2.26; the backend sets it too, unless set.
+    env.setdefault("NCCL_LAUNCH_ORDER_IMPLICIT", "1")
     if nccl is None or nccl >= _MULTI_RANK_NCCL:
         env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
     else:
@@ -157,6 +165,56 @@ def differing_elements(got: bytes, want: bytes, name: str) -> np.ndarray:
     return np.flatnonzero(differ)
 
 
+def hlo_computations(text: str) -> dict[str, list[str]]:
+    """The computations of an HLO module's text, name -> instruction lines
+    in order (in a scheduled module, the order they run in)."""
+    comps, name = {}, None
+    for line in text.splitlines():
+        if name is None:
+            if line and not line[0].isspace() and line.rstrip().endswith("{"):
+                words = line.split()
+                name = words[1] if words[0] == "ENTRY" else words[0]
+                comps[name] = []
+        elif line.startswith("}"):
+            name = None
+        else:
+            comps[name].append(line.strip())
+    return comps
+
+
+def overlap_schedule(text: str) -> tuple[bool, str]:
+    """Whether a compiled overlapped step starts its first allreduce before
+    its last computation, and every done follows its start; with the order
+    in words (S start, D done, c a fusion or GEMM, run-length counted)."""
+    comps = hlo_computations(text)
+    home = [lines for lines in comps.values()
+            if any("jaxring_allreduce_start_cuda" in l for l in lines)]
+    if not home:
+        return False, "no jaxring_allreduce_start_cuda in the compiled module"
+    marks = []
+    for line in home[0]:
+        if "jaxring_allreduce_start_cuda" in line:
+            marks.append("S")
+        elif "jaxring_allreduce_done_cuda" in line:
+            marks.append("D")
+        elif " fusion(" in line or "gemm" in line or "command_buffer" in line:
+            marks.append("c")
+    starts = [i for i, m in enumerate(marks) if m == "S"]
+    dones = [i for i, m in enumerate(marks) if m == "D"]
+    computes = [i for i, m in enumerate(marks) if m == "c"]
+    words, run = [], 1
+    for i, m in enumerate(marks):
+        if i + 1 < len(marks) and marks[i + 1] == m:
+            run += 1
+            continue
+        words.append(m if run == 1 else f"{m}x{run}")
+        run = 1
+    ok = (len(starts) == len(dones) > 0 and bool(computes)
+          and starts[0] < computes[-1]
+          and all(s < d for s, d in zip(starts, dones)))
+    return ok, " ".join(words)
+
+
 class Job:
     """This process's view of the job: its mesh over one GPU per process."""
 
@@ -164,8 +222,9 @@ class Job:
         import jaxring  # noqa: F401  (before JAX starts its backend)
         import jax
         jax.config.update("jax_enable_x64", True)
+        # A peer that never starts fails set-up in 30 s, not the default 300.
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nprocs,
-                                   process_id=pid)
+                                   process_id=pid, initialization_timeout=30)
         from jax.sharding import NamedSharding, PartitionSpec as P
         self.jax, self.P = jax, P
         self.pid, self.nprocs = pid, nprocs
@@ -186,6 +245,40 @@ class Job:
     @staticmethod
     def local_result(out) -> np.ndarray:
         return np.asarray(out.addressable_shards[0].data)
+
+    def leave(self, rc: int, wait_s: float = 60) -> None:
+        """Ends this process, rank 0 last: rank 0 hosts JAX's coordination
+        service, and its exit kills every rank still connected to it. Each
+        other rank says it is done through the key-value store and exits;
+        rank 0 waits (at most wait_s) for all of them to have said so.
+        jax.distributed's own shutdown barrier is skipped: a peer that
+        failed would hold it."""
+        sys.stdout.flush()
+        if self.pid != 0:
+            self.say_done(rc)
+        else:
+            for p in range(1, self.nprocs):
+                if self.wait_for(f"done/{p}", wait_s) is None:
+                    print(f"process {p} did not say it was done within {wait_s} s",
+                          flush=True)
+        sys.stdout.flush()
+        os._exit(rc)
+
+    def say_done(self, rc: int) -> None:
+        self.publish(f"done/{self.pid}", str(rc))
+
+    def publish(self, key: str, value: str) -> None:
+        from jaxring._src import jax_compat
+        jax_compat.distributed_client().key_value_set(f"jaxring_gpu_worker/{key}", value)
+
+    def wait_for(self, key: str, wait_s: float) -> str | None:
+        """The value another rank published under `key`, or None after wait_s."""
+        from jaxring._src import jax_compat
+        try:
+            return jax_compat.distributed_client().blocking_key_value_get(
+                f"jaxring_gpu_worker/{key}", int(wait_s * 1000))
+        except Exception:  # the client's own error types; a timeout among them
+            return None
 
 
 NUMPY_OP = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
@@ -220,15 +313,19 @@ def correctness(job: Job) -> int:
                 expected = xs[0]
                 for x in xs[1:]:
                     expected = NUMPY_OP[op](expected, x).astype(dtype)
+                # Named before it runs and judged after: a hang's log ends
+                # with the case that hung.
+                print(f"case {np.dtype(dtype)} {op} {algorithm} n={n} rings={rings} "
+                      f"chunk={chunk}", flush=True)
                 f = job.allreduce_fn(op=op, algorithm=algorithm, rings=rings,
                                      chunk_bytes=chunk, timeout_s=60.0)
                 got = job.local_result(f(job.global_array(xs[job.pid])))
                 cases += 1
                 if got.tobytes() != expected.tobytes():
                     failures += 1
-                    print(f"MISMATCH {np.dtype(dtype)} {op} {algorithm} n={n} "
-                          f"rings={rings} chunk={chunk}: {got[:8]} vs {expected[:8]}",
-                          flush=True)
+                    print(f"  MISMATCH: {got[:8]} vs {expected[:8]}", flush=True)
+                else:
+                    print("  ok", flush=True)
     print(f"process {job.pid}: {cases} cases, {failures} mismatches", flush=True)
     return failures
 
@@ -265,8 +362,8 @@ def bench(job: Job) -> int:
 
 def peer_missing(job: Job) -> int:
     if job.pid != 0:
-        time.sleep(25)  # alive, but never joins
-        return 0
+        # Alive, but never joins; it waits for process 0's calls to be over.
+        return 0 if job.wait_for("peer_missing/calls_over", 90) is not None else 1
     f = job.allreduce_fn(timeout_s=5.0)
     x = job.global_array(np.ones(1024, np.float32))
     calls = []
@@ -277,6 +374,7 @@ def peer_missing(job: Job) -> int:
             calls.append((time.perf_counter() - t0, None))
         except Exception as e:  # XLA's runtime error carries the handler's message
             calls.append((time.perf_counter() - t0, str(e)))
+    job.publish("peer_missing/calls_over", "1")
     for i, (took, err) in enumerate(calls):
         print(f"call {i} {'failed' if err else 'returned'} after {took:.1f} s: "
               f"{(err or '')[:400]}", flush=True)
@@ -287,10 +385,15 @@ def peer_missing(job: Job) -> int:
 
 
 def peer_dies(job: Job) -> int:
-    f = job.allreduce_fn(timeout_s=5.0)
     x = job.global_array(np.ones(1 << 20, np.float32))
-    job.local_result(f(x))  # both ranks: communicators up, one good call
+    # Communicators are cached per (devices, ring), not per call: a first
+    # call with a generous timeout sets them up, so that the 5 s below
+    # covers the allreduce alone, not NCCL's communicator set-up.
+    job.local_result(job.allreduce_fn(timeout_s=60.0)(x))
+    f = job.allreduce_fn(timeout_s=5.0)
+    job.local_result(f(x))  # both ranks: one good call with the short timeout
     if job.pid != 0:
+        job.say_done(0)  # before dying, so that rank 0 still leaves last
         sys.stdout.flush()
         os._exit(0)  # dies without a word to its peer
     t0 = time.perf_counter()
@@ -343,9 +446,12 @@ def _mlp_inputs(job: Job, width: int, layers: int, batch: int):
 def overlap(job: Job) -> int:
     ws, x = _mlp_inputs(job, 256, 6, 64)
     plain, over = _mlp_step(job, False), _mlp_step(job, True, bucket_mb=0.25)
-    text = over.lower(ws, x).as_text()
-    if "jaxring_allreduce_start_cuda" not in text:
-        print("the overlapped step has no CUDA start", flush=True)
+    # The order XLA compiled: buckets start while the backward pass still
+    # has work, and each done comes after its start.
+    scheduled, order = overlap_schedule(over.lower(ws, x).compile().as_text())
+    print(f"compiled order ({'overlapping' if scheduled else 'NOT overlapping'}): "
+          f"{order}", flush=True)
+    if not scheduled:
         return 1
     a = b = ws
     for _ in range(3):
@@ -400,15 +506,17 @@ def main() -> None:
         rc = _selftest(pid, mode)
         print("OK" if rc == 0 else f"failed: {rc}", flush=True)
         os._exit(rc)
+    if mode == "overlap":
+        # The overlapped and the plain step are compiled apart; with GEMM
+        # autotuning each might pick another algorithm and round otherwise.
+        os.environ["XLA_FLAGS"] = "--xla_gpu_autotune_level=0"
     job = Job(pid, nprocs, port)
     rc = {"correctness": correctness, "bench": bench, "peer_missing": peer_missing,
           "peer_dies": peer_dies, "overlap": overlap,
           "overlap_bench": overlap_bench}[mode](job)
     if rc == 0:
         print("OK", flush=True)
-    sys.stdout.flush()
-    # Skip jax.distributed's shutdown barrier, which a failed peer would hold.
-    os._exit(rc)
+    job.leave(rc)
 
 
 if __name__ == "__main__":
