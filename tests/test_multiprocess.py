@@ -325,3 +325,14 @@ def test_link_emulation_is_refused_for_rings_across_processes():
     for rank, lines in lines_by_rank(r.stdout).items():
         refused = [l for l in lines if l.startswith("REFUSED")]
         assert refused and "spans processes" in refused[0], (rank, lines[-5:])
+
+
+def test_a_failed_tcp_setup_is_reported_again_not_retried():
+    r = run_launcher(2, "setup_retry.py")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = lines_by_rank(r.stdout)[0]
+    first = [l for l in lines if l.startswith("FIRST")]
+    second = [l for l in lines if l.startswith("SECOND")]
+    assert first and "process 1 did not publish its TCP address" in first[0], lines
+    assert second and "set-up failed earlier in this process" in second[0], lines
+    assert "process 1 did not publish its TCP address" in second[0], lines

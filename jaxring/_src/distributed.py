@@ -37,6 +37,8 @@ _JOB_KEY = _PREFIX + "job"
 SECRET_ENV = "JAXRING_JOB_SECRET"
 _lock = threading.Lock()
 _ready = False
+# The message of a set-up that failed, raised again by every later call.
+_setup_failure: str | None = None
 _hosts: dict[int, str] = {}
 _secret_source = ""
 
@@ -156,51 +158,72 @@ def _job_secret_and_id(client, me: int, timeout_ms: int) -> tuple[bytes, bytes, 
 
 def ensure_tcp_transport(timeout_s: float) -> None:
     """Sets up the TCP transport once per process (blocks until every
-    process has published its address, at most timeout_s)."""
-    global _ready, _secret_source
+    process has published its address, at most timeout_s).
+
+    A set-up that failed is not tried again: its keys are published once
+    per job (a second try would meet its own), and the job's processes
+    would no longer agree on the job record. Every later call raises the
+    first failure instead."""
+    global _setup_failure
+    from jaxring._src import jax_compat
     with _lock:
         if _ready:
             return
-        from jaxring import _jaxring
-        from jaxring._src import jax_compat
-
-        client = jax_compat.distributed_client()
-        if client is None:
+        if jax_compat.distributed_client() is None:
             raise RuntimeError(
                 "jaxring.allreduce: the ring's devices belong to several "
                 "processes but jax.distributed is not initialized in this one; "
                 "call jax.distributed.initialize() first (or start the job "
                 "with `python -m jaxring.launch`).")
-        me, n, coordinator = jax_compat.distributed_state()
-        timeout_ms = int(timeout_s * 1000)
-        secret, job_id, source = _job_secret_and_id(client, me, timeout_ms)
-        host = _local_host(coordinator)
-        port = _jaxring.tcp_listen(host, me, n, secret, job_id)
-        address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-        mine = secret_fingerprint(secret, job_id)
-        client.key_value_set(_ADDRESS_KEY.format(me), json.dumps(
-            {"address": address, "secret_fingerprint": mine}))
-        addresses = []
-        for q in range(n):
-            try:
-                record = json.loads(client.blocking_key_value_get(
-                    _ADDRESS_KEY.format(q), timeout_ms))
-            except Exception as e:  # the client raises its own error types
-                raise RuntimeError(
-                    f"jaxring: process {q} did not publish its TCP address "
-                    f"within {timeout_s} s (is it running the same program?): "
-                    f"{e}") from e
-            if record["secret_fingerprint"] != mine:
-                raise RuntimeError(
-                    f"jaxring: process {q} holds another {SECRET_ENV} than "
-                    f"this process ({me}); every process of a job needs the "
-                    f"same one")
-            addresses.append(record["address"])
-        _jaxring.tcp_set_peers(addresses)
-        _secret_source = source
-        for q, a in enumerate(addresses):
-            _hosts[q] = a.rsplit(":", 1)[0].strip("[]")
-        _ready = True
+        if _setup_failure is not None:
+            raise RuntimeError(
+                "jaxring: the TCP transport's set-up failed earlier in this "
+                "process and is not tried again (restart the job); the first "
+                f"failure: {_setup_failure}")
+        try:
+            _set_up_tcp_transport(timeout_s)
+        except Exception as e:
+            _setup_failure = str(e)
+            raise
+
+
+def _set_up_tcp_transport(timeout_s: float) -> None:
+    """ensure_tcp_transport's work, under its lock."""
+    global _ready, _secret_source
+    from jaxring import _jaxring
+    from jaxring._src import jax_compat
+
+    client = jax_compat.distributed_client()
+    me, n, coordinator = jax_compat.distributed_state()
+    timeout_ms = int(timeout_s * 1000)
+    secret, job_id, source = _job_secret_and_id(client, me, timeout_ms)
+    host = _local_host(coordinator)
+    port = _jaxring.tcp_listen(host, me, n, secret, job_id)
+    address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    mine = secret_fingerprint(secret, job_id)
+    client.key_value_set(_ADDRESS_KEY.format(me), json.dumps(
+        {"address": address, "secret_fingerprint": mine}))
+    addresses = []
+    for q in range(n):
+        try:
+            record = json.loads(client.blocking_key_value_get(
+                _ADDRESS_KEY.format(q), timeout_ms))
+        except Exception as e:  # the client raises its own error types
+            raise RuntimeError(
+                f"jaxring: process {q} did not publish its TCP address "
+                f"within {timeout_s} s (is it running the same program?): "
+                f"{e}") from e
+        if record["secret_fingerprint"] != mine:
+            raise RuntimeError(
+                f"jaxring: process {q} holds another {SECRET_ENV} than "
+                f"this process ({me}); every process of a job needs the "
+                f"same one")
+        addresses.append(record["address"])
+    _jaxring.tcp_set_peers(addresses)
+    _secret_source = source
+    for q, a in enumerate(addresses):
+        _hosts[q] = a.rsplit(":", 1)[0].strip("[]")
+    _ready = True
 
 
 def transport_info() -> dict:
