@@ -198,3 +198,15 @@ def test_nccl_algorithm_is_refused_on_cpu():
                               check_vma=False))
     with pytest.raises(ValueError, match="CUDA backend only"):
         f(jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("i"))))
+
+
+def test_device_table_has_minus_one_for_devices_other_processes_own():
+    """A device of another process has no readable local_hardware_id (None
+    in a multi-process job); the table says -1 there and keeps this
+    process's own ordinals, which are all the handler looks for."""
+    class Device:
+        def __init__(self, process_index, local_hardware_id):
+            self.process_index, self.local_hardware_id = process_index, local_hardware_id
+    table = cuda_backend.device_table([[Device(0, 0), Device(1, None)],
+                                       [Device(0, 1), Device(1, None)]])
+    assert table.tolist() == [0, 0, 1, -1, 0, 1, 1, -1]

@@ -113,10 +113,12 @@ def test_the_device_script_names_each_failure_within_its_budget(tmp_path):
             status[words[1]] = (words[0], line)
     assert [(n, s) for n, (s, _) in status.items()] == [
         ("passes", "PASS"), ("spews", "PASS"), ("hangs", "TIMEOUT"), ("dies", "FAIL"),
-        ("after_death", "SKIPPED"), ("outlasts_budget", "TIMEOUT"),
+        ("after_death", "SKIPPED"), ("why_it_died", "PASS"), ("outlasts_budget", "TIMEOUT"),
         ("no_time_left", "SKIPPED")], summary
     assert "exit status 3" in status["dies"][1]
     assert "needs dies" in status["after_death"][1]
+    # A diagnosis runs only after a failure, and its output is in the summary.
+    assert "a diagnosis of the death" in summary and "why_it_passed" not in summary
     assert "budget spent" in status["no_time_left"][1]
     # The hanging rank's stack, from its own log, is in the summary.
     hang_part = summary.split("TIMEOUT hangs")[1].split("FAIL    dies")[0]

@@ -144,7 +144,11 @@ def unique_ids(groups: Sequence[Sequence], rings: int,
 
 
 def device_table(groups: Sequence[Sequence]) -> np.ndarray:
-    """The device_table attribute: (process, device ordinal) per rank."""
-    rows = [(d.process_index, d.local_hardware_id)
+    """The device_table attribute: (process, device ordinal) per rank.
+
+    A device of another process has no ordinal this process can read (its
+    local_hardware_id is None); -1 stands for it. The handler only looks
+    for its own (process, ordinal) row, which is always readable."""
+    rows = [(d.process_index, -1 if d.local_hardware_id is None else d.local_hardware_id)
             for devices in groups for d in devices]
     return np.asarray(rows, np.int64).reshape(-1)

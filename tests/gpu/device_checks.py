@@ -44,6 +44,8 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 
 # The tail of a failed step's log that goes into the summary.
 TAIL_LINES = 30
+# The tail of a diagnosis's log that goes into the summary.
+DIAGNOSIS_LINES = 150
 # The tail of each rank's log written during a failed step.
 RANK_TAIL_LINES = 12
 # Between SIGABRT and SIGKILL: time for the fault handlers to write stacks.
@@ -59,6 +61,9 @@ class Step:
     env: dict = dataclasses.field(default_factory=dict)
     cwd: str = "/tmp"       # outside the checkout: the installed package is imported
     log_name: str = ""      # default: NN-name.log in the work folder
+    # A diagnosis: runs only when this step did not pass, and its whole
+    # output goes into the summary; its own status does not count.
+    diagnoses: str = ""
 
 
 @dataclasses.dataclass
@@ -99,6 +104,7 @@ class Runner:
         self.deadline = self.start + budget_s
         self.budget_s = budget_s
         self.outcomes: dict[str, Outcome] = {}
+        self.diagnoses: set[str] = set()  # diagnosis steps that ran
         self.summary = os.path.join(log_dir, "summary.txt")
         with open(self.summary, "w") as f:
             f.write(f"jaxring device checks: budget {budget_s:.0f} s\n")
@@ -119,6 +125,10 @@ class Runner:
     def run(self, step: Step, index: int) -> Outcome:
         missing = [n for n in step.needs if self.outcomes.get(n, Outcome("")).status != "PASS"]
         left = self.deadline - time.monotonic()
+        if step.diagnoses:
+            if self.outcomes.get(step.diagnoses, Outcome("")).status not in ("FAIL", "TIMEOUT"):
+                return Outcome("SKIPPED")  # nothing to diagnose: not even a line
+            self.diagnoses.add(step.name)
         if missing:
             out = Outcome("SKIPPED", f"needs {', '.join(missing)}")
         elif left < min(step.limit_s, 20) + ABORT_GRACE_S:
@@ -129,7 +139,9 @@ class Runner:
         self.outcomes[step.name] = out
         line = f"{out.status:<7} {step.name:<16} {out.took_s:6.1f} s  {out.detail}"
         self.note(line.rstrip())
-        if out.status in ("FAIL", "TIMEOUT"):
+        if step.diagnoses and out.status != "SKIPPED":
+            self.note(_indented(_tail(self._log(step, index), DIAGNOSIS_LINES)))
+        elif out.status in ("FAIL", "TIMEOUT"):
             self.note(_indented(_tail(self._log(step, index))))
             # The ranks of the step's jobs: where each one stopped.
             for path, stamp in sorted(self._rank_logs().items()):
@@ -213,7 +225,7 @@ class Runner:
                   + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
         self.pack()
         bad = [n for n, o in self.outcomes.items()
-               if o.status in ("FAIL", "TIMEOUT")
+               if n not in self.diagnoses and o.status in ("FAIL", "TIMEOUT")
                or (o.status == "SKIPPED" and o.detail.startswith("budget"))]
         return 1 if bad else 0
 
@@ -229,7 +241,9 @@ def _pytest(*tests) -> list:
 
 def _build_command() -> list:
     """pip install of the checkout with the CUDA backend, for sm_90 only,
-    in a build folder that a second run on the same machine reuses."""
+    in a build folder that a second run on the same machine reuses; with
+    debug information, so that a crash's native stack names jaxring's
+    functions."""
     script = f"""
 set -e
 # nvcc where CUDA images put it, when it is not on PATH.
@@ -243,6 +257,7 @@ cd {REPO}
 JAXRING_CUDA=ON JAXRING_TCP_AUTH=$tcp_auth CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \\
   {sys.executable} -m pip install -v --no-build-isolation --no-deps \\
   --config-settings=build-dir=/tmp/jaxring-build \\
+  --config-settings=cmake.build-type=RelWithDebInfo \\
   --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90 .
 """
     return ["bash", "-c", script]
@@ -264,20 +279,22 @@ def gpu_steps() -> list[Step]:
         Step("kernel", _pytest(gpu_test + "test_reduce_kernel_matches_cpu_bitwise"), 90,
              needs=("link",)),
         Step("world1", _pytest(gpu_test + "test_world_of_one_gpu"), 120, needs=("link",)),
+        Step("world1_diagnosis", _py(os.path.join(HERE, "diagnose_world_of_one.py")), 240,
+             needs=("link",), diagnoses="world1"),
         Step("world2", _pytest(gpu_test + "test_processes_sharing_the_gpu_match_numpy[2]"),
              150, needs=("link",), env=nccl_info),
         Step("overlap", _pytest(gpu_test + "test_overlap_step_matches_pmean_at_the_end"),
-             120, needs=("world2",)),
+             120, needs=("link",)),
         Step("peer_missing", _pytest(gpu_test + "test_missing_peer_times_out_then_fails_fast"),
-             90, needs=("world2",)),
+             90, needs=("link",)),
         Step("peer_dies",
              _pytest(gpu_test + "test_peer_dying_mid_job_raises_instead_of_hanging"),
-             90, needs=("world2",)),
+             90, needs=("link",)),
         Step("world4", _pytest(gpu_test + "test_processes_sharing_the_gpu_match_numpy[4]"),
-             180, needs=("world2",)),
+             180, needs=("link",)),
         Step("kernel_bw", _py(bench, "--parts", "kernel"), 60, needs=("kernel",)),
         Step("busbw", _py(bench, "--parts", "busbw", "--worlds", "2"), 150,
-             needs=("world2",)),
+             needs=("link",)),
         Step("overlap_bench", _py(bench, "--parts", "overlap"), 120, needs=("overlap",)),
     ]
 
@@ -299,6 +316,9 @@ def selftest_steps() -> list[Step]:
         Step("hangs", job("selftest_hang", 3600), 5, needs=("passes",)),
         Step("dies", job("selftest_die", 60), 60),
         Step("after_death", _py("-c", "print('never')"), 30, needs=("dies",)),
+        Step("why_it_died", _py("-c", "print('a diagnosis of the death')"), 30,
+             diagnoses="dies"),
+        Step("why_it_passed", _py("-c", "print('never')"), 30, diagnoses="passes"),
         Step("outlasts_budget", _py("-c", "import time; time.sleep(3600)"), 3600),
         Step("no_time_left", _py("-c", "print('never')"), 30),
     ]
