@@ -28,7 +28,7 @@ def attempt(title: str, argv: list, env: dict, limit_s: float) -> None:
     try:
         r = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, errors="replace", timeout=limit_s)
-        print(r.stdout[-12000:])
+        print(r.stdout[-20000:])
         print(f"---- exit status {r.returncode}", flush=True)
     except subprocess.TimeoutExpired as e:
         out = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
@@ -43,8 +43,8 @@ def main() -> int:
     if gdb:
         attempt("under cuda-gdb: the native stack of a crash",
                 [gdb, "-q", "-batch", "-ex", "set pagination off", "-ex", "set confirm off",
-                 "-ex", "run", "-ex", "bt 40", "-ex", "info threads",
-                 "-ex", "thread apply all bt 10", "--args", sys.executable, SCRIPT, "ring"],
+                 "-ex", "run", "-ex", "bt 30", "-ex", "info sharedlibrary",
+                 "--args", sys.executable, SCRIPT, "ring"],
                 env, 120)
     else:
         print("no cuda-gdb on this machine", flush=True)

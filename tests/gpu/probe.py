@@ -59,6 +59,10 @@ def before_build() -> int:
         print(command(*tool).splitlines()[-1])
     if shutil.which("nvcc") is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
         print("nvcc at /usr/local/cuda/bin (the build adds it to PATH)")
+    print("c++:", command("c++", "--version").splitlines()[0])
+    for name in ("CC", "CXX", "CFLAGS", "CXXFLAGS", "LDFLAGS", "LD_LIBRARY_PATH"):
+        if os.environ.get(name):
+            print(f"{name}={os.environ[name]}")
     print("== packages")
     from importlib import metadata
     for name in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "nvidia-nccl-cu13",
@@ -95,6 +99,14 @@ def after_build() -> int:
           "; CUDA runtime", _jaxring_cuda.cuda_runtime_version(),
           "; GPUs", _jaxring_cuda.device_count())
     print("ranks share the GPU with", gpu_worker.sharing_mode(nccl))
+    # Whether libstdc++ is linked into the modules or loaded beside them,
+    # and whether they export any of it (they should not).
+    for module in glob.glob(os.path.join(os.path.dirname(jaxring.__file__), "_jaxring*.so")):
+        exported = command("nm", "-D", "--defined-only", module).splitlines()
+        std = [l for l in exported if " _ZNSt" in l or " _ZSt" in l or " _ZNKSt" in l]
+        linked = [l.strip() for l in command("ldd", module).splitlines() if "stdc++" in l]
+        print(f"{os.path.basename(module)}: {len(std)} std:: symbols exported; "
+              f"libstdc++: {linked or 'not loaded beside it (linked in)'}")
     return 0 if _jaxring_cuda.device_count() > 0 else 1
 
 

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "../ffi_common.h"
@@ -15,6 +16,8 @@ namespace ffi = xla::ffi;
 namespace jaxring::cuda {
 
 namespace {
+
+constexpr size_t kScratchAlignment = 16;
 
 ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
                              ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
@@ -38,10 +41,16 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
   RingIssue how;
   // XLA's scratch memory is ordered on its stream, which waits for every
   // ring (below), so the rings' use of it ends before XLA reuses it.
+  // XLA's FFI refuses alignments above 16 bytes ("Unsupported
+  // alignment"); its allocator hands out blocks aligned far more coarsely,
+  // and the reduce kernel's vector loads need 16.
   how.scratch = [&scratch](int64_t bytes, std::vector<void*>* out) -> Status {
     for (void*& p : *out) {
-      std::optional<void*> buf = scratch.Allocate(bytes, 256);
-      if (!buf) return "jaxring CUDA backend: no scratch memory for a chunk";
+      std::optional<void*> buf = scratch.Allocate(bytes, kScratchAlignment);
+      if (!buf) {
+        return "jaxring CUDA backend: XLA gave no scratch memory for a chunk (" +
+               std::to_string(bytes) + " bytes)";
+      }
       p = *buf;
     }
     return std::nullopt;

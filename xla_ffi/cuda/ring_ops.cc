@@ -292,16 +292,18 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
   JAXRING_CUDA_CHECK(cudaEventRecord(fork, xla_stream));
   for (int r = 0; r < op.num_rings; ++r) {
     Communicator* c = comms[r];
-    std::ostringstream what;
-    what << "allreduce op " << op.op_id << ", ring " << r << " (rank "
-         << op.rank << " of " << op.world_size << ", group " << op.group
-         << ", device " << device << ")";
+    // Built for every ring of every call (the watchdog keeps it for its
+    // messages): plain concatenation, no stream.
+    const std::string what =
+        "allreduce op " + std::to_string(op.op_id) + ", ring " + std::to_string(r) +
+        " (rank " + std::to_string(op.rank) + " of " + std::to_string(op.world_size) +
+        ", group " + std::to_string(op.group) + ", device " + std::to_string(device) + ")";
     if (const cudaError_t e = cudaStreamWaitEvent(c->stream, fork, 0);
         e != cudaSuccess) {
       // Rings 0..r-1 already run: abort them and still join them.
       const std::string why = cuda_failure(
           e, "cudaStreamWaitEvent of the fork", __FILE__, __LINE__);
-      fail_rings(xla_stream, comms, r, what.str() + ": " + why);
+      fail_rings(xla_stream, comms, r, what + ": " + why);
       return why;
     }
     cudaEvent_t started = nullptr;
@@ -310,13 +312,13 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
       s = enqueue_work(op, *plan, r, c, scratch_of[r], in, out);
       if (s) watch_cancel(device, started);
     }
-    if (!s) s = watch_finish(c, device, started, op.timeout_s, what.str());
+    if (!s) s = watch_finish(c, device, started, op.timeout_s, what);
     if (s) {
-      fail_rings(xla_stream, comms, r + 1, what.str() + ": " + *s);
+      fail_rings(xla_stream, comms, r + 1, what + ": " + *s);
       return s;
     }
     if (Status j = how.join(r, c)) {
-      fail_rings(xla_stream, comms, r + 1, what.str() + ": " + *j);
+      fail_rings(xla_stream, comms, r + 1, what + ": " + *j);
       return j;
     }
   }
