@@ -13,10 +13,16 @@ Prints, from one run:
    communicators, for worlds of several processes sharing the GPU, 1 MiB to
    256 MiB (goal: ring >= 0.9x NCCL from 16 MiB). On one GPU every rank
    shares its memory bandwidth, so these figures compare the two
-   schedules, not a network.
+   schedules on the same transport, not a network.
 3. An MLP train step (8 layers of 2048 x 2048, 128 MiB of gradients) with
-   jaxring.overlap and with jaxring.pmean at the end, world 2 sharing the
-   GPU, in alternating rounds.
+   jaxring.overlap (buckets of 25 and of 4 MiB) and with jaxring.pmean at
+   the end, world 2 sharing the GPU, in alternating rounds.
+4. (--parts sweep) busbw of the ring by rings (1, 2, 4) and chunk size
+   (1, 4, 16 MiB) against NCCL's, world 2, 16 to 256 MiB.
+
+With NCCL older than 2.30 the ranks sharing the GPU talk over loopback
+sockets (tests/gpu/gpu_worker.py, gpu_env), so busbw there measures NCCL's
+socket transport, not NVLink.
 """
 
 import argparse
@@ -42,8 +48,9 @@ def kernel_bandwidth(nbytes: int, iters: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["kernel", "busbw", "overlap"],
-                        choices=["kernel", "busbw", "overlap"],
-                        help="which of the three benchmarks to run (default all)")
+                        choices=["kernel", "busbw", "overlap", "sweep"],
+                        help="which benchmarks to run (default kernel, busbw and "
+                             "overlap; sweep: busbw by rings and chunk size, world 2)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--kernel-bytes", type=int, default=1 << 30)
     parser.add_argument("--iters", type=int, default=20)
@@ -58,6 +65,11 @@ def main(argv=None) -> int:
             rc = 1
             for code, out in results[1:]:
                 print(out[-2000:])
+    if "sweep" in args.parts:
+        results = gpu_worker.launch(2, "bench_sweep", timeout=300)
+        print(results[0][1])
+        if any(code != 0 for code, _ in results):
+            rc = 1
     if "overlap" in args.parts:
         results = gpu_worker.launch(2, "overlap_bench", timeout=300)
         print(results[0][1])

@@ -296,6 +296,7 @@ def gpu_steps() -> list[Step]:
         Step("world4", _pytest(gpu_test + "test_processes_sharing_the_gpu_match_numpy[4]"),
              120, needs=("link",)),
         Step("overlap_bench", _py(bench, "--parts", "overlap"), 120, needs=("overlap",)),
+        Step("busbw_sweep", _py(bench, "--parts", "sweep"), 150, needs=("busbw",)),
     ]
 
 

@@ -13,6 +13,8 @@ MODE:
   the comparison is bit for bit.
 * ``bench``: busbw of jaxring's ring and of NCCL's allreduce on the same
   communicators, 1 MiB to 256 MiB, in alternating rounds; prints a table.
+* ``bench_sweep``: the ring's busbw by rings and chunk size against
+  NCCL's, 16 to 256 MiB.
 * ``peer_missing``: process 1 never calls; process 0's call must fail
   after its timeout, and its next call must fail at once saying the
   communicator was aborted.
@@ -360,6 +362,45 @@ def bench(job: Job) -> int:
     return 0
 
 
+def bench_sweep(job: Job) -> int:
+    """busbw of the ring by rings and chunk size against NCCL's allreduce,
+    16 to 256 MiB: which of the ring's parameters its gap to NCCL depends
+    on."""
+    rounds, iters = 3, 5
+    configs = [("nccl", 2, 1 << 22)] + [("ring", r, c) for r in (1, 2, 4)
+                                        for c in (1 << 20, 1 << 22, 1 << 24)]
+    results = {}
+    for nbytes in (1 << 24, 1 << 26, 1 << 28):
+        x = job.global_array(np.ones(nbytes // 4, np.float32))
+        fns = {cfg: job.allreduce_fn(algorithm=cfg[0], rings=cfg[1], chunk_bytes=cfg[2])
+               for cfg in configs}
+        for f in fns.values():
+            f(x).block_until_ready()
+        times = {cfg: [] for cfg in fns}
+        for _ in range(rounds):
+            for cfg, f in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    y = f(x)
+                y.block_until_ready()
+                times[cfg].append((time.perf_counter() - t0) / iters)
+        for cfg, t in times.items():
+            results[(nbytes, cfg)] = 2 * (job.nprocs - 1) / job.nprocs * nbytes / np.median(t) / 1e9
+    if job.pid == 0:
+        print(f"world {job.nprocs} on one GPU: busbw GB/s by configuration, float32 sum "
+              f"(median of {rounds} rounds of {iters} calls); ratio to nccl in brackets")
+        sizes = sorted({n for n, _ in results})
+        print(f"{'algorithm rings chunk':>24} " + " ".join(f"{n >> 20:>9} MiB" for n in sizes))
+        for cfg in configs:
+            cells = []
+            for n in sizes:
+                bw = results[(n, cfg)]
+                cells.append(f"{bw:6.2f} ({bw / results[(n, configs[0])]:.2f})")
+            print(f"{cfg[0]:>10} {cfg[1]:>5} {cfg[2] >> 10:>6}K " + " ".join(
+                f"{c:>13}" for c in cells))
+    return 0
+
+
 def peer_missing(job: Job) -> int:
     if job.pid != 0:
         # Alive, but never joins; it waits for process 0's calls to be over.
@@ -465,7 +506,11 @@ def overlap(job: Job) -> int:
 
 def overlap_bench(job: Job) -> int:
     ws, x = _mlp_inputs(job, 2048, 8, 512)
-    fns = {"pmean at end": _mlp_step(job, False), "overlap": _mlp_step(job, True)}
+    # Buckets of 25 MiB (PyTorch DDP's default) and of 4 MiB: every bucket
+    # is an allreduce of its own, with its own per-step costs.
+    fns = {"pmean at end": _mlp_step(job, False),
+           "overlap 25 MiB": _mlp_step(job, True, bucket_mb=25.0),
+           "overlap 4 MiB": _mlp_step(job, True, bucket_mb=4.0)}
     for f in fns.values():
         job.jax.block_until_ready(f(ws, x))
     times = {k: [] for k in fns}
@@ -481,7 +526,8 @@ def overlap_bench(job: Job) -> int:
         print(f"overlap on GPU, world {job.nprocs}, 8x2048^2 MLP (128 MiB of "
               f"gradients), median of 5 rounds of 5 steps: "
               + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items())
-              + f"; overlap/plain = {med['overlap'] / med['pmean at end']:.3f}",
+              + "; overlap/plain = " + ", ".join(
+                  f"{med[k] / med['pmean at end']:.3f} ({k})" for k in med if k != "pmean at end"),
               flush=True)
     return 0
 
@@ -511,7 +557,8 @@ def main() -> None:
         # autotuning each might pick another algorithm and round otherwise.
         os.environ["XLA_FLAGS"] = "--xla_gpu_autotune_level=0"
     job = Job(pid, nprocs, port)
-    rc = {"correctness": correctness, "bench": bench, "peer_missing": peer_missing,
+    rc = {"correctness": correctness, "bench": bench, "bench_sweep": bench_sweep,
+          "peer_missing": peer_missing,
           "peer_dies": peer_dies, "overlap": overlap,
           "overlap_bench": overlap_bench}[mode](job)
     if rc == 0:
