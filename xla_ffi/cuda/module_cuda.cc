@@ -6,6 +6,7 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -102,6 +103,13 @@ jaxring::cuda::Status time_reduce_and_copy(int elem_type, int64_t nbytes, int it
 
 NB_MODULE(_jaxring_cuda, m) {
   m.doc() = "jaxring's CUDA backend: NCCL rings as XLA FFI custom calls";
+
+  // A ring allreduce issues one communicator per ring on streams of its
+  // own, side by side. Since NCCL 2.26 that is safe only with implicit
+  // launch order (and the same host order on every rank, which ring_ops.cc
+  // keeps). NCCL reads the variable once, at its first use in the process,
+  // so it is set here, before any NCCL call; a user's own value stays.
+  setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", /*overwrite=*/0);
 
   m.def("registrations", []() {
     nb::dict d;

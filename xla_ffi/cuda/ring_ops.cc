@@ -278,6 +278,12 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
     locks.emplace_back(c->mu);
     if (c->aborted) return aborted_error(c);
   }
+  // Held while this call issues, so that no other thread calls NCCL on this
+  // device's communicators meanwhile (communicators.h). Every rank issues
+  // its rings in the same host order, ring 0 first, which NCCL requires of
+  // communicators used side by side (with NCCL_LAUNCH_ORDER_IMPLICIT from
+  // 2.26, set by module_cuda.cc).
+  const auto nccl = lock_device_nccl(device);
   // Every ring's scratch before the first fork, so that running out of
   // memory fails before any work is enqueued.
   std::vector<void*> scratch_of(op.num_rings, nullptr);

@@ -41,6 +41,34 @@ std::mutex mu;
 std::map<std::tuple<int64_t, int, int64_t>, std::deque<Started>> started;
 int pending = 0;
 
+// Stream-ordered memory for the buckets comes from a pool of jaxring's own
+// per device, which keeps what it holds across synchronizations (release
+// threshold: never). The device's default pool gives memory back to the
+// driver at every synchronization (threshold 0), so a training loop would
+// map and unmap its buckets every step; and the default pool is shared with
+// other libraries, whose settings jaxring leaves alone.
+std::mutex pools_mu;
+std::map<int, cudaMemPool_t> pools;
+
+Status pool_for(int device, cudaMemPool_t* out) {
+  std::lock_guard<std::mutex> lock(pools_mu);
+  auto it = pools.find(device);
+  if (it == pools.end()) {
+    cudaMemPoolProps props = {};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t pool = nullptr;
+    JAXRING_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
+    uint64_t keep_all = UINT64_MAX;
+    JAXRING_CUDA_CHECK(
+        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
+    it = pools.emplace(device, pool).first;
+  }
+  *out = it->second;
+  return std::nullopt;
+}
+
 // Frees what a start allocated, ordered on `stream` (after what it already
 // holds), and destroys its events once they have completed. `stream` must
 // already wait on every event in s.joins (wait_for_rings).
@@ -103,7 +131,9 @@ Status start(cudaStream_t stream, int device, ffi::RemainingArgs args,
   }
   const int64_t esize = elem_bytes(op.type);
   if (s->bytes == 0) return std::nullopt;
-  JAXRING_CUDA_CHECK(cudaMallocAsync(&s->buffer, s->bytes, stream));
+  cudaMemPool_t pool = nullptr;
+  JAXRING_RETURN_IF_FAILED(pool_for(device, &pool));
+  JAXRING_CUDA_CHECK(cudaMallocFromPoolAsync(&s->buffer, s->bytes, pool, stream));
   int64_t offset = 0;
   for (const auto& [ptr, n] : parts) {
     JAXRING_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(s->buffer) + offset, ptr,
@@ -113,7 +143,7 @@ Status start(cudaStream_t stream, int device, ffi::RemainingArgs args,
   RingIssue how;
   how.scratch = [&](int64_t bytes, std::vector<void*>* out) -> Status {
     for (void*& p : *out) {
-      JAXRING_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream));
+      JAXRING_CUDA_CHECK(cudaMallocFromPoolAsync(&p, bytes, pool, stream));
       s->scratch.push_back(p);
     }
     return std::nullopt;
