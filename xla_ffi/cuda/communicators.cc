@@ -28,37 +28,6 @@ struct Key {
 std::mutex cache_mu;
 std::map<Key, std::unique_ptr<Communicator>> cache;
 
-std::mutex device_locks_mu;
-std::map<int, std::unique_ptr<std::mutex>> device_locks;
-
-// Abort flags: words of pinned, mapped host memory, handed out from slabs
-// that live as long as the process. One pinned allocation serves many
-// communicators (pinning is slow and best kept off the path of a call), and
-// a flag is never freed under an abort-check kernel that may still read it.
-constexpr int kFlagsPerSlab = 1024;
-std::mutex flags_mu;
-int* flag_slab = nullptr;      // host address of the current slab
-int flags_used = kFlagsPerSlab;
-
-Status take_abort_flag(volatile int** host, const int** device) {
-  std::lock_guard<std::mutex> lock(flags_mu);
-  if (flags_used == kFlagsPerSlab) {
-    void* slab = nullptr;
-    JAXRING_CUDA_CHECK(cudaHostAlloc(&slab, kFlagsPerSlab * sizeof(int),
-                                     cudaHostAllocMapped | cudaHostAllocPortable));
-    flag_slab = static_cast<int*>(slab);
-    flags_used = 0;
-  }
-  int* word = flag_slab + flags_used;
-  void* on_device = nullptr;
-  JAXRING_CUDA_CHECK(cudaHostGetDevicePointer(&on_device, word, 0));
-  ++flags_used;
-  *word = 0;
-  *host = word;
-  *device = static_cast<const int*>(on_device);
-  return std::nullopt;
-}
-
 Status create(const UniqueIdBytes& id, int world_size, int rank, int device,
               double timeout_s, Communicator* c) {
   DeviceGuard guard(device);
@@ -78,22 +47,17 @@ Status create(const UniqueIdBytes& id, int world_size, int rank, int device,
   JAXRING_CUDA_CHECK(cudaEventCreateWithFlags(&c->join, cudaEventDisableTiming));
   // Host memory the device reads: set when the communicator is aborted, so
   // that work already enqueued behind it fails (watchdog.h).
-  return take_abort_flag(&c->abort_flag_host, &c->abort_flag_device);
+  void* flag = nullptr;
+  JAXRING_CUDA_CHECK(cudaHostAlloc(&flag, sizeof(int), cudaHostAllocMapped));
+  c->abort_flag_host = static_cast<volatile int*>(flag);
+  *c->abort_flag_host = 0;
+  void* on_device = nullptr;
+  JAXRING_CUDA_CHECK(cudaHostGetDevicePointer(&on_device, flag, 0));
+  c->abort_flag_device = static_cast<const int*>(on_device);
+  return std::nullopt;
 }
 
 }  // namespace
-
-std::unique_lock<std::mutex> lock_device_nccl(int device, bool try_only) {
-  std::mutex* m = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(device_locks_mu);
-    auto& slot = device_locks[device];
-    if (!slot) slot = std::make_unique<std::mutex>();
-    m = slot.get();
-  }
-  if (try_only) return std::unique_lock<std::mutex>(*m, std::try_to_lock);
-  return std::unique_lock<std::mutex>(*m);
-}
 
 Status new_unique_id(UniqueIdBytes* out) {
   ncclUniqueId uid;
@@ -164,7 +128,6 @@ Status communicator_for(const UniqueIdBytes& id, int world_size, int rank,
   // second caller on this device waits for the first and finds it ready.
   std::lock_guard<std::mutex> lock(c->mu);
   if (!c->ready && !c->aborted) {
-    const auto nccl = lock_device_nccl(device);
     Status s = create(id, world_size, rank, device, timeout_s, c);
     if (s) {
       abort_communicator(c, *s);
@@ -192,7 +155,6 @@ int destroy_communicators() {
   int n = 0;
   for (auto& [key, c] : cache) {
     std::lock_guard<std::mutex> clock(c->mu);
-    const auto nccl = lock_device_nccl(c->device);
     DeviceGuard guard(c->device);
     // Let the ring's work drain, for a few seconds at most: with a peer
     // gone it never would, and the watchdog is already stopped.
@@ -224,8 +186,12 @@ int destroy_communicators() {
     if (c->fork != nullptr) cudaEventDestroy(c->fork);
     if (c->join != nullptr) cudaEventDestroy(c->join);
     if (c->stream != nullptr) cudaStreamDestroy(c->stream);
-    // The abort flag's pinned word stays in its slab: an abort-check
-    // kernel on an undrained stream may still read it.
+    // An aborted communicator's stream was not drained: an abort check
+    // kernel on it may still read the flag, so its pinned word is left
+    // allocated rather than freed under that kernel.
+    if (c->abort_flag_host != nullptr && !c->aborted) {
+      cudaFreeHost(const_cast<int*>(c->abort_flag_host));
+    }
     ++n;
   }
   cache.clear();

@@ -63,17 +63,8 @@ Status communicator_for(const UniqueIdBytes& id, int world_size, int rank,
 // on a timeout or an asynchronous error, aborts it.
 Status wait_ready(Communicator* c, double timeout_s, const char* what);
 
-// NCCL's thread-safety rules: host calls on communicators of one device must
-// not run on several threads at once, and ncclCommAbort must not run while
-// another thread is inside NCCL on that device. Every NCCL call on a
-// device's communicators (joining, issuing, polling, aborting, finalizing)
-// is made holding this lock. Lock order: Communicator::mu, then the device
-// lock; the watchdog only try-locks both, so it never waits behind a
-// handler. With try_only, the returned lock may not own the mutex.
-std::unique_lock<std::mutex> lock_device_nccl(int device, bool try_only = false);
-
 // Marks c aborted, sets its abort flag and aborts its NCCL communicator
-// (c->mu and c's device lock must be held).
+// (c->mu must be held).
 void abort_communicator(Communicator* c, const std::string& why);
 
 // The error for a call on an aborted communicator (c->mu held).

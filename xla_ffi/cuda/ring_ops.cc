@@ -272,18 +272,15 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
         device, op.timeout_s, &comms[r]));
   }
   // Each ring's communicator is distinct; taking their locks in ring order
-  // keeps two concurrent calls from deadlocking.
+  // keeps two concurrent calls from deadlocking. Every rank issues its rings
+  // in that same host order, ring 0 first, which NCCL requires of
+  // communicators used side by side (with NCCL_LAUNCH_ORDER_IMPLICIT from
+  // 2.26, set by module_cuda.cc).
   std::vector<std::unique_lock<std::mutex>> locks;
   for (Communicator* c : comms) {
     locks.emplace_back(c->mu);
     if (c->aborted) return aborted_error(c);
   }
-  // Held while this call issues, so that no other thread calls NCCL on this
-  // device's communicators meanwhile (communicators.h). Every rank issues
-  // its rings in the same host order, ring 0 first, which NCCL requires of
-  // communicators used side by side (with NCCL_LAUNCH_ORDER_IMPLICIT from
-  // 2.26, set by module_cuda.cc).
-  const auto nccl = lock_device_nccl(device);
   // Every ring's scratch before the first fork, so that running out of
   // memory fails before any work is enqueued.
   std::vector<void*> scratch_of(op.num_rings, nullptr);

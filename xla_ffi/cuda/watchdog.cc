@@ -95,10 +95,6 @@ bool poll(Watch& w) {
   std::unique_lock<std::mutex> lock(w.comm->mu, std::try_to_lock);
   if (!lock.owns_lock()) return false;
   if (w.comm->aborted) return true;
-  // No NCCL call while another thread is in NCCL on this device (a handler
-  // joining another ring's communicator, say): try again next round.
-  const auto nccl = lock_device_nccl(w.device, /*try_only=*/true);
-  if (!nccl.owns_lock()) return false;
   ncclResult_t state = ncclSuccess;
   if (ncclCommGetAsyncError(w.comm->comm, &state) == ncclSuccess &&
       state != ncclSuccess && state != ncclInProgress) {
