@@ -332,6 +332,24 @@ def correctness(job: Job) -> int:
     return failures
 
 
+def median_seconds(job: Job, fns: dict, args: tuple, rounds: int, iters: int) -> dict:
+    """Seconds per call of each function on `args`, the median of `rounds`
+    rounds of `iters` calls; the rounds alternate between the functions, so
+    that drift (clocks, a neighbour) hits them all alike. A first call of
+    each compiles it and sets up its communicators."""
+    for f in fns.values():
+        job.jax.block_until_ready(f(*args))
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                out = f(*args)
+            job.jax.block_until_ready(out)
+            times[k].append((time.perf_counter() - t0) / iters)
+    return {k: float(np.median(t)) for k, t in times.items()}
+
+
 def bench(job: Job) -> int:
     sizes = [1 << s for s in range(20, 29, 2)]  # 1 MiB .. 256 MiB
     rounds, iters = 5, 10
@@ -340,18 +358,9 @@ def bench(job: Job) -> int:
         x = job.global_array(np.ones(nbytes // 4, np.float32))
         fns = {a: job.allreduce_fn(algorithm=a, chunk_bytes=max(1 << 20, nbytes // 8))
                for a in ("ring", "nccl")}
-        for f in fns.values():  # compile, and create the communicators
-            f(x).block_until_ready()
-        times = {a: [] for a in fns}
-        for _ in range(rounds):
-            for a, f in fns.items():
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    y = f(x)
-                y.block_until_ready()
-                times[a].append((time.perf_counter() - t0) / iters)
-        busbw = {a: 2 * (job.nprocs - 1) / job.nprocs * nbytes / np.median(t) / 1e9
-                 for a, t in times.items()}
+        seconds = median_seconds(job, fns, (x,), rounds, iters)
+        busbw = {a: 2 * (job.nprocs - 1) / job.nprocs * nbytes / s / 1e9
+                 for a, s in seconds.items()}
         rows.append((nbytes, busbw["ring"], busbw["nccl"]))
     if job.pid == 0:
         print(f"world {job.nprocs} on one GPU: busbw GB/s, float32 sum "
@@ -374,18 +383,8 @@ def bench_sweep(job: Job) -> int:
         x = job.global_array(np.ones(nbytes // 4, np.float32))
         fns = {cfg: job.allreduce_fn(algorithm=cfg[0], rings=cfg[1], chunk_bytes=cfg[2])
                for cfg in configs}
-        for f in fns.values():
-            f(x).block_until_ready()
-        times = {cfg: [] for cfg in fns}
-        for _ in range(rounds):
-            for cfg, f in fns.items():
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    y = f(x)
-                y.block_until_ready()
-                times[cfg].append((time.perf_counter() - t0) / iters)
-        for cfg, t in times.items():
-            results[(nbytes, cfg)] = 2 * (job.nprocs - 1) / job.nprocs * nbytes / np.median(t) / 1e9
+        for cfg, s in median_seconds(job, fns, (x,), rounds, iters).items():
+            results[(nbytes, cfg)] = 2 * (job.nprocs - 1) / job.nprocs * nbytes / s / 1e9
     if job.pid == 0:
         print(f"world {job.nprocs} on one GPU: busbw GB/s by configuration, float32 sum "
               f"(median of {rounds} rounds of {iters} calls); ratio to nccl in brackets")
@@ -511,18 +510,8 @@ def overlap_bench(job: Job) -> int:
     fns = {"pmean at end": _mlp_step(job, False),
            "overlap 25 MiB": _mlp_step(job, True, bucket_mb=25.0),
            "overlap 4 MiB": _mlp_step(job, True, bucket_mb=4.0)}
-    for f in fns.values():
-        job.jax.block_until_ready(f(ws, x))
-    times = {k: [] for k in fns}
-    for _ in range(5):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(5):
-                out = f(ws, x)
-            job.jax.block_until_ready(out)
-            times[k].append((time.perf_counter() - t0) / 5)
+    med = median_seconds(job, fns, (ws, x), rounds=5, iters=5)
     if job.pid == 0:
-        med = {k: float(np.median(v)) for k, v in times.items()}
         print(f"overlap on GPU, world {job.nprocs}, 8x2048^2 MLP (128 MiB of "
               f"gradients), median of 5 rounds of 5 steps: "
               + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items())
