@@ -531,9 +531,10 @@ def test_environment_variables(script):
     assert res.returncode != 0 and "JAXRING_ALGORITHM='tree': expected one of" in res.stderr
 
 
-def _op_ids_in(lowered_text):
+def _op_ids_in(lowered_text, attribute="op_id"):
     return [int(m) for m in re.findall(
-        r"custom_call @jaxring_allreduce(?:_start)?_cpu\(.*?op_id = (\d+)", lowered_text)]
+        r"custom_call @jaxring_allreduce(?:_start)?_cpu\(.*?" + attribute + r" = (\d+)",
+        lowered_text)]
 
 
 def test_every_call_gets_its_own_op_id():
@@ -558,6 +559,45 @@ def test_every_call_gets_its_own_op_id():
     assert len(ids) == 6 and len(set(ids)) == 6, ids
     np.testing.assert_allclose(np.asarray(step(jaxring.allreduce)(x)),
                                np.asarray(step(jax.lax.psum)(x)), rtol=1e-5)
+
+
+def test_op_ids_depend_on_the_call_slot_not_on_other_lowerings():
+    """Every process must give a call the same op id, even when one of them
+    lowered other jaxring functions first (an evaluation only process 0
+    runs); a second lowering of the same program in one process gets new ids
+    (XLA gives identical programs the same run ids); and a slot called with
+    other shapes gets other op ids but keeps its slot ids, so processes that
+    differ there meet at one slot and are told they differ."""
+    mesh = mesh_of(4)
+    x = put(np.ones((4, 8), np.float32), mesh, P("i"))
+    wide = put(np.ones((4, 16), np.float32), mesh, P("i"))
+
+    def step(scale):
+        def train_step(v):
+            return jaxring.psum(v, "i") + jaxring.pmean(scale * v, "i")
+        return jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=P("i"),
+                                     out_specs=P("i"), check_vma=False))
+
+    def ids(f, arg):
+        text = f.lower(arg).as_text()
+        return _op_ids_in(text), _op_ids_in(text, "slot_id")
+
+    first, first_slots = ids(step(2.0), x)
+    other = jax.jit(jax.shard_map(lambda v: jaxring.psum(v, "i") * 3, mesh=mesh,
+                                  in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    others, other_slots = ids(other, x)
+    wider, wider_slots = ids(step(2.0), wide)
+    again, again_slots = ids(step(2.0), x)
+    assert len(first) == 2 and len(set(first)) == 2, first
+    assert len(first_slots) == 2 and len(set(first_slots)) == 2, first_slots
+    assert not set(others) & set(first) and not set(other_slots) & set(first_slots)
+    # Other shapes: the same slots, other op ids.
+    assert wider_slots == first_slots and not set(wider) & set(first), (first, wider)
+    # The same description again: the slot's second lowering, new ids of both kinds.
+    assert len(again) == 2 and not set(again) & set(first + wider), (first, again)
+    assert not set(again_slots) & set(first_slots)
+    all_ids = first + others + wider + again + first_slots + again_slots
+    assert all(0 < i < 2**63 for i in all_ids)
 
 
 def test_inside_scan_and_while_loops():

@@ -31,7 +31,7 @@ from test_multiprocess import Job
 pytestmark = pytest.mark.multiprocess
 
 MAGIC = 0x4A52494E
-VERSION = 3
+VERSION = 4
 # What the victim may keep after the attacks, beyond what it held before
 # (the insider's 4096 kept operations stage 2 KiB each).
 EXTRA_THREADS, EXTRA_FDS, EXTRA_RSS_MIB = 16, 16, 128.0
@@ -52,16 +52,17 @@ def mac(secret: bytes, job_id: bytes, from_acceptor: bool, connector_nonce: byte
 
 
 def frame_header(kind: int, **fields) -> bytes:
-    """A FrameHeader (native order, 104 bytes) with the given fields."""
+    """A FrameHeader (native order, 112 bytes) with the given fields."""
     f = dict(run_id=1, op_id=0, group=0, ring=0, dst_rank=0, src_rank=1,
              elem_type=2, reduce_op=0, world_size=2, num_rings=1, phase=0,
-             count=8192, chunk_bytes=1 << 20, topology=0, unit=0, payload_bytes=0)
+             count=8192, chunk_bytes=1 << 20, topology=0, unit=0, payload_bytes=0,
+             slot_id=0)
     f.update(fields)
-    return struct.pack("=IIqqqiiiiiiiiqqqqq", MAGIC, kind, f["run_id"], f["op_id"],
+    return struct.pack("=IIqqqiiiiiiiiqqqqqq", MAGIC, kind, f["run_id"], f["op_id"],
                        f["group"], f["ring"], f["dst_rank"], f["src_rank"],
                        f["elem_type"], f["reduce_op"], f["world_size"],
                        f["num_rings"], f["phase"], f["count"], f["chunk_bytes"],
-                       f["topology"], f["unit"], f["payload_bytes"])
+                       f["topology"], f["unit"], f["payload_bytes"], f["slot_id"])
 
 
 def connect(address: str) -> socket.socket:

@@ -100,6 +100,13 @@ def test_different_programs_fail_fast_on_every_rank():
         assert "1024 x float32" in raised[0] and "2048 x float32" in raised[0]
 
 
+def test_a_function_only_one_process_lowered_does_not_shift_the_others():
+    r = run_launcher(2, "uneven_lowering.py", 20, devices_per_process=2)
+    by_rank = lines_by_rank(r.stdout)
+    for rank in (0, 1):
+        assert by_rank[rank] and by_rank[rank][-1] == "OK", r.stdout[-3000:] + r.stderr[-2000:]
+
+
 def test_launcher_stops_everyone_when_one_process_fails():
     start = time.monotonic()
     r = run_launcher(3, "exit_code.py", timeout=120)

@@ -39,8 +39,9 @@ SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (
     np.uint8, np.uint16, np.uint32, np.uint64))
 
 # Op ids tell concurrent allreduces of one execution apart: each call site
-# gets its own at lowering, the same on every device (call_sites.next_op_id,
-# and call_sites for how every call gets a lowering of its own).
+# gets its own at lowering, the same on every device and in every process
+# that lowers the same program (call_sites.call_ids, and call_sites for how
+# every call gets a lowering of its own).
 
 
 def _axes_tuple(axis_name: Any) -> tuple:
@@ -294,11 +295,14 @@ def allreduce_label(op, axes) -> str:
     return f"allreduce {op} over {','.join(map(str, axes))}"
 
 
-def _op_id(label: str) -> np.int64:
-    """The op id of the call being lowered, named `label` in the timeline."""
-    op_id = call_sites.next_op_id()
+def _call_ids(ctx, label: str, mesh_description) -> dict:
+    """The op_id and slot_id attributes of the call being lowered, named
+    `label` in the timeline."""
+    operands = ",".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in)
+    op_id, slot_id = call_sites.call_ids(ctx.module_context,
+                                         f"{label}|{mesh_description}|{operands}")
     timeline.name_op(op_id, label)
-    return np.int64(op_id)
+    return dict(op_id=np.int64(op_id), slot_id=np.int64(slot_id))
 
 
 def ring_attributes(ctx, label, world, op, rings, chunk_bytes, timeout_s, link,
@@ -307,7 +311,8 @@ def ring_attributes(ctx, label, world, op, rings, chunk_bytes, timeout_s, link,
     id of its place in the module being lowered."""
     chosen = resolve_algorithm(algorithm, link, rank_process)
     tiers = _topology.resolve(topology, world, rank_process)
-    return dict(op_id=_op_id(label), world_size=np.int64(world),
+    return dict(**_call_ids(ctx, label, (world, tuple(rank_process))),
+                world_size=np.int64(world),
                 algorithm=np.int64(_ALGORITHM_IDS[chosen]),
                 topology=np.asarray(tiers, np.int64),
                 rank_process=np.asarray(rank_process, np.int64),
@@ -374,7 +379,7 @@ def _groups(devices, rank_table: np.ndarray, group_table: np.ndarray,
 
 def cuda_attributes(ctx, label, axes, op, rings, chunk_bytes, timeout_s, link,
                     algorithm, topology, dtype) -> dict:
-    """The attributes every CUDA ring operation carries, with a fresh op id;
+    """The attributes every CUDA ring operation carries, with its slot's op id;
     registers the CUDA targets first (or raises why there are none)."""
     cuda_backend.register()
     if link != (0.0, 0.0):
@@ -393,7 +398,9 @@ def cuda_attributes(ctx, label, axes, op, rings, chunk_bytes, timeout_s, link,
             "lowering (no device assignment).")
     chosen = resolve_cuda_algorithm(algorithm, dtype)
     groups = _groups(devices, rank_table, group_table, world)
-    return dict(op_id=_op_id(label), world_size=np.int64(world),
+    # The CUDA handlers take no slot id: NCCL finds ranks by communicator.
+    ids = _call_ids(ctx, label, groups)
+    return dict(op_id=ids["op_id"], world_size=np.int64(world),
                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes),
                 timeout_s=np.float64(timeout_s),

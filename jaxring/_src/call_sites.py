@@ -1,12 +1,26 @@
 """One lowering, and so one op id, per jaxring call in a program.
 
-A jaxring op's identity is a constant attribute chosen at lowering
-(``next_op_id``), from a counter of this process: every lowering gets ids no
-other lowering in the process has, so two executables of an identical
-program (which XLA gives the same run ids) never share an operation. Every
-process of a job must therefore lower the same jaxring functions in the same
-order (a function only process 0 lowers shifts the ids after it). JAX
-reuses lowerings in two ways, and either would give two calls one op id
+A jaxring call's identity is chosen at lowering (``call_ids``) from its
+*slot* (the module's name and the call's place among the module's jaxring
+calls), its *description* (label, mesh, operand types) and how many times
+this process lowered that slot with that description before. It gets two
+constant attributes:
+
+* ``op_id``, a hash of all three, by which ranks find each other. Every
+  process that lowers the same program gives its calls the same op ids,
+  whatever else it lowered before (an evaluation only process 0 runs, under
+  another name or over other shapes, shifts nothing). Within a process no
+  two lowerings share one: a fresh ``jax.jit`` of the same function (which
+  XLA gives the same run ids) counts one more.
+* ``slot_id``, a hash of the slot and the count only. Processes that call
+  one slot with different shapes, dtypes or ops get different op ids but
+  the same slot id, so the transport sees both descriptions at one slot and
+  raises a mismatch instead of waiting out the timeout.
+
+What still shifts ids: one process lowering a call of the *same* slot and
+description an extra time (an extra lowering of the step function itself).
+
+JAX reuses lowerings in two ways, and either would give two calls one op id
 inside one run:
 
 * every equation's lowering is cached by (primitive, params, avals), so two
@@ -25,7 +39,9 @@ time for those functions only; XLA inlines the calls anyway.
 
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 import itertools
 import threading
 import weakref
@@ -34,8 +50,8 @@ from jaxring._src import jax_compat as compat
 from jaxring._src.jax_compat import mlir
 
 _primitives: set = set()
-_op_ids = itertools.count(1)
-_op_ids_lock = threading.Lock()
+_slot_lowerings: "collections.Counter" = collections.Counter()
+_slot_lock = threading.Lock()
 _contains_memo: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -83,17 +99,42 @@ class _FunctionCache(dict):
 
     JAX's lowering looks a function or an equation up by a key holding its
     jaxpr (or params) and stores it after lowering; refusing the store makes
-    the next call site lower it again."""
+    the next call site lower it again. One module's contexts share it, so it
+    also numbers the module's jaxring calls."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.call_ordinals = itertools.count(1)
 
     def __setitem__(self, key, value):
         if not _has_jaxring_op(key):
             super().__setitem__(key, value)
 
 
-def next_op_id() -> int:
-    """The op id of the next jaxring op lowered in this process."""
-    with _op_ids_lock:
-        return next(_op_ids)
+def _hash(*parts) -> int:
+    """A positive int64 from parts."""
+    text = "\0".join(map(str, parts)).encode()
+    digest = hashlib.blake2b(text, digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 2) or 1
+
+
+def call_ids(module_context, description: str) -> tuple[int, int]:
+    """(op_id, slot_id) of the next jaxring call lowered into module_context
+    (see the module's docstring).
+
+    description: what a process calling this slot differently would change
+    (label, mesh, operand types)."""
+    cache = getattr(module_context, compat.MODULE_CONTEXT_CACHES[-1])
+    if not isinstance(cache, _FunctionCache):
+        raise RuntimeError("jaxring: internal error: a module context without "
+                           "jaxring's lowering cache (call_sites._install)")
+    name = str(module_context.module.operation.attributes["sym_name"])
+    ordinal = next(cache.call_ordinals)
+    with _slot_lock:
+        _slot_lowerings[name, ordinal, description] += 1
+        count = _slot_lowerings[name, ordinal, description]
+    return (_hash("op", name, ordinal, description, count),
+            _hash("slot", name, ordinal, count))
 
 
 def _install() -> None:

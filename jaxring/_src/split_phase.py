@@ -37,11 +37,11 @@ from jaxring._src import jax_compat as compat
 from jaxring._src.config import config
 
 # A start and its done share a *pair* number, taken at trace time. The op id
-# the transport matches ranks by is taken when the start is lowered, from the
-# counter jaxring.allreduce uses (call_sites.next_op_id), and the done
-# lowered after it looks it up.
+# the transport matches ranks by is taken when the start is lowered, as
+# jaxring.allreduce takes it (call_sites.call_ids), and the done lowered
+# after it looks it up.
 # So a traced step that is lowered twice into one module (a scan unrolled by
-# JAX, the same jaxpr evaluated twice) gets a fresh op id per copy.
+# JAX, the same jaxpr evaluated twice) gets an op id per copy.
 _pairs = itertools.count(1)
 _op_id_of_pair: dict[int, int] = {}
 

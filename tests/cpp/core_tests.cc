@@ -153,9 +153,9 @@ struct WireHeader {
   uint32_t magic, kind;
   int64_t run_id, op_id, group;
   int32_t ring, dst_rank, src_rank, elem_type, reduce_op, world_size, num_rings, phase;
-  int64_t count, chunk_bytes, topology, unit, payload_bytes;
+  int64_t count, chunk_bytes, topology, unit, payload_bytes, slot_id;
 };
-static_assert(sizeof(WireHeader) == 104, "FrameHeader layout");
+static_assert(sizeof(WireHeader) == 112, "FrameHeader layout");
 
 // The job of the TCP test, as process `me` holds it.
 jaxring::JobIdentity test_job(int me) {

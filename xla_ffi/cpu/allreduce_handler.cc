@@ -121,7 +121,7 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                              ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                              ffi::Buffer<ffi::S32> group_buf,
                              ffi::Result<ffi::AnyBuffer> out, int64_t op_id,
-                             int64_t world_size, int64_t reduce_op,
+                             int64_t slot_id, int64_t world_size, int64_t reduce_op,
                              int64_t num_rings, int64_t chunk_bytes,
                              double timeout_s, double link_bytes_per_s,
                              double link_latency_s, int64_t algorithm,
@@ -137,6 +137,7 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                                topology, &desc)) {
     return failed_future(*error);
   }
+  desc.slot_id = slot_id;
   if (world_size == 1) {
     if (out->untyped_data() != x.untyped_data() && count > 0) {
       std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
@@ -168,7 +169,8 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                  ffi::Buffer<ffi::S32> group_buf,
                                  ffi::RemainingArgs xs,
                                  ffi::Result<ffi::Buffer<ffi::S32>> handle,
-                                 int64_t op_id, int64_t world_size,
+                                 int64_t op_id, int64_t slot_id,
+                                 int64_t world_size,
                                  int64_t reduce_op, int64_t num_rings,
                                  int64_t chunk_bytes, double timeout_s,
                                  double link_bytes_per_s,
@@ -206,6 +208,7 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                algorithm, topology, &desc)) {
     return ffi::Error::InvalidArgument(*error);
   }
+  desc.slot_id = slot_id;
   const int64_t group = group_buf.typed_data()[0];
   std::vector<int> processes;
   if (auto error = processes_of_group(rank_process, group, world_size,
@@ -254,7 +257,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()  // rank of this device in its group
         .Arg<ffi::Buffer<ffi::S32>>()  // which group (ring) it belongs to
         .Ret<ffi::AnyBuffer>()      // the reduced result
-        .Attr<int64_t>("op_id")     // call-site identity, set at trace time
+        .Attr<int64_t>("op_id")     // call identity, set at lowering
+        .Attr<int64_t>("slot_id")   // its slot, whatever the shapes
         .Attr<int64_t>("world_size")
         .Attr<int64_t>("reduce_op")
         .Attr<int64_t>("num_rings")
@@ -279,6 +283,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .RemainingArgs()               // num_deps dependencies, then operands
         .Ret<ffi::Buffer<ffi::S32>>()  // handle for done
         .Attr<int64_t>("op_id")
+        .Attr<int64_t>("slot_id")
         .Attr<int64_t>("world_size")
         .Attr<int64_t>("reduce_op")
         .Attr<int64_t>("num_rings")

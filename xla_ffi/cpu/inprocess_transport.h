@@ -83,6 +83,11 @@ struct OpDesc {
   // The ring plan's tiers, tightest first (see tiered_plan.h); empty means
   // one flat ring over all ranks. Only the TCP transport runs more than one.
   std::vector<int> topology;
+  // The call's slot (call_sites.py): equal on every process for one place
+  // of one program, whatever its shapes. Ops of different programs meet at
+  // it, which is how a process tells that its peers run another program.
+  // Not part of what ranks must agree on: 0 where unknown.
+  int64_t slot_id = 0;
   bool operator==(const OpDesc& o) const {
     return type == o.type && op == o.op && count == o.count &&
            algorithm == o.algorithm && topology == o.topology &&

@@ -106,8 +106,9 @@ struct FrameHeader {
   int64_t topology;       // the plan's tiers, packed (see pack_topology)
   int64_t unit;           // chunk-major unit index within the phase
   int64_t payload_bytes;  // data, or the abort message's length
+  int64_t slot_id;        // OpDesc::slot_id
 };
-static_assert(sizeof(FrameHeader) == 104, "FrameHeader layout");
+static_assert(sizeof(FrameHeader) == 112, "FrameHeader layout");
 
 // A topology travels in one header word: up to four tiers of up to 16 bits
 // each, tightest in the low bits; 0 is the flat ring. Python enforces the
@@ -145,6 +146,7 @@ OpDesc desc_of(const FrameHeader& h) {
   d.num_rings = h.num_rings;
   d.chunk_bytes = h.chunk_bytes;
   d.topology = unpack_topology(h.topology);
+  d.slot_id = h.slot_id;
   return d;
 }
 
@@ -325,6 +327,27 @@ struct TcpOp {
     ib.created = true;
     return ib;
   }
+  // Requires mu, a plan and process_of_rank. Whether the plan has process p
+  // send data to a rank of this process: only such a process can prove, by
+  // sending nothing here and something elsewhere, that it runs another
+  // program (a process upstream of none of ours may legitimately finish
+  // and move on without a word to us; so may one whose every unit to us is
+  // empty, for a buffer smaller than its ring's segments).
+  bool expects_data_from(int p) const {
+    for (const auto& [rank, local] : locals) {
+      for (int ring = 0; ring < plan->num_rings(); ++ring) {
+        for (int j = 0; j < plan->num_phases(); ++j) {
+          const int prev = plan->prev_rank(ring, j, rank);
+          if (prev == rank || process_of_rank[prev] != p) continue;
+          const int64_t units = plan->num_units(ring, j, rank);
+          for (int64_t u = 0; u < units; ++u) {
+            if (plan->recv_span(ring, j, rank, u).count > 0) return true;
+          }
+        }
+      }
+    }
+    return false;
+  }
   std::string name() const {
     if (has_desc) return op_name(key, desc);
     std::ostringstream os;
@@ -368,7 +391,7 @@ class TcpWorker {
 
 // A frame waiting to be written to one connection.
 struct OutFrame {
-  FrameHeader header;
+  FrameHeader header{};  // zeroed: no stray bytes of this process on the wire
   const char* data = nullptr;  // points into a local rank's buffer
   std::shared_ptr<TcpOp> op;   // null for abort frames
   std::shared_ptr<TcpOp> abort_of;  // an abort frame's operation
@@ -568,11 +591,12 @@ class Transport {
   // (tell_others) every other process hears so, including those that never
   // talk to p directly.
   void peer_lost(int p, const std::string& why, bool tell_others = true);
-  // Fails op and any operation of the same call site (op id, group) in
-  // another run whose description differs while exactly one of the two has
+  // Fails op and any operation of the same slot (OpDesc::slot_id) and group
+  // in another run or under another op id whose description differs while exactly one of the two has
   // ranks in this process, and the local one never heard from the process
-  // that sent the other: the processes compiled different programs. Run by
-  // a rank that has waited kMismatchProbeAfter without progress.
+  // that sent the other although its plan has that process send data here:
+  // the processes compiled different programs. Run by a rank that has waited
+  // kMismatchProbeAfter without progress.
   void check_programs_agree(const std::shared_ptr<TcpOp>& op);
   // Fails op and tells every other process of its group. Requires op.mu not
   // held. Returns whether this call failed it (false: it already was).
@@ -755,9 +779,8 @@ void Transport::check_programs_agree(const std::shared_ptr<TcpOp>& op) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [k, other] : ops_) {
-      if (k.op_id == op->key.op_id && k.group == op->key.group &&
-          k.run_id != op->key.run_id) {
-        same_site.push_back(other);
+      if (k.group == op->key.group && other != op) {
+        same_site.push_back(other);  // same slot? checked under its lock
       }
     }
   }
@@ -771,8 +794,12 @@ void Transport::check_programs_agree(const std::shared_ptr<TcpOp>& op) {
       // same program as that sender: the remote one is a later program's.
       if (local->locals.empty() || !remote->locals.empty() ||
           local->failed || remote->failed || !local->has_desc ||
-          !remote->has_desc || same_operation(local->desc, remote->desc) ||
-          local->heard_from.count(remote->first_sender)) {
+          !remote->has_desc || local->desc.slot_id == 0 ||
+          local->desc.slot_id != remote->desc.slot_id ||
+          same_operation(local->desc, remote->desc) ||
+          local->heard_from.count(remote->first_sender) ||
+          !local->plan || local->process_of_rank.empty() ||
+          !local->expects_data_from(remote->first_sender)) {
         continue;
       }
       std::ostringstream os;
@@ -1357,6 +1384,7 @@ std::string send_unit(const std::shared_ptr<TcpOp>& op_ptr, int rank, int ring,
   h.count = op.desc.count;
   h.chunk_bytes = op.desc.chunk_bytes;
   h.topology = pack_topology(op.desc.topology);
+  h.slot_id = op.desc.slot_id;
   h.unit = u;
   h.payload_bytes = bytes;
   f.data = data;
