@@ -15,3 +15,40 @@ def test_use_cpu_devices_replaces_the_device_count(script):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split()[0] == "3", res.stdout
     assert "ValueError jaxring.use_cpu_devices: n must be a positive int" in res.stdout
+
+
+
+def test_the_rest_of_the_program_runs_inside_a_transport_completion(script):
+    """Completing an allreduce runs XLA's continuation on the transport
+    thread: here the host callback on its result. So XLA code can run on
+    jaxring's threads after Python has the results it waited for, and
+    jaxring's exit handler waits for those threads (wait_for_completions)
+    before JAX destroys the CPU client under them."""
+    res = script("""
+        import jaxring
+        import jax, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from jaxring import _jaxring
+        inside = []
+
+        def callback(v):
+            inside.append(_jaxring.wait_for_completions(0.0))
+            return v
+
+        def step(v):
+            r = jaxring.allreduce(v, "i")
+            return jax.pure_callback(callback, jax.ShapeDtypeStruct(r.shape, r.dtype), r)
+
+        mesh = Mesh(np.array(jax.devices()), ("i",))
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("i"),
+                                  out_specs=P("i"), check_vma=False))
+        x = jax.device_put(np.ones((2, 4), np.float32), NamedSharding(mesh, P("i")))
+        for _ in range(3):
+            assert float(np.asarray(f(x))[0, 0]) == 2.0
+        print("inside", inside)
+        print("after", _jaxring.wait_for_completions(10.0))
+    """, devices=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "inside [False, False, False, False, False, False]" in res.stdout, res.stdout
+    assert "after True" in res.stdout, res.stdout
+    assert "still completing" not in res.stderr, res.stderr[-3000:]

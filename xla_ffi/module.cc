@@ -192,6 +192,9 @@ NB_MODULE(_jaxring, m) {
     }
   });
 
+  m.def("wait_for_completions", &jaxring::wait_for_completions,
+        nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>(),
+        "Waits until no transport thread is completing an XLA future.");
   m.def("inprocess_pending_ops", &jaxring::inprocess_pending_ops,
         "Operations the in-process transport still holds.");
   m.def("timeline_enable", &jaxring::timeline_enable, nb::arg("on"),

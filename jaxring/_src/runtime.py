@@ -1,4 +1,5 @@
-"""Process-level set-up: the CPU thread pool and FFI target registration.
+"""Process-level set-up: the CPU thread pool, FFI target registration and
+a clean exit.
 
 The PjRt CPU client runs every device program on one shared pool of
 max(cores, devices) threads, and each device admits 32 programs in flight. A
@@ -12,8 +13,10 @@ removes the hazard, so jaxring sizes it at import, before any backend exists.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import sys
 import warnings
 
 # Threads for the XLA CPU pool when jaxring sets it. Measured: 16 threads let
@@ -100,7 +103,27 @@ def register_ffi_targets() -> None:
         return
     from jaxring import _jaxring
     register_targets(_jaxring.registrations(), platform="cpu")
+    # Registered after JAX's own exit handler (at `import jax`), so it runs
+    # before JAX destroys its backends.
+    atexit.register(_let_completions_finish)
     _registered = True
+
+
+# How long an exiting process waits for transport threads to leave XLA.
+_EXIT_WAIT_S = 10.0
+
+
+def _let_completions_finish() -> None:
+    """A transport thread that completes an allreduce runs XLA's
+    continuations (the program's rest and its clean-up), some of them after
+    the result is visible to Python; JAX's exit handler destroys the CPU
+    client, so it must wait for them (a segfault at exit otherwise)."""
+    from jaxring import _jaxring
+    if not _jaxring.wait_for_completions(_EXIT_WAIT_S):
+        sys.stderr.write(
+            f"jaxring: a transport thread was still completing an XLA "
+            f"computation {_EXIT_WAIT_S:g} s into interpreter exit; exiting "
+            "anyway\n")
 
 
 def register_targets(registrations: dict, platform: str) -> None:

@@ -1,10 +1,13 @@
 #include "allreduce_handler.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../ffi_common.h"
@@ -102,17 +105,22 @@ std::optional<std::string> processes_of_group(
   return std::nullopt;
 }
 
+// Transport threads now inside a promise's completion (wait_for_completions).
+std::atomic<int> g_completing{0};
+
 // A promise completed by the transport, with the status its failure's tag
 // names.
 ffi::Future future_for(std::function<void(Completion)> start) {
   ffi::Promise promise;
   ffi::Future future(promise);
   start([promise](const std::optional<std::string>& error) mutable {
+    g_completing.fetch_add(1);
     if (error) {
       promise.SetError(failure_error(*error));
     } else {
       promise.SetAvailable();
     }
+    g_completing.fetch_sub(1);
   });
   return future;
 }
@@ -247,6 +255,16 @@ ffi::Future AllreduceDoneCpuImpl(ffi::RunId run_id, int32_t device,
 }
 
 }  // namespace
+
+bool wait_for_completions(double timeout_s) {
+  const auto until = std::chrono::steady_clock::now() +
+                     std::chrono::duration<double>(timeout_s);
+  while (g_completing.load() > 0) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllreduceCpu, AllreduceCpuImpl,
