@@ -34,6 +34,7 @@
 #include "cpu/gang_start.h"
 #include "cpu/inprocess_transport.h"
 #include "cpu/tcp_transport.h"
+#include "cpu/wire_format.h"
 #include "plan.h"
 #include "reduce.h"
 
@@ -147,15 +148,8 @@ void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
       CHECK((in_place ? in : out)[r][i] == static_cast<int32_t>(expect[i]));
 }
 
-// A data frame's header as it goes on the wire (tcp_transport.cc's
-// FrameHeader, native byte order).
-struct WireHeader {
-  uint32_t magic, kind;
-  int64_t run_id, op_id, group;
-  int32_t ring, dst_rank, src_rank, elem_type, reduce_op, world_size, num_rings, phase;
-  int64_t count, chunk_bytes, topology, unit, payload_bytes, slot_id;
-};
-static_assert(sizeof(WireHeader) == 112, "FrameHeader layout");
+// A data frame's header as it goes on the wire.
+using WireHeader = jaxring::FrameHeader;
 
 // The job of the TCP test, as process `me` holds it.
 jaxring::JobIdentity test_job(int me) {
@@ -280,7 +274,7 @@ int attack(int victim_port) {
   // Process 1, authenticated on a channel of its own, then misbehaving.
   WireHeader h{};
   h.magic = jaxring::kWireMagic;
-  h.kind = 1;  // data
+  h.kind = jaxring::kData;
   h.run_id = 99;
   h.op_id = 12345;
   h.world_size = 2;

@@ -34,6 +34,7 @@
 #include "tcp_handshake.h"
 #include "task_queue.h"
 #include "timeline.h"
+#include "wire_format.h"
 
 namespace jaxring {
 
@@ -62,10 +63,6 @@ constexpr auto kAbortFlush = std::chrono::seconds(1);
 constexpr auto kLostPeerGrace = std::chrono::milliseconds(100);
 // Payload is received in slices so a failed operation is noticed quickly.
 constexpr size_t kRecvSlice = 1 << 20;
-// Sanity bounds on what a peer announces (a corrupt or foreign client must
-// not make this process allocate without limit).
-constexpr int64_t kMaxMessageBytes = 1 << 20;
-constexpr int64_t kMaxPayloadBytes = int64_t{1} << 40;
 // What frames for operations this process has not started may make it hold
 // (a peer that runs ahead is normal; one that runs thousands of operations
 // ahead, or stages gigabytes, is not): operations created by frames, bytes
@@ -78,91 +75,6 @@ constexpr size_t kMaxKeptMessage = 4096;
 // it before it is dropped, until a local call says otherwise (jaxring's
 // default timeout_s).
 constexpr double kDefaultTimeoutS = 300.0;
-
-// kData: a chunk; kAbort: an operation failed (payload: why; `phase` holds
-// the FailureKind and `src_rank` the process the failure points at, or -1);
-// kPeerLost: the process in `group` is unreachable (payload: why), sent to
-// every process.
-enum FrameKind : uint32_t { kData = 1, kAbort = 2, kPeerLost = 3 };
-
-// Precedes every frame. Fixed layout, native byte order: every process of a
-// job runs the same build on the same kind of machine.
-struct FrameHeader {
-  uint32_t magic;
-  uint32_t kind;
-  int64_t run_id;
-  int64_t op_id;
-  int64_t group;
-  int32_t ring;
-  int32_t dst_rank;
-  int32_t src_rank;
-  int32_t elem_type;
-  int32_t reduce_op;
-  int32_t world_size;
-  int32_t num_rings;
-  int32_t phase;          // of the tiered plan
-  int64_t count;
-  int64_t chunk_bytes;
-  int64_t topology;       // the plan's tiers, packed (see pack_topology)
-  int64_t unit;           // chunk-major unit index within the phase
-  int64_t payload_bytes;  // data, or the abort message's length
-  int64_t slot_id;        // OpDesc::slot_id
-};
-static_assert(sizeof(FrameHeader) == 112, "FrameHeader layout");
-
-// A topology travels in one header word: up to four tiers of up to 16 bits
-// each, tightest in the low bits; 0 is the flat ring. Python enforces the
-// limits at trace time.
-constexpr int kMaxTiers = 4;
-constexpr int kMaxTierSize = 0xffff;
-
-int64_t pack_topology(const std::vector<int>& dims) {
-  uint64_t packed = 0;
-  for (size_t i = 0; i < dims.size() && i < kMaxTiers; ++i) {
-    packed |= static_cast<uint64_t>(dims[i] & kMaxTierSize) << (16 * i);
-  }
-  return static_cast<int64_t>(packed);
-}
-
-std::vector<int> unpack_topology(int64_t packed) {
-  std::vector<int> dims;
-  for (int i = 0; i < kMaxTiers; ++i) {
-    const int d = static_cast<int>((static_cast<uint64_t>(packed) >> (16 * i)) &
-                                   kMaxTierSize);
-    if (d == 0) break;
-    dims.push_back(d);
-  }
-  return dims;
-}
-
-OpKey key_of(const FrameHeader& h) { return {h.run_id, h.op_id, h.group}; }
-
-OpDesc desc_of(const FrameHeader& h) {
-  OpDesc d;
-  d.type = static_cast<ElemType>(h.elem_type);
-  d.op = static_cast<ReduceOp>(h.reduce_op);
-  d.count = h.count;
-  d.world_size = h.world_size;
-  d.num_rings = h.num_rings;
-  d.chunk_bytes = h.chunk_bytes;
-  d.topology = unpack_topology(h.topology);
-  d.slot_id = h.slot_id;
-  return d;
-}
-
-// What ranks must agree on (link emulation does not apply across processes).
-bool same_operation(const OpDesc& a, const OpDesc& b) {
-  return a.type == b.type && a.op == b.op && a.count == b.count &&
-         a.world_size == b.world_size && a.num_rings == b.num_rings &&
-         a.chunk_bytes == b.chunk_bytes && a.topology == b.topology;
-}
-
-std::string op_name(const OpKey& k, const OpDesc& d) {
-  std::ostringstream os;
-  os << "jaxring allreduce (op " << k.op_id << ", group " << k.group
-     << ", run " << k.run_id << ", " << d.describe() << ")";
-  return os.str();
-}
 
 // ---- staging buffers ---------------------------------------------------------
 
@@ -966,19 +878,6 @@ ReadResult receive_payload(int fd, TcpOp& op, char* dest, size_t n,
   return ReadResult::kOk;
 }
 
-// Whether a data frame's header holds values this build could have sent
-// (the bounds jaxring.config and the handlers enforce), before any state is
-// made for its operation.
-bool plausible_data_header(const FrameHeader& h) {
-  ReduceOp unused;
-  return h.elem_type >= 0 && h.elem_type <= static_cast<int>(ElemType::kU64) &&
-         reduce_op_from_int(h.reduce_op, &unused) && h.world_size >= 1 &&
-         h.num_rings >= 1 && h.num_rings <= 64 && h.ring >= 0 &&
-         h.ring < h.num_rings && h.dst_rank >= 0 && h.dst_rank < h.world_size &&
-         h.src_rank >= 0 && h.src_rank < h.world_size && h.phase >= 0 &&
-         h.count >= 0 && h.chunk_bytes >= 1 && h.chunk_bytes <= (int64_t{1} << 40) &&
-         h.unit >= 0;
-}
 
 // Reads and drops n bytes of a frame nobody wants, a slice at a time: what
 // it allocates does not depend on what the frame announces.

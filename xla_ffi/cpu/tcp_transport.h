@@ -36,7 +36,7 @@
 #include <string>
 #include <vector>
 
-#include "inprocess_transport.h"
+#include "operation.h"
 #include "tcp_handshake.h"
 
 namespace jaxring {
