@@ -379,7 +379,7 @@ def _groups(devices, rank_table: np.ndarray, group_table: np.ndarray,
 
 def cuda_attributes(ctx, label, axes, op, rings, chunk_bytes, timeout_s, link,
                     algorithm, topology, dtype) -> dict:
-    """The attributes every CUDA ring operation carries, with its slot's op id;
+    """The attributes every CUDA ring operation carries, with its op id;
     registers the CUDA targets first (or raises why there are none)."""
     cuda_backend.register()
     if link != (0.0, 0.0):

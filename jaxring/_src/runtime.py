@@ -117,7 +117,8 @@ def _let_completions_finish() -> None:
     """A transport thread that completes an allreduce runs XLA's
     continuations (the program's rest and its clean-up), some of them after
     the result is visible to Python; JAX's exit handler destroys the CPU
-    client, so it must wait for them (a segfault at exit otherwise)."""
+    client, so it must wait for them, or the client may be torn down under
+    a thread still running its code."""
     from jaxring import _jaxring
     if not _jaxring.wait_for_completions(_EXIT_WAIT_S):
         sys.stderr.write(
