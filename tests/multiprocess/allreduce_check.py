@@ -11,8 +11,10 @@ custom call carries.
 """
 
 import hashlib
+import os
 import re
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -106,3 +108,10 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # Leave without the interpreter's teardown, as the other scripts here
+    # do: a 4-process tiered run has segfaulted in it, after DONE, twice in
+    # fresh-clone CI runs (an open bug of exit, not of the results this
+    # script checks). Process 0 hosts the coordination service: leave last.
+    if jax.process_index() == 0:
+        time.sleep(1.0)
+    os._exit(0)
