@@ -107,6 +107,16 @@ def test_a_function_only_one_process_lowered_does_not_shift_the_others():
         assert by_rank[rank] and by_rank[rank][-1] == "OK", r.stdout[-3000:] + r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("nproc,devices", [(2, 2), (4, 1)])
+def test_axis_index_groups_across_processes_match_numpy(nproc, devices):
+    r = run_launcher(nproc, "grouped_check.py", devices_per_process=devices)
+    by_rank = lines_by_rank(r.stdout)
+    assert sorted(by_rank) == list(range(nproc)), r.stdout[-3000:] + r.stderr[-3000:]
+    for rank, lines in by_rank.items():
+        assert lines == ["CHECK across", "CHECK uneven", "CHECK reversed", "OK"], \
+            r.stdout[-3000:] + r.stderr[-2000:]
+
+
 def test_launcher_stops_everyone_when_one_process_fails():
     start = time.monotonic()
     r = run_launcher(3, "exit_code.py", timeout=120)

@@ -18,7 +18,8 @@ named mesh axes. Its rules mirror lax.psum's so that it composes the same way:
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+import operator
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -61,6 +62,39 @@ def _axes_tuple(axis_name: Any) -> tuple:
     return axes
 
 
+def _groups_tuple(axis_index_groups) -> tuple | None:
+    """axis_index_groups as a tuple of tuples of ints (None stays None),
+    checked as lax.psum checks them: every index once."""
+    if axis_index_groups is None:
+        return None
+    try:
+        groups = tuple(tuple(int(operator.index(i)) for i in g)
+                       for g in axis_index_groups)
+    except TypeError:
+        raise TypeError(
+            "jaxring.allreduce: axis_index_groups must be a list of lists of "
+            f"axis indices, got {axis_index_groups!r}") from None
+    indices = [i for g in groups for i in g]
+    if not groups or any(not g for g in groups) or \
+            sorted(indices) != list(range(len(indices))):
+        # lax.psum's own wording.
+        raise ValueError("axis_index_groups must cover all indices exactly once "
+                         f"(jaxring.allreduce got {axis_index_groups!r})")
+    return groups
+
+
+def _check_groups_cover(axes: tuple, groups: tuple | None) -> None:
+    if groups is None:
+        return
+    size = math.prod(compat.axis_size(a) for a in axes)
+    count = sum(len(g) for g in groups)
+    if count != size:
+        raise ValueError(
+            f"axis_index_groups must cover all indices exactly once: they "
+            f"hold {count} indices, but the axes {axes} have {size} "
+            "(jaxring.allreduce)")
+
+
 def _check_bound(axes: tuple) -> None:
     # JAX's own wording first, so that code matching lax.psum's error
     # matches this one too; then what to do about it.
@@ -92,10 +126,11 @@ def with_varying(aval, varying: frozenset):
 allreduce_p = compat.Primitive("jaxring_allreduce")
 
 
-def _abstract_eval(aval, *, axes, op, rings, chunk_bytes, timeout_s, link,
-                   algorithm, topology, invariant):
+def _abstract_eval(aval, *, axes, groups, op, rings, chunk_bytes, timeout_s,
+                   link, algorithm, topology, invariant):
     del op, rings, chunk_bytes, timeout_s, link, algorithm, topology
     _check_bound(axes)
+    _check_groups_cover(axes, groups)
     if invariant:
         out = with_varying(aval, varying(aval) - frozenset(axes))
     else:
@@ -150,10 +185,17 @@ def _local_reduce(op: str, x, dim: int):
             "min": lax.reduce_min, "max": lax.reduce_max}[op](x, (dim,))
 
 
-def _batch(axis_data, vals, dims, *, axes, op, **params):
+def _batch(axis_data, vals, dims, *, axes, groups, op, **params):
     (x,), (d,) = vals, dims
     if axis_data.name not in axes:
-        return allreduce_p.bind(x, axes=axes, op=op, **params), d
+        return allreduce_p.bind(x, axes=axes, groups=groups, op=op, **params), d
+    if groups is not None:
+        # lax.psum's batcher refuses this too: the groups index the reduced
+        # axes jointly, and vmap would split them into a local and a ring part.
+        raise NotImplementedError(
+            "axis_index_groups not supported in vmap collectives: "
+            f"jaxring.allreduce over {axes} with axis_index_groups cannot be "
+            f"vmapped over the reduced axis {axis_data.name!r}.")
     rest = tuple(a for a in axes if a != axis_data.name)
     if d is None:
         # Every member of the vmapped axis holds the same x.
@@ -167,15 +209,24 @@ def _batch(axis_data, vals, dims, *, axes, op, **params):
     else:
         y = _local_reduce(op, x, d)
     if rest:
-        y = allreduce_p.bind(y, axes=rest, op=op, **params)
+        y = allreduce_p.bind(y, axes=rest, groups=None, op=op, **params)
     return y, None
 
 
 batching.fancy_primitive_batchers[allreduce_p] = _batch
 
 
-def _rank_tables(axis_names: Sequence, axis_sizes: Sequence[int], axes: tuple):
-    """Rank in its ring and ring number, per partition id (row-major mesh)."""
+def _rank_tables(axis_names: Sequence, axis_sizes: Sequence[int], axes: tuple,
+                 groups: tuple | None = None):
+    """Rank in its ring and ring number, per partition id (row-major mesh).
+
+    A device's index over `axes` is row-major in the order `axes` are given
+    (as lax.psum counts it). Without `groups` that index is its rank, and the
+    ring is numbered by the device's place on the other axes. With
+    axis_index_groups each group of indices is a ring of its own: the rank is
+    the place of the index within its group, and the ring number counts the
+    groups within each place on the other axes.
+    """
     sizes = dict(zip(axis_names, axis_sizes))
     coords = np.indices(tuple(axis_sizes)).reshape(len(axis_sizes), -1)
     coord = dict(zip(axis_names, coords))
@@ -186,7 +237,25 @@ def _rank_tables(axis_names: Sequence, axis_sizes: Sequence[int], axes: tuple):
     for a in axis_names:
         if a not in axes:
             group = group * sizes[a] + coord[a]
+    if groups is not None:
+        group_of_index = np.empty(len(rank) and int(rank.max()) + 1, np.int64)
+        place_of_index = np.empty_like(group_of_index)
+        for g, members in enumerate(groups):
+            for place, index in enumerate(members):
+                group_of_index[index] = g
+                place_of_index[index] = place
+        group = group * len(groups) + group_of_index[rank]
+        rank = place_of_index[rank]
     return rank.astype(np.int32), group.astype(np.int32)
+
+
+def group_sizes(groups: tuple | None, group_table: np.ndarray) -> np.ndarray:
+    """The size of every ring, by ring number: empty when they are all one
+    size (the world size), as without axis_index_groups."""
+    if groups is None or len({len(g) for g in groups}) == 1:
+        return np.zeros(0, np.int64)
+    rings = int(group_table.max()) + 1 if len(group_table) else 1
+    return np.asarray([len(groups[r % len(groups)]) for r in range(rings)], np.int64)
 
 
 def _lookup(table: np.ndarray, index):
@@ -197,12 +266,13 @@ def _lookup(table: np.ndarray, index):
                        sliced)
 
 
-def mesh_layout(ctx, axes: tuple):
+def mesh_layout(ctx, axes: tuple, groups: tuple | None = None):
     """(world size, rank table, group table, devices) of a lowering over axes.
 
     The tables map a partition id to its rank in its ring and to its ring's
     group; devices are the lowering's devices in partition-id order (None
-    when JAX does not say).
+    when JAX does not say). With uneven axis_index_groups the world size is
+    the largest ring's (see group_sizes).
     """
     axis_ctx = ctx.module_context.axis_context
     mesh = getattr(axis_ctx, "mesh", None)
@@ -218,19 +288,34 @@ def mesh_layout(ctx, axes: tuple):
             f"jaxring.allreduce inside a shard_map that leaves mesh axes {auto} "
             "automatic is not supported; make every mesh axis manual.")
     world = math.prod(sizes[names.index(a)] for a in axes)
-    rank_table, group_table = _rank_tables(names, sizes, axes)
+    if groups is not None:
+        world = max(len(g) for g in groups)
+    rank_table, group_table = _rank_tables(names, sizes, axes, groups)
     return world, rank_table, group_table, distributed.device_assignment(axis_ctx)
 
 
-def ring_coordinates(ctx, axes: tuple, timeout_s: float, link):
-    """(world size, rank, group, rank_process) of this device for a ring over axes.
+class RingCoordinates(NamedTuple):
+    """Where this device's ring is, for a lowering over some axes.
 
-    Rank and group are scalar int32 IR values computed from partition-id, so
-    one lowered module serves every device. rank_process holds the process
-    of every (group, rank); when a ring spans processes this also sets up the
-    TCP transport.
+    rank and group are scalar int32 IR values computed from partition-id, so
+    one lowered module serves every device. rank_process holds the process of
+    every (group, rank), one row of `world` per group; group_sizes the size
+    of every group when they differ (uneven axis_index_groups; rows are then
+    padded to the largest), else nothing.
     """
-    world, rank_table, group_table, devices = mesh_layout(ctx, axes)
+    world: int
+    rank: Any
+    group: Any
+    rank_process: np.ndarray
+    group_sizes: np.ndarray
+
+
+def ring_coordinates(ctx, axes: tuple, groups: tuple | None, timeout_s: float,
+                     link) -> RingCoordinates:
+    """This device's RingCoordinates for a ring over axes (within its
+    axis_index_group); when a ring spans processes this also sets up the TCP
+    transport."""
+    world, rank_table, group_table, devices = mesh_layout(ctx, axes, groups)
     if devices is None:
         if jax.process_count() > 1:
             raise NotImplementedError(
@@ -249,7 +334,8 @@ def ring_coordinates(ctx, axes: tuple, timeout_s: float, link):
         distributed.ensure_tcp_transport(timeout_s)
     pid = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)),
                       hlo.partition_id())
-    return world, _lookup(rank_table, pid), _lookup(group_table, pid), rank_process
+    return RingCoordinates(world, _lookup(rank_table, pid), _lookup(group_table, pid),
+                           rank_process, group_sizes(groups, group_table))
 
 
 def link_param() -> tuple[float, float]:
@@ -290,9 +376,12 @@ def resolve_algorithm(algorithm: str, link, rank_process) -> str:
     return algorithm
 
 
-def allreduce_label(op, axes) -> str:
+def allreduce_label(op, axes, groups=None) -> str:
     """What the timeline calls a jaxring.allreduce."""
-    return f"allreduce {op} over {','.join(map(str, axes))}"
+    over = ','.join(map(str, axes))
+    if groups is not None:
+        over += f" in groups {[list(g) for g in groups]}"
+    return f"allreduce {op} over {over}"
 
 
 def _call_ids(ctx, label: str, mesh_description) -> dict:
@@ -305,14 +394,24 @@ def _call_ids(ctx, label: str, mesh_description) -> dict:
     return dict(op_id=np.int64(op_id), slot_id=np.int64(slot_id))
 
 
-def ring_attributes(ctx, label, world, op, rings, chunk_bytes, timeout_s, link,
-                    rank_process, algorithm, topology) -> dict:
+def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
+                    timeout_s, link, algorithm, topology) -> dict:
     """The custom-call attributes every ring operation carries, with the op
     id of its place in the module being lowered."""
+    world, rank_process = ring.world, ring.rank_process
     chosen = resolve_algorithm(algorithm, link, rank_process)
-    tiers = _topology.resolve(topology, world, rank_process)
-    return dict(**_call_ids(ctx, label, (world, tuple(rank_process))),
+    if len(ring.group_sizes) and topology not in ("auto", "flat") \
+            and _topology.normalized(tuple(topology)):
+        raise NotImplementedError(
+            f"jaxring: topology {tuple(topology)} asks for a tiered plan, but "
+            "axis_index_groups of different sizes make rings of different "
+            "sizes, which run as flat rings; use topology='flat' or 'auto'.")
+    tiers = (() if len(ring.group_sizes)
+             else _topology.resolve(topology, world, rank_process))
+    mesh = (world, tuple(rank_process), tuple(ring.group_sizes))
+    return dict(**_call_ids(ctx, label, mesh),
                 world_size=np.int64(world),
+                group_sizes=np.asarray(ring.group_sizes, np.int64),
                 algorithm=np.int64(_ALGORITHM_IDS[chosen]),
                 topology=np.asarray(tiers, np.int64),
                 rank_process=np.asarray(rank_process, np.int64),
@@ -325,17 +424,16 @@ def ring_attributes(ctx, label, world, op, rings, chunk_bytes, timeout_s, link,
 SCALAR_I32 = compat.ShapedArray((), np.int32)
 
 
-def _lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
+def _lowering(ctx, x, *, axes, groups, op, rings, chunk_bytes, timeout_s, link,
               algorithm, topology, invariant):
     del invariant
-    world, rank, group, rank_process = ring_coordinates(ctx, axes, timeout_s, link)
+    ring = ring_coordinates(ctx, axes, groups, timeout_s, link)
     (aval,) = ctx.avals_in
     call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
     sub_ctx = ctx.replace(avals_in=[aval, SCALAR_I32, SCALAR_I32])
-    attrs = ring_attributes(ctx, allreduce_label(op, axes), world, op, rings,
-                            chunk_bytes, timeout_s, link, rank_process, algorithm,
-                            topology)
-    return call(sub_ctx, x, rank, group, **attrs)
+    attrs = ring_attributes(ctx, allreduce_label(op, axes, groups), ring, op, rings,
+                            chunk_bytes, timeout_s, link, algorithm, topology)
+    return call(sub_ctx, x, ring.rank, ring.group, **attrs)
 
 
 call_sites.register_lowering(allreduce_p, _lowering, platform="cpu")
@@ -367,18 +465,18 @@ def resolve_cuda_algorithm(algorithm: str, dtype) -> str:
     return "nccl"
 
 
-def _groups(devices, rank_table: np.ndarray, group_table: np.ndarray,
-            world: int) -> list[list]:
-    """The lowering's devices as groups of ranks: groups[g][rank]."""
+def _ring_members(devices, rank_table: np.ndarray, group_table: np.ndarray,
+                  world: int) -> list[list]:
+    """The lowering's devices as rings of ranks: members[group][rank]."""
     n_groups = int(group_table.max()) + 1 if len(group_table) else 1
-    groups = [[None] * world for _ in range(n_groups)]
+    members = [[None] * world for _ in range(n_groups)]
     for pid, dev in enumerate(devices):
-        groups[int(group_table[pid])][int(rank_table[pid])] = dev
-    return groups
+        members[int(group_table[pid])][int(rank_table[pid])] = dev
+    return members
 
 
-def cuda_attributes(ctx, label, axes, op, rings, chunk_bytes, timeout_s, link,
-                    algorithm, topology, dtype) -> dict:
+def cuda_attributes(ctx, label, axes, groups, op, rings, chunk_bytes, timeout_s,
+                    link, algorithm, topology, dtype) -> dict:
     """The attributes every CUDA ring operation carries, with its op id;
     registers the CUDA targets first (or raises why there are none)."""
     cuda_backend.register()
@@ -391,31 +489,36 @@ def cuda_attributes(ctx, label, axes, op, rings, chunk_bytes, timeout_s, link,
             f"jaxring: topology {tuple(topology)} asks for a tiered plan, which "
             "the CUDA backend does not run yet (it runs one flat ring per "
             "group); use topology='flat' or 'auto' on GPUs.")
-    world, rank_table, group_table, devices = mesh_layout(ctx, axes)
+    if groups is not None and len({len(g) for g in groups}) > 1:
+        raise NotImplementedError(
+            "jaxring: axis_index_groups of different sizes are not supported "
+            "on the CUDA backend yet (its communicators are made for one ring "
+            "size); use groups of one size, or the CPU backend.")
+    world, rank_table, group_table, devices = mesh_layout(ctx, axes, groups)
     if devices is None:
         raise NotImplementedError(
             "jaxring.allreduce: cannot tell which GPU runs each rank of this "
             "lowering (no device assignment).")
     chosen = resolve_cuda_algorithm(algorithm, dtype)
-    groups = _groups(devices, rank_table, group_table, world)
+    members = _ring_members(devices, rank_table, group_table, world)
     # The CUDA handlers take no slot id: NCCL finds ranks by communicator.
-    ids = _call_ids(ctx, label, groups)
+    ids = _call_ids(ctx, label, members)
     return dict(op_id=ids["op_id"], world_size=np.int64(world),
                 reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes),
                 timeout_s=np.float64(timeout_s),
                 algorithm=np.int64(_CUDA_ALGORITHM_IDS[chosen]),
-                device_table=cuda_backend.device_table(groups),
-                nccl_ids=cuda_backend.unique_ids(groups, rings, timeout_s))
+                device_table=cuda_backend.device_table(members),
+                nccl_ids=cuda_backend.unique_ids(members, rings, timeout_s))
 
 
-def _cuda_lowering(ctx, x, *, axes, op, rings, chunk_bytes, timeout_s, link,
-                   algorithm, topology, invariant):
+def _cuda_lowering(ctx, x, *, axes, groups, op, rings, chunk_bytes, timeout_s,
+                   link, algorithm, topology, invariant):
     del invariant
     (aval,) = ctx.avals_in
-    attrs = cuda_attributes(ctx, allreduce_label(op, axes), axes, op, rings,
-                            chunk_bytes, timeout_s, link, algorithm, topology,
-                            aval.dtype)
+    attrs = cuda_attributes(ctx, allreduce_label(op, axes, groups), axes, groups,
+                            op, rings, chunk_bytes, timeout_s, link, algorithm,
+                            topology, aval.dtype)
     return jax.ffi.ffi_lowering("jaxring_allreduce_cuda")(ctx, x, **attrs)
 
 
@@ -463,11 +566,14 @@ def _to_ring_form(leaf, op: str):
     return leaf, lambda r: r
 
 
-def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s,
+def _reduce_leaf_group(leaves, axes, groups, op, rings, chunk_bytes, timeout_s,
                        algorithm, topology):
     """One allreduce for leaves of one dtype: ravel, concatenate, split."""
-    invariant = compat.check_vma_enabled()
-    if invariant:
+    check_vma = compat.check_vma_enabled()
+    # A reduction within axis_index_groups differs from group to group, so
+    # its result still varies over the axes.
+    invariant = check_vma and groups is None
+    if check_vma:
         # Mirror lax.psum: a value not varying over an axis is first made
         # varying (psum of it is then size * x), if JAX allows that.
         fixed = []
@@ -482,7 +588,7 @@ def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s,
                 leaf = compat.pvary(leaf, missing)
             fixed.append(leaf)
         leaves = fixed
-    params = dict(axes=axes, op=op, rings=rings, chunk_bytes=chunk_bytes,
+    params = dict(axes=axes, groups=groups, op=op, rings=rings, chunk_bytes=chunk_bytes,
                   timeout_s=timeout_s, link=link_param(), algorithm=algorithm,
                   topology=topology, invariant=invariant)
     if len(leaves) == 1:
@@ -497,9 +603,10 @@ def _reduce_leaf_group(leaves, axes, op, rings, chunk_bytes, timeout_s,
     return pieces
 
 
-def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
-              chunk_bytes: int | None = None, timeout_s: float | None = None,
-              algorithm: str | None = None, topology: Any = None):
+def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
+              rings: int | None = None, chunk_bytes: int | None = None,
+              timeout_s: float | None = None, algorithm: str | None = None,
+              topology: Any = None):
     """Reduces ``x`` over the mapped axis ``axis_name``, like ``lax.psum``.
 
     Runs a chunked multi-ring allreduce: the buffer is split into ``rings``
@@ -516,6 +623,10 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
       axis_name: a mesh axis name (from ``shard_map`` or ``pmap``) or a tuple
         of them.
       op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"prod"``.
+      axis_index_groups: as for ``lax.psum``: lists of indices over
+        ``axis_name`` (row-major over its axes) that together cover every
+        index once; each group is reduced on its own ring. A mean divides by
+        each rank's own group size.
       rings: rings per operation (default ``jaxring.config.rings``).
       chunk_bytes: pipelining unit (default ``jaxring.config.chunk_bytes``).
       timeout_s: seconds to wait for peers before failing
@@ -530,7 +641,7 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
 
     Returns:
       The reduction, with the structure of ``x``; under ``check_vma`` it is
-      invariant over the reduced axes.
+      invariant over the reduced axes (without ``axis_index_groups``).
 
     Example:
         >>> mesh = jax.make_mesh((8,), ("batch",))
@@ -541,6 +652,7 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
     if op not in _PUBLIC_OPS:
         raise ValueError(f"jaxring.allreduce: op must be one of {_PUBLIC_OPS}, got {op!r}")
     axes = _axes_tuple(axis_name)
+    groups = _groups_tuple(axis_index_groups)
     # What a tuning table may fill in: settings neither passed nor set.
     tunable = {name for name, arg in (("rings", rings), ("chunk_bytes", chunk_bytes),
                                       ("algorithm", algorithm), ("topology", topology))
@@ -567,26 +679,43 @@ def allreduce(x, axis_name, *, op: str = "sum", rings: int | None = None,
     if not leaves:
         return x
     _check_bound(axes)
+    _check_groups_cover(axes, groups)
     ring_op = "sum" if op == "mean" else op
     leaves, restore = zip(*(_to_ring_form(jax.numpy.asarray(l), ring_op) for l in leaves))
     by_dtype: dict[np.dtype, list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_dtype.setdefault(_check_dtype(leaf), []).append(i)
     out: list[Any] = [None] * len(leaves)
-    world = math.prod(compat.axis_size(a) for a in axes)
+    world = (math.prod(compat.axis_size(a) for a in axes) if groups is None
+             else max(len(g) for g in groups))
     for dtype, idx in by_dtype.items():
         nbytes = sum(math.prod(leaves[i].shape) for i in idx) * dtype.itemsize
         g_rings, g_chunk, g_algorithm, g_topology = _tuned(
             tunable, world, nbytes, rings, chunk_bytes, algorithm, topology)
-        reduced = _reduce_leaf_group([leaves[i] for i in idx], axes, ring_op,
+        reduced = _reduce_leaf_group([leaves[i] for i in idx], axes, groups, ring_op,
                                      g_rings, g_chunk, timeout_s, g_algorithm,
                                      g_topology)
         for i, r in zip(idx, reduced):
             out[i] = restore[i](r)
     if op == "mean":
-        n = math.prod(compat.axis_size(a) for a in axes)
+        n = _mean_divisor(axes, groups)
         out = [v / n for v in out]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _mean_divisor(axes: tuple, groups: tuple | None):
+    """How many values each rank's mean is over: the size of the axes, or
+    of the rank's own axis_index_group. (lax.pmean divides by the first
+    group's size even where groups differ in size.)"""
+    if groups is None:
+        return math.prod(compat.axis_size(a) for a in axes)
+    sizes = {len(g) for g in groups}
+    if len(sizes) == 1:
+        return sizes.pop()
+    size_of_index = np.zeros(sum(len(g) for g in groups), np.int32)
+    for g in groups:
+        size_of_index[list(g)] = len(g)
+    return jax.numpy.asarray(size_of_index)[lax.axis_index(axes)]
 
 
 def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,

@@ -7,10 +7,11 @@ top-level ``psum``/``pmean`` (and ``jaxring.allreduce`` with ``op="sum"`` or
 elementwise sum gives the same result whichever bucket carries it, and a value
 needed early (a BatchNorm statistic) gets a bucket that is done before its
 first use. Reductions it cannot rewrite stay as they are and are reported, each
-time the step is traced, by an :class:`OverlapWarning` that says why: those inside ``scan``, ``cond``,
-``while``, ``remat`` or custom-derivative bodies, those with
-``axis_index_groups``, over other axes, or of dtypes its buckets do not carry
-(bool, complex).
+time the step is traced, by an :class:`OverlapWarning` that says why: those
+inside ``scan``, ``cond``, ``while``, ``remat`` or custom-derivative bodies,
+those over other axes, or of dtypes its buckets do not carry (bool, complex).
+Reductions within ``axis_index_groups`` are bucketed with the others of the
+same groups.
 
 How. Each reduced value is ready once the equation producing it has run and
 needed at its first use. Values are grouped into buckets in the order they
@@ -112,10 +113,6 @@ def _find_reductions(jaxpr, want) -> tuple[list[Reduction], list[str]]:
                             f"overlap(axis_name={want!r}) rewrites reductions over "
                             "exactly those axes")
             continue
-        if eqn.params.get("axis_index_groups") is not None:
-            left.append(f"{eqn.primitive.name} with axis_index_groups "
-                        f"({where(eqn)}): not supported by jaxring")
-            continue
         bad = [v for v in eqn.invars
                if isinstance(v, compat.Literal)
                or np.dtype(v.aval.dtype) not in _ar.SUPPORTED_DTYPES]
@@ -124,9 +121,12 @@ def _find_reductions(jaxpr, want) -> tuple[list[Reduction], list[str]]:
                         f"{', '.join(str(v.aval) for v in bad)} ({where(eqn)}): "
                         "jaxring.overlap does not bucket constants or this dtype")
             continue
+        groups = eqn.params.get("axis_index_groups", eqn.params.get("groups"))
         for j, v in enumerate(eqn.invars):
             found.append(Reduction(i, j, axes, tuple(v.aval.shape),
-                                   np.dtype(v.aval.dtype), label=""))
+                                   np.dtype(v.aval.dtype), label="",
+                                   groups=None if groups is None
+                                   else tuple(map(tuple, groups))))
     return found, left
 
 

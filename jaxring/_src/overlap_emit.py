@@ -122,15 +122,16 @@ class Emitter:
         groups: dict = {}
         for it in bucket.items:
             r = self.red[it.key]
-            groups.setdefault((r.axes, r.dtype), []).append(it)
+            groups.setdefault((r.axes, r.groups, r.dtype), []).append(it)
         # The credit window: this start may only run once the buckets it
         # depends on are done.
         waited = [v for w in bucket.depends_on for v in self.results[w]]
         started = []
-        for (axes, _), items in groups.items():
+        for (axes, index_groups, _), items in groups.items():
             operands, avals = zip(*(self._operand(it) for it in items))
             handle, pair = split_phase.start(
-                list(operands), deps=waited, axes=axes, op="sum",
+                list(operands), deps=waited, axes=axes, groups=index_groups,
+                op="sum",
                 label=f"bucket {b}", rings=self.opts.rings,
                 chunk_bytes=self.opts.chunk_bytes, timeout_s=self.opts.timeout_s)
             started.append((handle, pair, items, avals))

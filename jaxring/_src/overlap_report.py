@@ -24,6 +24,7 @@ class Reduction:
     shape: tuple
     dtype: np.dtype
     label: str
+    groups: tuple | None = None   # its axis_index_groups
 
 
 @dataclasses.dataclass

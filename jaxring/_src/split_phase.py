@@ -56,10 +56,11 @@ HANDLE_DTYPE = np.int32
 start_p = compat.Primitive("jaxring_allreduce_start")
 
 
-def _start_abstract_eval(*avals, axes, op, rings, chunk_bytes, timeout_s, link,
-                         algorithm, topology, pair, label, num_deps):
+def _start_abstract_eval(*avals, axes, groups, op, rings, chunk_bytes, timeout_s,
+                         link, algorithm, topology, pair, label, num_deps):
     del op, rings, chunk_bytes, timeout_s, link, algorithm, topology, pair, label
     _ar._check_bound(axes)
+    _ar._check_groups_cover(axes, groups)
     avals = avals[num_deps:]
     dtypes = {a.dtype for a in avals}
     if len(dtypes) != 1:
@@ -78,18 +79,17 @@ def _start_abstract_eval(*avals, axes, op, rings, chunk_bytes, timeout_s, link,
 start_p.def_effectful_abstract_eval(_start_abstract_eval)
 
 
-def _start_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s, link,
-                    algorithm, topology, pair, label, num_deps):
-    world, rank, group, rank_process = _ar.ring_coordinates(ctx, axes, timeout_s,
-                                                            link)
-    attrs = _ar.ring_attributes(ctx, label, world, op, rings, chunk_bytes, timeout_s,
-                                link, rank_process, algorithm, topology)
+def _start_lowering(ctx, *xs, axes, groups, op, rings, chunk_bytes, timeout_s,
+                    link, algorithm, topology, pair, label, num_deps):
+    ring = _ar.ring_coordinates(ctx, axes, groups, timeout_s, link)
+    attrs = _ar.ring_attributes(ctx, label, ring, op, rings, chunk_bytes, timeout_s,
+                                link, algorithm, topology)
     _op_id_of_pair[pair] = int(attrs["op_id"])
     attrs["num_deps"] = np.int64(num_deps)
     attrs["gang"] = bool(config.cpu_gang_start)
     call = jax.ffi.ffi_lowering("jaxring_allreduce_start_cpu")
     sub_ctx = ctx.replace(avals_in=[_ar.SCALAR_I32, _ar.SCALAR_I32, *ctx.avals_in])
-    return call(sub_ctx, rank, group, *xs, **attrs)
+    return call(sub_ctx, ring.rank, ring.group, *xs, **attrs)
 
 
 call_sites.register_lowering(start_p, _start_lowering, platform="cpu")
@@ -125,10 +125,11 @@ def _done_lowering(ctx, handle, *deps, pair, out_avals,
 call_sites.register_lowering(done_p, _done_lowering, platform="cpu")
 
 
-def _start_cuda_lowering(ctx, *xs, axes, op, rings, chunk_bytes, timeout_s,
-                         link, algorithm, topology, pair, label, num_deps):
-    attrs = _ar.cuda_attributes(ctx, label, axes, op, rings, chunk_bytes, timeout_s,
-                                link, algorithm, topology,
+def _start_cuda_lowering(ctx, *xs, axes, groups, op, rings, chunk_bytes,
+                         timeout_s, link, algorithm, topology, pair, label,
+                         num_deps):
+    attrs = _ar.cuda_attributes(ctx, label, axes, groups, op, rings, chunk_bytes,
+                                timeout_s, link, algorithm, topology,
                                 ctx.avals_in[num_deps].dtype)
     _op_id_of_pair[pair] = int(attrs["op_id"])
     attrs["num_deps"] = np.int64(num_deps)
@@ -143,13 +144,16 @@ call_sites.register_lowering(
 
 # ---- helpers used by overlap ------------------------------------------------
 
-def start(xs, *, deps=(), axes, op, rings, chunk_bytes, timeout_s, label):
-    """Starts one allreduce over xs (one dtype) once deps exist.
+def start(xs, *, deps=(), axes, groups=None, op, rings, chunk_bytes, timeout_s,
+          label):
+    """Starts one allreduce over xs (one dtype) once deps exist, within
+    axis_index_groups `groups` when given.
 
     Returns (handle, pair); label names its spans in the timeline."""
     pair = next(_pairs)
     deps = list(deps)
-    handle = start_p.bind(*deps, *xs, axes=tuple(axes), op=op, rings=rings,
+    handle = start_p.bind(*deps, *xs, axes=tuple(axes), groups=groups, op=op,
+                          rings=rings,
                           chunk_bytes=chunk_bytes, timeout_s=timeout_s,
                           link=_ar.link_param(), algorithm=config.algorithm,
                           topology=config.topology,

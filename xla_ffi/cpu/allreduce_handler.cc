@@ -91,17 +91,35 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
   return std::nullopt;
 }
 
-// The processes running the ranks of `group`: row `group` of the
-// rank_process table (groups x world, row-major), or an error.
+// The size of ring `group`: world_size, or its entry in group_sizes where
+// rings differ in size (uneven axis_index_groups; world_size is then the
+// largest, the row length of the rank_process table).
+std::optional<std::string> size_of_group(ffi::Span<const int64_t> group_sizes,
+                                         int64_t group, int64_t world_size,
+                                         int64_t* size) {
+  *size = world_size;
+  if (group_sizes.size() == 0) return std::nullopt;
+  if (group < 0 || group >= static_cast<int64_t>(group_sizes.size())) {
+    return "jaxring allreduce: the group_sizes table has no entry for this group";
+  }
+  *size = group_sizes[group];
+  if (*size < 1 || *size > world_size) {
+    return "jaxring allreduce: a group size outside [1, world_size]";
+  }
+  return std::nullopt;
+}
+
+// The processes running the ranks of `group`: the first `size` entries of
+// row `group` of the rank_process table (groups x world_size, row-major),
+// or an error.
 std::optional<std::string> processes_of_group(
     ffi::Span<const int64_t> rank_process, int64_t group, int64_t world_size,
-    std::vector<int>* out) {
+    int64_t size, std::vector<int>* out) {
   const int64_t begin = group * world_size;
   if (group < 0 || begin + world_size > static_cast<int64_t>(rank_process.size())) {
     return "jaxring allreduce: the rank_process table has no row for this group";
   }
-  out->assign(rank_process.begin() + begin,
-              rank_process.begin() + begin + world_size);
+  out->assign(rank_process.begin() + begin, rank_process.begin() + begin + size);
   return std::nullopt;
 }
 
@@ -134,19 +152,24 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                              double timeout_s, double link_bytes_per_s,
                              double link_latency_s, int64_t algorithm,
                              ffi::Span<const int64_t> topology,
-                             ffi::Span<const int64_t> rank_process) {
+                             ffi::Span<const int64_t> rank_process,
+                             ffi::Span<const int64_t> group_sizes) {
   const int rank = rank_buf.typed_data()[0];
   const int64_t group = group_buf.typed_data()[0];
   const int64_t count = static_cast<int64_t>(x.element_count());
+  int64_t ring_size = world_size;
+  if (auto error = size_of_group(group_sizes, group, world_size, &ring_size)) {
+    return failed_future(*error);
+  }
   OpDesc desc;
-  if (auto error = describe_op(x.element_type(), count, rank, world_size,
+  if (auto error = describe_op(x.element_type(), count, rank, ring_size,
                                reduce_op, num_rings, chunk_bytes, timeout_s,
                                link_bytes_per_s, link_latency_s, algorithm,
                                topology, &desc)) {
     return failed_future(*error);
   }
   desc.slot_id = slot_id;
-  if (world_size == 1) {
+  if (ring_size == 1) {
     if (out->untyped_data() != x.untyped_data() && count > 0) {
       std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
     }
@@ -156,7 +179,7 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
     return future;
   }
   std::vector<int> processes;
-  if (auto error = processes_of_group(rank_process, group, world_size,
+  if (auto error = processes_of_group(rank_process, group, world_size, ring_size,
                                       &processes)) {
     return failed_future(*error);
   }
@@ -185,7 +208,8 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                  double link_latency_s, int64_t algorithm,
                                  int64_t num_deps, bool gang,
                                  ffi::Span<const int64_t> topology,
-                                 ffi::Span<const int64_t> rank_process) {
+                                 ffi::Span<const int64_t> rank_process,
+                                 ffi::Span<const int64_t> group_sizes) {
   handle->typed_data()[0] = 0;
   std::vector<ConstBytes> inputs;
   int64_t count = 0;
@@ -209,17 +233,21 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
     return ffi::Error::InvalidArgument(
         "jaxring allreduce start: no operands");
   }
+  const int64_t group = group_buf.typed_data()[0];
+  int64_t ring_size = world_size;
+  if (auto error = size_of_group(group_sizes, group, world_size, &ring_size)) {
+    return ffi::Error::InvalidArgument(*error);
+  }
   OpDesc desc;
   if (auto error = describe_op(dtype, count, rank_buf.typed_data()[0],
-                               world_size, reduce_op, num_rings, chunk_bytes,
+                               ring_size, reduce_op, num_rings, chunk_bytes,
                                timeout_s, link_bytes_per_s, link_latency_s,
                                algorithm, topology, &desc)) {
     return ffi::Error::InvalidArgument(*error);
   }
   desc.slot_id = slot_id;
-  const int64_t group = group_buf.typed_data()[0];
   std::vector<int> processes;
-  if (auto error = processes_of_group(rank_process, group, world_size,
+  if (auto error = processes_of_group(rank_process, group, world_size, ring_size,
                                       &processes)) {
     return ffi::Error::InvalidArgument(*error);
   }
@@ -288,7 +316,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         // the tiered plan's tiers, tightest first; empty: one flat ring
         .Attr<ffi::Span<const int64_t>>("topology")
         // process of each rank, one row of world_size per group
-        .Attr<ffi::Span<const int64_t>>("rank_process"));
+        .Attr<ffi::Span<const int64_t>>("rank_process")
+        // size of each group where they differ; empty: all world_size
+        .Attr<ffi::Span<const int64_t>>("group_sizes"));
 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -313,7 +343,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("num_deps")
         .Attr<bool>("gang")  // wait for the in-process peers (gang_start.h)
         .Attr<ffi::Span<const int64_t>>("topology")
-        .Attr<ffi::Span<const int64_t>>("rank_process"));
+        .Attr<ffi::Span<const int64_t>>("rank_process")
+        .Attr<ffi::Span<const int64_t>>("group_sizes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllreduceDoneCpu, AllreduceDoneCpuImpl,
