@@ -17,6 +17,7 @@ named mesh axes. Its rules mirror lax.psum's so that it composes the same way:
 
 from __future__ import annotations
 
+import contextvars
 import math
 import operator
 from typing import Any, NamedTuple, Sequence
@@ -24,6 +25,7 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxring._src import call_sites, cuda_backend, distributed, runtime, timeline
 from jaxring._src import topology as _topology
@@ -266,6 +268,59 @@ def _lookup(table: np.ndarray, index):
                        sliced)
 
 
+def automatic_axes(ctx) -> tuple:
+    """The mesh axes (of size > 1) a shard_map being lowered left automatic."""
+    axis_ctx = ctx.module_context.axis_context
+    mesh = getattr(axis_ctx, "mesh", None)
+    if mesh is None:
+        return ()
+    manual = getattr(axis_ctx, "manual_axes", frozenset(mesh.axis_names))
+    return tuple(n for n, s in zip(mesh.axis_names, mesh.axis_sizes)
+                 if n not in manual and s > 1)
+
+
+def _lower_in_manual_region(ctx, x, auto: tuple, params: dict):
+    """Lowers the allreduce inside a shard_map that is manual over every axis.
+
+    In a shard_map that leaves some mesh axes automatic, XLA's partitioner
+    refuses partition-id (it cannot tell whether the instruction or the data
+    is replicated over those axes), and the ring needs it to find each
+    device's rank. So, as lax.axis_index does there, the call is lowered in
+    a nested shard_map manual over the automatic axes too. Each device
+    reduces the part of the operand it holds there: split as the operand's
+    type says it is split over explicit axes, whole (gathered by XLA) over
+    the others. It meets the devices holding the same part, since the rank
+    tables count the automatic axes among those that tell rings apart.
+    """
+    (aval,) = ctx.avals_in
+    sharding = getattr(aval, "sharding", None)
+    spec = getattr(sharding, "spec", None) or P()
+    spec = P(*(d if d is not None and set(_spec_axes(d)) <= set(auto) else None
+               for d in spec))
+    reduce_parts = jax.shard_map(lambda u: allreduce_p.bind(u, **params),
+                                 in_specs=spec, out_specs=spec,
+                                 axis_names=frozenset(auto), check_vma=False)
+    # The nested shard_map lowers over the abstract mesh, which has no
+    # devices; its partition ids are the enclosing lowering's.
+    token = _enclosing_devices.set(
+        distributed.device_assignment(ctx.module_context.axis_context))
+    try:
+        return mlir.lower_fun(reduce_parts, multiple_results=False)(ctx, x)
+    finally:
+        _enclosing_devices.reset(token)
+
+
+# The devices of the lowering that entered a nested manual region, for the
+# lowerings inside it (_lower_in_manual_region).
+_enclosing_devices: contextvars.ContextVar = contextvars.ContextVar(
+    "jaxring_enclosing_devices", default=None)
+
+
+def _spec_axes(entry) -> tuple:
+    """The mesh axes one entry of a PartitionSpec names."""
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
 def mesh_layout(ctx, axes: tuple, groups: tuple | None = None):
     """(world size, rank table, group table, devices) of a lowering over axes.
 
@@ -281,17 +336,20 @@ def mesh_layout(ctx, axes: tuple, groups: tuple | None = None):
             "jaxring.allreduce lowers only inside jax.shard_map or jax.pmap "
             f"(found the axis context {type(axis_ctx).__name__}).")
     names, sizes = tuple(mesh.axis_names), tuple(mesh.axis_sizes)
-    manual = getattr(axis_ctx, "manual_axes", frozenset(names))
-    auto = [n for n, s in zip(names, sizes) if n not in manual and s > 1]
+    auto = automatic_axes(ctx)
     if auto:
+        # The allreduce's own lowering enters a manual region first
+        # (_lower_in_manual_region); a split-phase start cannot.
         raise NotImplementedError(
-            f"jaxring.allreduce inside a shard_map that leaves mesh axes {auto} "
-            "automatic is not supported; make every mesh axis manual.")
+            f"jaxring.overlap inside a shard_map that leaves mesh axes {list(auto)} "
+            "automatic is not supported; make every mesh axis manual there "
+            "(jaxring.allreduce itself works in such a shard_map).")
     world = math.prod(sizes[names.index(a)] for a in axes)
     if groups is not None:
         world = max(len(g) for g in groups)
     rank_table, group_table = _rank_tables(names, sizes, axes, groups)
-    return world, rank_table, group_table, distributed.device_assignment(axis_ctx)
+    devices = distributed.device_assignment(axis_ctx) or _enclosing_devices.get()
+    return world, rank_table, group_table, devices
 
 
 class RingCoordinates(NamedTuple):
@@ -426,7 +484,12 @@ SCALAR_I32 = compat.ShapedArray((), np.int32)
 
 def _lowering(ctx, x, *, axes, groups, op, rings, chunk_bytes, timeout_s, link,
               algorithm, topology, invariant):
-    del invariant
+    auto = automatic_axes(ctx)
+    if auto:
+        return _lower_in_manual_region(ctx, x, auto, dict(
+            axes=axes, groups=groups, op=op, rings=rings, chunk_bytes=chunk_bytes,
+            timeout_s=timeout_s, link=link, algorithm=algorithm, topology=topology,
+            invariant=invariant))
     ring = ring_coordinates(ctx, axes, groups, timeout_s, link)
     (aval,) = ctx.avals_in
     call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")

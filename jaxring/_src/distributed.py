@@ -76,7 +76,10 @@ def device_assignment(axis_ctx) -> tuple | None:
     devices = getattr(axis_ctx, "device_assignment", None)
     if devices:
         return tuple(devices)
-    mesh_devices = getattr(getattr(axis_ctx, "mesh", None), "devices", None)
+    try:
+        mesh_devices = getattr(getattr(axis_ctx, "mesh", None), "devices", None)
+    except ValueError:  # an AbstractMesh: it has no devices
+        return None
     if mesh_devices is None:
         return None
     return tuple(np.asarray(mesh_devices).flat)
