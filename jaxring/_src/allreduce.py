@@ -129,11 +129,15 @@ allreduce_p = compat.Primitive("jaxring_allreduce")
 
 
 def _abstract_eval(aval, *, axes, groups, op, rings, chunk_bytes, timeout_s,
-                   link, algorithm, topology, invariant):
+                   link, algorithm, topology, invariant, unreduced):
     del op, rings, chunk_bytes, timeout_s, link, algorithm, topology
     _check_bound(axes)
     _check_groups_cover(axes, groups)
-    if invariant:
+    if unreduced:
+        # A sum of the parts an unreduced value's devices hold: the result is
+        # the reduced value, as lax.psum's unreduced path types it.
+        out = compat.without_unreduced(aval, axes)
+    elif invariant:
         out = with_varying(aval, varying(aval) - frozenset(axes))
     else:
         out = aval
@@ -172,6 +176,10 @@ def _transpose(ct, x, **params):
         raise TypeError(f"jaxring.allreduce(op={params['op']!r}) is not linear")
     if type(ct) is ad.Zero:
         return (ad.Zero(x.aval),)
+    if params["unreduced"]:
+        # lax.psum's rule for an unreduced operand: the cotangent is typed
+        # reduced, with no communication.
+        return (compat.preduced(ct, params["axes"]),)
     if params["invariant"]:
         # An invariant result's cotangent is broadcast back to every rank:
         # the transpose of psum_invariant is pvary, no communication.
@@ -191,6 +199,10 @@ def _batch(axis_data, vals, dims, *, axes, groups, op, **params):
     (x,), (d,) = vals, dims
     if axis_data.name not in axes:
         return allreduce_p.bind(x, axes=axes, groups=groups, op=op, **params), d
+    if params["unreduced"]:
+        raise NotImplementedError(
+            "jaxring.allreduce of a value typed unreduced cannot be vmapped "
+            f"over the reduced axis {axis_data.name!r} (nor can lax.psum's).")
     if groups is not None:
         # lax.psum's batcher refuses this too: the groups index the reduced
         # axes jointly, and vmap would split them into a local and a ring part.
@@ -483,13 +495,13 @@ SCALAR_I32 = compat.ShapedArray((), np.int32)
 
 
 def _lowering(ctx, x, *, axes, groups, op, rings, chunk_bytes, timeout_s, link,
-              algorithm, topology, invariant):
+              algorithm, topology, invariant, unreduced):
     auto = automatic_axes(ctx)
     if auto:
         return _lower_in_manual_region(ctx, x, auto, dict(
             axes=axes, groups=groups, op=op, rings=rings, chunk_bytes=chunk_bytes,
             timeout_s=timeout_s, link=link, algorithm=algorithm, topology=topology,
-            invariant=invariant))
+            invariant=invariant, unreduced=unreduced))
     ring = ring_coordinates(ctx, axes, groups, timeout_s, link)
     (aval,) = ctx.avals_in
     call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
@@ -576,8 +588,8 @@ def cuda_attributes(ctx, label, axes, groups, op, rings, chunk_bytes, timeout_s,
 
 
 def _cuda_lowering(ctx, x, *, axes, groups, op, rings, chunk_bytes, timeout_s,
-                   link, algorithm, topology, invariant):
-    del invariant
+                   link, algorithm, topology, invariant, unreduced):
+    del invariant, unreduced
     (aval,) = ctx.avals_in
     attrs = cuda_attributes(ctx, allreduce_label(op, axes, groups), axes, groups,
                             op, rings, chunk_bytes, timeout_s, link, algorithm,
@@ -629,31 +641,71 @@ def _to_ring_form(leaf, op: str):
     return leaf, lambda r: r
 
 
+def _check_unreduced(aval, axes: tuple, groups, op: str) -> bool:
+    """Whether aval is typed unreduced over axes, which jaxring then sums as
+    lax.psum does; raises where lax.psum would not take it."""
+    unreduced = compat.unreduced_axes(aval) & set(axes)
+    if not unreduced:
+        return False
+    if unreduced != set(axes) or varying(aval) & set(axes):
+        raise ValueError(
+            f"jaxring.allreduce over {axes}: the value is unreduced over "
+            f"{sorted(unreduced, key=str)} but not over the other axes "
+            f"({aval.str_short(True)}); reduce each kind of axis apart, as "
+            "lax.psum requires.")
+    kind = compat.unreduced_kind(aval)
+    if op != "sum" or groups is not None or kind not in (None, "sum"):
+        raise TypeError(
+            f"jaxring.allreduce: an unreduced value ({aval.str_short(True)}) "
+            "can only be summed over its unreduced axes, without "
+            f"axis_index_groups (got op={op!r}"
+            + (f", axis_index_groups={[list(g) for g in groups]}" if groups else "")
+            + (f", unreduced kind {kind}" if kind not in (None, "sum") else "")
+            + "), as with lax.psum.")
+    return True
+
+
 def _reduce_leaf_group(leaves, axes, groups, op, rings, chunk_bytes, timeout_s,
                        algorithm, topology):
-    """One allreduce for leaves of one dtype: ravel, concatenate, split."""
+    """The allreduce of leaves of one dtype: one fused operation, and one
+    more for each value typed unreduced."""
     check_vma = compat.check_vma_enabled()
     # A reduction within axis_index_groups differs from group to group, so
     # its result still varies over the axes.
     invariant = check_vma and groups is None
-    if check_vma:
-        # Mirror lax.psum: a value not varying over an axis is first made
-        # varying (psum of it is then size * x), if JAX allows that.
-        fixed = []
-        for leaf in leaves:
-            missing = tuple(a for a in axes if a not in varying(compat.typeof(leaf)))
-            if missing:
-                if not compat.auto_pcast_enabled():
-                    raise ValueError(
-                        f"jaxring.allreduce over {axes}: the value is not varying "
-                        f"over {missing} (see jax.typeof(x).vma); apply "
-                        "jax.lax.pcast(x, axes, to='varying') first.")
-                leaf = compat.pvary(leaf, missing)
-            fixed.append(leaf)
-        leaves = fixed
     params = dict(axes=axes, groups=groups, op=op, rings=rings, chunk_bytes=chunk_bytes,
                   timeout_s=timeout_s, link=link_param(), algorithm=algorithm,
-                  topology=topology, invariant=invariant)
+                  topology=topology, invariant=invariant, unreduced=False)
+    if not check_vma:
+        return _fused_allreduce(leaves, params)
+    # Mirror lax.psum: a value not varying over an axis is first made varying
+    # (psum of it is then size * x), if JAX allows that. A value typed
+    # unreduced is summed as it is, in an operation of its own: its result
+    # and its transpose are typed apart from the others'.
+    out: list[Any] = [None] * len(leaves)
+    fused = []
+    for i, leaf in enumerate(leaves):
+        if _check_unreduced(compat.typeof(leaf), axes, groups, op):
+            out[i] = allreduce_p.bind(leaf, **{**params, "unreduced": True})
+            continue
+        missing = tuple(a for a in axes if a not in varying(compat.typeof(leaf)))
+        if missing:
+            if not compat.auto_pcast_enabled():
+                raise ValueError(
+                    f"jaxring.allreduce over {axes}: the value is not varying "
+                    f"over {missing} (see jax.typeof(x).vma); apply "
+                    "jax.lax.pcast(x, axes, to='varying') first.")
+            leaf = compat.pvary(leaf, missing)
+        fused.append((i, leaf))
+    if fused:
+        idx, fused_leaves = zip(*fused)
+        for i, r in zip(idx, _fused_allreduce(list(fused_leaves), params)):
+            out[i] = r
+    return out
+
+
+def _fused_allreduce(leaves: list, params: dict) -> list:
+    """One allreduce for leaves of one dtype: ravel, concatenate, split."""
     if len(leaves) == 1:
         return [allreduce_p.bind(leaves[0], **params)]
     flat = jax.numpy.concatenate([jax.numpy.ravel(l) for l in leaves])

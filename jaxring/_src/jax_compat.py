@@ -57,6 +57,37 @@ def pvary(x, axes: tuple):
     return jax.lax.pcast(x, tuple(axes), to="varying")
 
 
+def preduced(x, axes: tuple):
+    """x typed *reduced* over axes (the transpose of a psum of an unreduced
+    value, as lax's), through the public lax.pcast."""
+    return jax.lax.pcast(x, tuple(axes), to="reduced")
+
+
+def unreduced_axes(aval) -> frozenset:
+    """The axes over which aval is typed *unreduced* (each device holds a
+    part of a sum not yet taken); empty on avals without that type."""
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "unreduced", None) or ())
+
+
+def unreduced_kind(aval) -> str | None:
+    """Which reduction an unreduced aval awaits ("sum", "max", ...), where
+    JAX records it (0.12); None where it does not (every unreduced value is
+    a sum there)."""
+    kind = getattr(getattr(aval, "mat", None), "unreduced_kind", None)
+    return None if kind is None else getattr(kind, "name", str(kind))
+
+
+def without_unreduced(aval, axes: tuple):
+    """aval once reduced over axes: no longer unreduced over them."""
+    mat = aval.mat
+    left = frozenset(mat.unreduced) - frozenset(axes)
+    changes = dict(unreduced=left)
+    if not left and hasattr(mat, "unreduced_kind"):
+        changes["unreduced_kind"] = None
+    return aval.update(manual_axis_type=mat.update(**changes))
+
+
 def axis_is_bound(name) -> bool:
     """Whether a mapped axis of this name is in scope at trace time."""
     try:

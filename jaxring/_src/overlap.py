@@ -113,6 +113,10 @@ def _find_reductions(jaxpr, want) -> tuple[list[Reduction], list[str]]:
                             f"overlap(axis_name={want!r}) rewrites reductions over "
                             "exactly those axes")
             continue
+        if eqn.params.get("unreduced"):
+            left.append(f"a sum of a value typed unreduced ({where(eqn)}): "
+                        "jaxring.overlap's buckets do not carry unreduced values")
+            continue
         bad = [v for v in eqn.invars
                if isinstance(v, compat.Literal)
                or np.dtype(v.aval.dtype) not in _ar.SUPPORTED_DTYPES]

@@ -1,0 +1,108 @@
+"""Values typed *unreduced* (each device holds a part of a sum not yet
+taken): jaxring sums them as lax.psum does, against lax in the same test."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxring
+from jaxring._src import jax_compat as compat
+from jaxring._src.allreduce import varying
+
+
+def mesh_8():
+    return jax.make_mesh((8,), ("i",), axis_types=(AxisType.Explicit,))
+
+
+def x_on(mesh):
+    rng = np.random.default_rng(0)
+    return jax.device_put(rng.standard_normal((8, 5)).astype(np.float32),
+                          NamedSharding(mesh, P("i")))
+
+
+def run(body, mesh, out_specs=P()):
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=out_specs))
+
+
+def unreduced(v):
+    return jax.lax.pcast(v, "i", to="unreduced")
+
+
+@pytest.mark.parametrize("ours,theirs", [(jaxring.psum, jax.lax.psum),
+                                         (jaxring.pmean, jax.lax.pmean)])
+def test_sum_of_an_unreduced_value_matches_lax_and_is_typed_reduced(ours, theirs):
+    mesh = mesh_8()
+    types = {}
+
+    def body(reduce, name):
+        def f(v):
+            r = reduce(unreduced(v * 3), "i")
+            types[name] = jax.typeof(r)
+            return r
+        return f
+    got = run(body(ours, "ours"), mesh)(x_on(mesh))
+    want = run(body(theirs, "lax"), mesh)(x_on(mesh))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    for t in types.values():
+        assert not compat.unreduced_axes(t) and "i" not in varying(t), types
+
+
+def test_gradient_matches_lax():
+    mesh = mesh_8()
+
+    def grad_of(psum):
+        def f(v):
+            return jax.grad(lambda w: jnp.sum(jnp.sin(psum(unreduced(w * w), "i"))))(v)
+        return np.asarray(run(f, mesh, out_specs=P("i"))(x_on(mesh)))
+    np.testing.assert_allclose(grad_of(jaxring.psum), grad_of(jax.lax.psum), rtol=1e-6)
+
+
+def test_unreduced_and_varying_leaves_of_one_tree():
+    mesh = mesh_8()
+
+    def body(psum):
+        def f(v):
+            out = psum({"u": unreduced(v), "v": v * 2}, "i")
+            return out["u"] + out["v"]
+        return f
+    np.testing.assert_allclose(np.asarray(run(body(jaxring.psum), mesh)(x_on(mesh))),
+                               np.asarray(run(body(jax.lax.psum), mesh)(x_on(mesh))),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda u: jaxring.allreduce(u, "i", op="max"), "can only be summed"),
+    (lambda u: jaxring.psum(u, "i", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]]),
+     "without axis_index_groups"),
+])
+def test_what_lax_psum_refuses_on_unreduced_values_is_refused(call, match):
+    mesh = mesh_8()
+    with pytest.raises(TypeError, match=match):
+        run(lambda v: call(unreduced(v)), mesh)(x_on(mesh))
+
+
+def test_unreduced_over_some_reduced_axes_only_is_refused():
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    x = jax.device_put(np.ones((8, 3), np.float32), NamedSharding(mesh, P(("a", "b"))))
+    f = jax.jit(jax.shard_map(
+        lambda v: jaxring.psum(jax.lax.pcast(v, "a", to="unreduced"), ("a", "b")),
+        mesh=mesh, in_specs=P(("a", "b")), out_specs=P()))
+    with pytest.raises(ValueError, match="unreduced over \\['a'\\] but not over"):
+        f(x)
+
+
+def test_overlap_leaves_an_unreduced_sum_where_it_is_with_a_warning():
+    mesh = mesh_8()
+
+    def step(v):
+        return jaxring.psum(unreduced(v), "i") + jax.lax.psum(v, "i")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", jaxring.OverlapWarning)
+        got = run(jaxring.overlap(step, axis_name="i"), mesh)(x_on(mesh))
+    assert any("typed unreduced" in str(w.message) for w in caught), caught
+    np.testing.assert_allclose(np.asarray(got), np.asarray(run(step, mesh)(x_on(mesh))),
+                               rtol=1e-6)
