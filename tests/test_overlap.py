@@ -400,15 +400,41 @@ def test_nothing_to_rewrite_warns():
 
 def test_unsupported_dtype_is_left_alone_with_a_warning():
     def step(x):
-        return jax.lax.psum(x.astype(jnp.complex64), "batch"), jax.lax.psum(x, "batch")
+        return jax.lax.psum(x.astype(jnp.float8_e4m3fn), "batch"), jax.lax.psum(x, "batch")
 
     m = mesh()
     x = jax.device_put(jnp.arange(N, dtype=jnp.float32), NamedSharding(m, P("batch")))
     run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
                                           out_specs=P()))(x)
-    with pytest.warns(jaxring.OverlapWarning, match="complex64"):
+    with pytest.warns(jaxring.OverlapWarning, match="float8_e4m3fn"):
         got = run(jaxring.overlap(step, axis_name="batch"))
     assert_trees_close(got, run(step))
+
+
+@pytest.mark.parametrize("partition_mb", [1.0, 16 / 2**20])
+def test_complex_values_travel_as_float_lanes_in_the_float_buckets(partition_mb):
+    rng = np.random.default_rng(5)
+
+    def step(x):
+        c = (x + 1j * jnp.cos(x)).astype(jnp.complex64)
+        return (jax.lax.psum(c * c, "batch"), jax.lax.psum(x * 3, "batch"),
+                jax.lax.pmean(c.astype(jnp.complex128), "batch"))
+
+    m = mesh()
+    x = jax.device_put(jnp.asarray(rng.standard_normal((N * 3, 7)), jnp.float32),
+                       NamedSharding(m, P("batch")))
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
+                                          out_specs=P()))
+    overlapped = jaxring.overlap(step, axis_name="batch", partition_mb=partition_mb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxring.OverlapWarning)
+        got = run(overlapped)(x)
+        text = jax.make_jaxpr(run(overlapped))(x).pretty_print()
+    want = run(step)(x)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    assert " psum" not in text
 
 
 def test_errors_are_clear():

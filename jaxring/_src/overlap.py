@@ -9,7 +9,8 @@ needed early (a BatchNorm statistic) gets a bucket that is done before its
 first use. Reductions it cannot rewrite stay as they are and are reported, each
 time the step is traced, by an :class:`OverlapWarning` that says why: those
 inside ``scan``, ``cond``, ``while``, ``remat`` or custom-derivative bodies,
-those over other axes, or of dtypes its buckets do not carry (bool, complex).
+those over other axes, or of dtypes its buckets do not carry. Complex values
+travel as float lanes, in the buckets of that float type.
 Reductions within ``axis_index_groups`` are bucketed with the others of the
 same groups.
 
@@ -119,7 +120,7 @@ def _find_reductions(jaxpr, want) -> tuple[list[Reduction], list[str]]:
             continue
         bad = [v for v in eqn.invars
                if isinstance(v, compat.Literal)
-               or np.dtype(v.aval.dtype) not in _ar.SUPPORTED_DTYPES]
+               or _lanes_of(np.dtype(v.aval.dtype)) not in _ar.SUPPORTED_DTYPES]
         if bad:
             left.append(f"{eqn.primitive.name} of "
                         f"{', '.join(str(v.aval) for v in bad)} ({where(eqn)}): "
@@ -127,11 +128,23 @@ def _find_reductions(jaxpr, want) -> tuple[list[Reduction], list[str]]:
             continue
         groups = eqn.params.get("axis_index_groups", eqn.params.get("groups"))
         for j, v in enumerate(eqn.invars):
-            found.append(Reduction(i, j, axes, tuple(v.aval.shape),
-                                   np.dtype(v.aval.dtype), label="",
+            dtype = np.dtype(v.aval.dtype)
+            lanes = dtype.kind == "c"
+            found.append(Reduction(i, j, axes,
+                                   tuple(v.aval.shape) + ((2,) if lanes else ()),
+                                   _lanes_of(dtype), label="",
                                    groups=None if groups is None
-                                   else tuple(map(tuple, groups))))
+                                   else tuple(map(tuple, groups)),
+                                   complex_lanes=lanes))
     return found, left
+
+
+def _lanes_of(dtype: np.dtype) -> np.dtype:
+    """The dtype a value travels in: a complex one as float lanes (a sum of
+    complex numbers is the sum of their parts), any other as it is."""
+    if dtype.kind == "c":
+        return np.dtype(np.float32 if dtype == np.complex64 else np.float64)
+    return dtype
 
 
 def _axes_text(want) -> str:

@@ -111,6 +111,10 @@ class Emitter:
         x = read_atom(self.env, eqn.invars[it.key[1]])
         aval = eqn.outvars[it.key[1]].aval
         r = self.red[it.key]
+        if r.complex_lanes:
+            x = jax.numpy.stack([jax.numpy.real(x), jax.numpy.imag(x)], axis=-1)
+            aval = aval.update(shape=r.shape, dtype=r.dtype, sharding=NamedSharding(
+                aval.sharding.mesh, PartitionSpec(*[None] * len(r.shape))))
         if it.count == math.prod(r.shape):
             return x, aval
         flat = jax.numpy.ravel(x)
@@ -153,11 +157,13 @@ class Emitter:
     def _deliver(self, it, value):
         eqn = self.jaxpr.eqns[it.key[0]]
         var_out = eqn.outvars[it.key[1]]
-        if self.parts_total[it.key] == 1:
-            self.env[var_out] = value
-            return
-        got = self.parts.setdefault(it.key, {})
-        got[it.part] = value
-        if len(got) == self.parts_total[it.key]:
-            flat = jax.numpy.concatenate([got[p] for p in sorted(got)])
-            self.env[var_out] = flat.reshape(var_out.aval.shape)
+        r = self.red[it.key]
+        if self.parts_total[it.key] > 1:
+            got = self.parts.setdefault(it.key, {})
+            got[it.part] = value
+            if len(got) < self.parts_total[it.key]:
+                return
+            value = jax.numpy.concatenate([got[p] for p in sorted(got)]).reshape(r.shape)
+        if r.complex_lanes:
+            value = jax.lax.complex(value[..., 0], value[..., 1])
+        self.env[var_out] = value

@@ -25,6 +25,14 @@ class Reduction:
     dtype: np.dtype
     label: str
     groups: tuple | None = None   # its axis_index_groups
+    # A complex operand travels as float lanes (real, imaginary): shape and
+    # dtype are then those of the lanes, shape + (2,) of the float type.
+    complex_lanes: bool = False
+
+
+def _operand_signature(jaxpr, r: Reduction) -> tuple:
+    aval = jaxpr.eqns[r.eqn].invars[r.operand].aval
+    return tuple(aval.shape), str(np.dtype(aval.dtype))
 
 
 @dataclasses.dataclass
@@ -87,7 +95,7 @@ def label_reductions(jaxpr, reductions, args, kwargs) -> list[Reduction]:
         calls.setdefault((src, r.axes), []).append(k)
     labels: dict[int, str] = {}
     for members in calls.values():
-        sigs = [(reductions[k].shape, str(reductions[k].dtype)) for k in members]
+        sigs = [_operand_signature(jaxpr, reductions[k]) for k in members]
         paths = next((p for p, sg in subtrees if sg == sigs), None)
         if paths is not None:
             labels.update(zip(members, paths))
