@@ -23,6 +23,17 @@ def run_example(name, *args, timeout=600):
     return fields, [float(v) for v in losses.split()[1:]]
 
 
+def test_quickstart_learns_without_an_overlap_warning():
+    with tempfile.TemporaryDirectory() as cwd:  # outside the checkout
+        res = subprocess.run([sys.executable, "-W", "error::UserWarning",
+                              str(EXAMPLES / "quickstart_overlap.py")],
+                             capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in res.stdout.splitlines()
+              if line.startswith("step")]
+    assert len(losses) == 5 and losses[-1] < 0.25 * losses[0], res.stdout
+
+
 def test_mlp_reaches_95_percent_on_digits_with_overlap():
     fields, _ = run_example("train_mlp.py", "--mode", "overlap", "--devices", "8")
     assert float(fields["accuracy"]) >= 0.95, fields

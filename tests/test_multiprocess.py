@@ -312,10 +312,10 @@ def test_overlap_across_processes_matches_gloo_pmean():
         assert loss_diff < 1e-5 and param_diff < 1e-5, (rank, diff)
 
 
-def test_readme_script_gives_the_same_result_under_the_launcher(tmp_path):
+def test_documented_script_gives_the_same_result_under_the_launcher(tmp_path):
     import re
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "multiprocess.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", page, re.S)
                  if "make_array_from_callback" in b)
     script = tmp_path / "total.py"
     script.write_text(block)

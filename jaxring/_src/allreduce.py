@@ -322,6 +322,17 @@ def _lower_in_manual_region(ctx, x, auto: tuple, params: dict):
         _enclosing_devices.reset(token)
 
 
+def _in_manual_region(lowering):
+    """The allreduce's lowering, entering a region manual over every mesh
+    axis first where the shard_map being lowered left some automatic."""
+    def lower(ctx, x, **params):
+        auto = automatic_axes(ctx)
+        if auto:
+            return _lower_in_manual_region(ctx, x, auto, params)
+        return lowering(ctx, x, **params)
+    return lower
+
+
 # The devices of the lowering that entered a nested manual region, for the
 # lowerings inside it (_lower_in_manual_region).
 _enclosing_devices: contextvars.ContextVar = contextvars.ContextVar(
@@ -496,12 +507,7 @@ SCALAR_I32 = compat.ShapedArray((), np.int32)
 
 def _lowering(ctx, x, *, axes, groups, op, rings, chunk_bytes, timeout_s, link,
               algorithm, topology, invariant, unreduced):
-    auto = automatic_axes(ctx)
-    if auto:
-        return _lower_in_manual_region(ctx, x, auto, dict(
-            axes=axes, groups=groups, op=op, rings=rings, chunk_bytes=chunk_bytes,
-            timeout_s=timeout_s, link=link, algorithm=algorithm, topology=topology,
-            invariant=invariant, unreduced=unreduced))
+    del invariant, unreduced
     ring = ring_coordinates(ctx, axes, groups, timeout_s, link)
     (aval,) = ctx.avals_in
     call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
@@ -511,7 +517,7 @@ def _lowering(ctx, x, *, axes, groups, op, rings, chunk_bytes, timeout_s, link,
     return call(sub_ctx, x, ring.rank, ring.group, **attrs)
 
 
-call_sites.register_lowering(allreduce_p, _lowering, platform="cpu")
+call_sites.register_lowering(allreduce_p, _in_manual_region(_lowering), platform="cpu")
 
 
 # ---- the CUDA lowering ------------------------------------------------------
@@ -597,7 +603,8 @@ def _cuda_lowering(ctx, x, *, axes, groups, op, rings, chunk_bytes, timeout_s,
     return jax.ffi.ffi_lowering("jaxring_allreduce_cuda")(ctx, x, **attrs)
 
 
-call_sites.register_lowering(allreduce_p, _cuda_lowering, platform="cuda")
+call_sites.register_lowering(allreduce_p, _in_manual_region(_cuda_lowering),
+                             platform="cuda")
 
 
 # ---- public functions -------------------------------------------------------
