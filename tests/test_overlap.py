@@ -608,6 +608,38 @@ def test_python_scalar_arguments_stay_static():
     np.testing.assert_allclose(np.asarray(f(x)), 2 * np.arange(N).sum())
 
 
+def test_a_done_takes_the_op_id_of_its_own_start():
+    from jaxring._src import runtime, split_phase
+    runtime.register_ffi_targets()
+    m = mesh()
+
+    def two(v):
+        handles = [split_phase.start([v * k], axes=("batch",), op="sum", rings=1,
+                                     chunk_bytes=1 << 20, timeout_s=30.0, label=f"b{k}")
+                   for k in (1, 2)]
+        # Waited for in the other order: each done still pairs with its start.
+        second, first = (split_phase.done(h, [jax.typeof(v)])[0] for h in handles[::-1])
+        return first, second
+
+    f = jax.jit(jax.shard_map(two, mesh=m, in_specs=P("batch"), out_specs=P(),
+                              check_vma=False))
+    x = jax.device_put(jnp.arange(N * 3, dtype=jnp.float32), NamedSharding(m, P("batch")))
+    text = f.lower(x).as_text()
+    starts = re.findall(r"jaxring_allreduce_start_cpu.*?op_id = (-?\d+)", text, re.S)
+    dones = re.findall(r"jaxring_allreduce_done_cpu.*?op_id = (-?\d+)", text, re.S)
+    assert len(set(starts)) == 2 and sorted(starts) == sorted(dones), (starts, dones)
+    first, second = f(x)
+    total = np.arange(N * 3, dtype=np.float32).reshape(N, 3).sum(0)
+    np.testing.assert_allclose(np.asarray(first), total)
+    np.testing.assert_allclose(np.asarray(second), 2 * total)
+
+    def stray(v):
+        return split_phase.done(jnp.int32(0), [jax.typeof(v)])[0]
+    with pytest.raises(RuntimeError, match="does not come from an allreduce start"):
+        jax.jit(jax.shard_map(stray, mesh=m, in_specs=P("batch"), out_specs=P("batch"),
+                              check_vma=False)).lower(x)
+
+
 def test_a_start_no_peer_joins_fails_after_the_timeout(script):
     """A split-phase allreduce that only one device starts ends in an error
     that names the missing ranks, not a hang."""
@@ -620,9 +652,9 @@ def test_a_start_no_peer_joins_fails_after_the_timeout(script):
         mesh = jax.make_mesh((4,), ("batch",))
 
         def reduce_alone(v):
-            h, pair = split_phase.start([v], axes=("batch",), op="sum", rings=1,
-                                        chunk_bytes=1 << 20, timeout_s=1.0, label="lonely")
-            return split_phase.done(h, pair, [jax.typeof(v)])[0]
+            h = split_phase.start([v], axes=("batch",), op="sum", rings=1,
+                                  chunk_bytes=1 << 20, timeout_s=1.0, label="lonely")
+            return split_phase.done(h, [jax.typeof(v)])[0]
 
         def body(v):
             first = jax.lax.axis_index("batch") == 0

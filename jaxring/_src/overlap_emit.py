@@ -50,7 +50,7 @@ class Emitter:
             v = jaxpr.eqns[r.eqn].invars[r.operand]
             parts = self.parts_total[(r.eqn, r.operand)]
             self.unstarted_uses[v] = self.unstarted_uses.get(v, 0) + parts
-        self.started: dict[int, list] = {}   # bucket -> [(handle, pair, items, avals)]
+        self.started: dict[int, list] = {}   # bucket -> [(handle, items, avals)]
         self.results: dict[int, list] = {}   # bucket -> done outputs (for the window)
 
     def run(self):
@@ -133,12 +133,12 @@ class Emitter:
         started = []
         for (axes, index_groups, _), items in groups.items():
             operands, avals = zip(*(self._operand(it) for it in items))
-            handle, pair = split_phase.start(
+            handle = split_phase.start(
                 list(operands), deps=waited, axes=axes, groups=index_groups,
                 op="sum",
                 label=f"bucket {b}", rings=self.opts.rings,
                 chunk_bytes=self.opts.chunk_bytes, timeout_s=self.opts.timeout_s)
-            started.append((handle, pair, items, avals))
+            started.append((handle, items, avals))
         for it in bucket.items:
             v = self.jaxpr.eqns[it.key[0]].invars[it.key[1]]
             self.unstarted_uses[v] -= 1
@@ -147,8 +147,8 @@ class Emitter:
     def _done(self, b):
         deps = self._frontier(self.plan.buckets[b])
         outs_all = []
-        for handle, pair, items, avals in self.started[b]:
-            outs = split_phase.done(handle, pair, avals, deps=deps)
+        for handle, items, avals in self.started[b]:
+            outs = split_phase.done(handle, avals, deps=deps)
             outs_all += outs
             for it, out in zip(items, outs):
                 self._deliver(it, out)

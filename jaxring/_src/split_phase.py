@@ -25,7 +25,6 @@ gradients have been traced.
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import numpy as np
@@ -35,16 +34,14 @@ from jaxring._src import allreduce as _ar
 from jaxring._src import call_sites
 from jaxring._src import jax_compat as compat
 from jaxring._src.config import config
+from jaxring._src.jax_compat import ir
 
-# A start and its done share a *pair* number, taken at trace time. The op id
-# the transport matches ranks by is taken when the start is lowered, as
-# jaxring.allreduce takes it (call_sites.call_ids), and the done lowered
-# after it looks it up.
-# So a traced step that is lowered twice into one module (a scan unrolled by
-# JAX, the same jaxpr evaluated twice) gets an op id per copy.
-_pairs = itertools.count(1)
-_op_id_of_pair: dict[int, int] = {}
-
+# The op id the transport matches ranks by is taken when the start is
+# lowered, as jaxring.allreduce takes it (call_sites.call_ids). The done reads
+# it from the start's custom call, the op that defines its handle
+# (_op_id_of_start), so a traced step that is lowered twice into one module
+# (a scan unrolled by JAX, the same jaxpr evaluated twice) pairs each done
+# with its own start.
 
 HANDLE_DTYPE = np.int32
 
@@ -57,8 +54,8 @@ start_p = compat.Primitive("jaxring_allreduce_start")
 
 
 def _start_abstract_eval(*avals, axes, groups, op, rings, chunk_bytes, timeout_s,
-                         link, algorithm, topology, pair, label, num_deps):
-    del op, rings, chunk_bytes, timeout_s, link, algorithm, topology, pair, label
+                         link, algorithm, topology, label, num_deps):
+    del op, rings, chunk_bytes, timeout_s, link, algorithm, topology, label
     _ar._check_bound(axes)
     _ar._check_groups_cover(axes, groups)
     avals = avals[num_deps:]
@@ -80,11 +77,10 @@ start_p.def_effectful_abstract_eval(_start_abstract_eval)
 
 
 def _start_lowering(ctx, *xs, axes, groups, op, rings, chunk_bytes, timeout_s,
-                    link, algorithm, topology, pair, label, num_deps):
+                    link, algorithm, topology, label, num_deps):
     ring = _ar.ring_coordinates(ctx, axes, groups, timeout_s, link)
     attrs = _ar.ring_attributes(ctx, label, ring, op, rings, chunk_bytes, timeout_s,
                                 link, algorithm, topology)
-    _op_id_of_pair[pair] = int(attrs["op_id"])
     attrs["num_deps"] = np.int64(num_deps)
     attrs["gang"] = bool(config.cpu_gang_start)
     call = jax.ffi.ffi_lowering("jaxring_allreduce_start_cpu")
@@ -101,37 +97,48 @@ done_p = compat.Primitive("jaxring_allreduce_done")
 done_p.multiple_results = True
 
 
-def _done_abstract_eval(handle, *deps, pair, out_avals):
+def _done_abstract_eval(handle, *deps, out_avals):
     # No effect and no side effect: a start's only user is its done, so when
     # a done's results are unused the compiler drops both together.
-    del handle, deps, pair
+    del handle, deps
     return list(out_avals)
 
 
 done_p.def_abstract_eval(_done_abstract_eval)
 
 
-def _done_lowering(ctx, handle, *deps, pair, out_avals,
+def _op_id_of_start(handle) -> int:
+    """The op id of the start whose custom call defines handle."""
+    owner = getattr(handle.owner, "operation", handle.owner)
+    config = None
+    if isinstance(owner, ir.Operation) and owner.name == "stablehlo.custom_call":
+        attrs = owner.attributes
+        if "mhlo.backend_config" in attrs:
+            config = ir.DictAttr(attrs["mhlo.backend_config"])
+    if config is None or "op_id" not in config:
+        # start() and done() are emitted in one trace, so the handle reaches
+        # the done straight from the start's custom call.
+        raise RuntimeError(
+            "jaxring: internal error: an allreduce done's handle does not come "
+            f"from an allreduce start (it comes from {owner})")
+    return ir.IntegerAttr(config["op_id"]).value
+
+
+def _done_lowering(ctx, handle, *deps, out_avals,
                    target="jaxring_allreduce_done_cpu"):
     del out_avals
-    op_id = _op_id_of_pair.get(pair)
-    if op_id is None:  # a done is lowered after its start: its operand
-        raise RuntimeError(f"jaxring: allreduce done of pair {pair} lowered "
-                           "before its start")
     call = jax.ffi.ffi_lowering(target)
-    return call(ctx, handle, *deps, op_id=np.int64(op_id))
+    return call(ctx, handle, *deps, op_id=np.int64(_op_id_of_start(handle)))
 
 
 call_sites.register_lowering(done_p, _done_lowering, platform="cpu")
 
 
 def _start_cuda_lowering(ctx, *xs, axes, groups, op, rings, chunk_bytes,
-                         timeout_s, link, algorithm, topology, pair, label,
-                         num_deps):
+                         timeout_s, link, algorithm, topology, label, num_deps):
     attrs = _ar.cuda_attributes(ctx, label, axes, groups, op, rings, chunk_bytes,
                                 timeout_s, link, algorithm, topology,
                                 ctx.avals_in[num_deps].dtype)
-    _op_id_of_pair[pair] = int(attrs["op_id"])
     attrs["num_deps"] = np.int64(num_deps)
     return jax.ffi.ffi_lowering("jaxring_allreduce_start_cuda")(ctx, *xs, **attrs)
 
@@ -149,20 +156,19 @@ def start(xs, *, deps=(), axes, groups=None, op, rings, chunk_bytes, timeout_s,
     """Starts one allreduce over xs (one dtype) once deps exist, within
     axis_index_groups `groups` when given.
 
-    Returns (handle, pair); label names its spans in the timeline."""
-    pair = next(_pairs)
+    Returns its handle, for done(); label names its spans in the timeline."""
     deps = list(deps)
     handle = start_p.bind(*deps, *xs, axes=tuple(axes), groups=groups, op=op,
                           rings=rings,
                           chunk_bytes=chunk_bytes, timeout_s=timeout_s,
                           link=_ar.link_param(), algorithm=config.algorithm,
                           topology=config.topology,
-                          pair=pair, label=str(label),
+                          label=str(label),
                           num_deps=len(deps))
-    return handle, pair
+    return handle
 
 
-def done(handle, pair, out_avals, *, deps=()):
-    """Waits for the allreduce started as pair, not before deps exist;
-    returns values typed like out_avals."""
-    return done_p.bind(handle, *deps, pair=pair, out_avals=tuple(out_avals))
+def done(handle, out_avals, *, deps=()):
+    """Waits for the allreduce whose start gave handle, not before deps
+    exist; returns values typed like out_avals."""
+    return done_p.bind(handle, *deps, out_avals=tuple(out_avals))
