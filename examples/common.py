@@ -4,7 +4,6 @@ and starting JAX and jaxring with them."""
 from __future__ import annotations
 
 import argparse
-import os
 
 MODES = ("overlap", "allreduce", "psum")
 
@@ -35,7 +34,8 @@ def start(args):
     Every process draws the same batches from the same seed, and
     ``jax.device_put`` keeps each process's own rows."""
     import jaxring
-    processes = int(os.environ.get("JAXRING_NUM_PROCESSES", "1"))
+    from jaxring.launch import launched_process_count
+    processes = launched_process_count()
     if processes == 1:
         args.devices = args.devices or 8
         jaxring.use_cpu_devices(args.devices)

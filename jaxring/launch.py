@@ -34,6 +34,18 @@ from jaxring._src.distributed import SECRET_ENV, new_secret_hex
 _GRACE_S = 3.0
 
 
+# What the launcher tells each process it starts (read by launched.py).
+_NUM_PROCESSES_ENV = "JAXRING_NUM_PROCESSES"
+_PROCESS_ID_ENV = "JAXRING_PROCESS_ID"
+
+
+def launched_process_count() -> int:
+    """How many processes the launcher started this job with; 1 when this
+    process was not started by it. Unlike ``jax.process_count()`` it can be
+    read before JAX starts, to decide how to set up the devices."""
+    return int(os.environ.get(_NUM_PROCESSES_ENV, "1"))
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -129,9 +141,9 @@ def child_env(base: dict, rank: int, nproc: int, coordinator: str,
     env = dict(base)
     env.update(JAXRING_COORDINATOR=coordinator,
                JAXRING_JOB_SECRET=job_secret,
-               JAXRING_NUM_PROCESSES=str(nproc),
-               JAXRING_PROCESS_ID=str(rank),
                PYTHONUNBUFFERED="1")
+    env[_NUM_PROCESSES_ENV] = str(nproc)
+    env[_PROCESS_ID_ENV] = str(rank)
     if devices_per_process is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
