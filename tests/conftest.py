@@ -23,6 +23,18 @@ jax.config.update("jax_enable_x64", True)
 import pytest  # noqa: E402
 
 
+def overlapped_and_plain(run, step, x, **overlap_options):
+    """run(jaxring.overlap(step, ...))(x), the jaxpr text of that program, and
+    run(step)(x); an OverlapWarning (a reduction left alone) fails."""
+    import warnings
+    overlapped = jaxring.overlap(step, **overlap_options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxring.OverlapWarning)
+        got = run(overlapped)(x)
+        text = jax.make_jaxpr(run(overlapped))(x).pretty_print()
+    return got, text, run(step)(x)
+
+
 def run_script(code: str, devices: int = 8, timeout: float = 300,
                env: dict | None = None) -> subprocess.CompletedProcess:
     """Runs code in a fresh interpreter with `devices` virtual CPU devices."""

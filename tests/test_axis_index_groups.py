@@ -1,9 +1,6 @@
 """axis_index_groups: each group of indices is reduced on a ring of its own,
 against lax.psum (and numpy where lax differs) in the same test."""
 
-import functools
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxring
+from conftest import overlapped_and_plain
 from jaxring._src.allreduce import varying
 
 EVEN = [[0, 1], [2, 3]]
@@ -150,15 +148,11 @@ def test_overlap_buckets_grouped_psums_with_their_own_group():
         return pairs + uneven, whole
 
     x = jax.device_put(np.arange(8 * 6, dtype=np.float32) / 7.0, NamedSharding(mesh, spec))
-    run = functools.partial(
-        lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec,
-                                        check_vma=False)))
-    overlapped = jaxring.overlap(step, axis_name="batch")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", jaxring.OverlapWarning)
-        got = run(overlapped)(x)
-        text = jax.make_jaxpr(run(overlapped))(x).pretty_print()
-    want = run(step)(x)
+
+    def run(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec,
+                                     check_vma=False))
+    got, text, want = overlapped_and_plain(run, step, x, axis_name="batch")
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
     assert "psum" not in text.replace("jaxring", "")

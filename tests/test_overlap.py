@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxring
+from conftest import overlapped_and_plain
 from jaxring import _jaxring
 
 N = 8
@@ -425,12 +426,8 @@ def test_complex_values_travel_as_float_lanes_in_the_float_buckets(partition_mb)
                        NamedSharding(m, P("batch")))
     run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
                                           out_specs=P()))
-    overlapped = jaxring.overlap(step, axis_name="batch", partition_mb=partition_mb)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", jaxring.OverlapWarning)
-        got = run(overlapped)(x)
-        text = jax.make_jaxpr(run(overlapped))(x).pretty_print()
-    want = run(step)(x)
+    got, text, want = overlapped_and_plain(run, step, x, axis_name="batch",
+                                           partition_mb=partition_mb)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
