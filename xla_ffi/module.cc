@@ -192,6 +192,12 @@ NB_MODULE(_jaxring, m) {
     }
   });
 
+  m.def("close_handshakes", &jaxring::close_handshakes, nb::arg("timeout_s"),
+        nb::call_guard<nb::gil_scoped_release>(),
+        "Refuses TCP handshakes from now on (at exit) and waits for the calls "
+        "into OpenSSL in flight; false if some were still running.");
+  m.def("handshakes_closed", &jaxring::handshakes_closed,
+        "Whether close_handshakes was called.");
   m.def("wait_for_completions", &jaxring::wait_for_completions,
         nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>(),
         "Waits until no transport thread is completing an XLA future.");

@@ -114,12 +114,25 @@ _EXIT_WAIT_S = 10.0
 
 
 def _let_completions_finish() -> None:
-    """A transport thread that completes an allreduce runs XLA's
-    continuations (the program's rest and its clean-up), some of them after
-    the result is visible to Python; JAX's exit handler destroys the CPU
-    client, so it must wait for them, or the client may be torn down under
-    a thread still running its code."""
+    """Quiets the transport threads before JAX's exit handlers and the C
+    library's run.
+
+    A peer that exits first makes this process's TCP threads reconnect to
+    tell the others, while this process may be exiting too, and libcrypto
+    frees its state in an atexit handler: a handshake then crashed in
+    OpenSSL (seen as a rare segfault at exit in 4-process jobs). So no
+    handshake starts from here on, and those in OpenSSL are waited for.
+
+    A transport thread that completes an allreduce runs XLA's continuations
+    (the program's rest and its clean-up), some of them after the result is
+    visible to Python; JAX's exit handler destroys the CPU client, so it must
+    wait for them, or the client may be torn down under a thread still
+    running its code."""
     from jaxring import _jaxring
+    if not _jaxring.close_handshakes(_EXIT_WAIT_S):
+        sys.stderr.write(
+            "jaxring: a TCP handshake was still in OpenSSL "
+            f"{_EXIT_WAIT_S:g} s into interpreter exit; exiting anyway\n")
     if not _jaxring.wait_for_completions(_EXIT_WAIT_S):
         sys.stderr.write(
             f"jaxring: a transport thread was still completing an XLA "

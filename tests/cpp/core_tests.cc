@@ -665,6 +665,24 @@ int main() {
     for (const auto& e : done.errors)
       CHECK(e.find("rank(s) 2 of 3 never arrived") != std::string::npos);
   }
+  // Last, since it is for good: at exit no handshake may start (libcrypto
+  // frees its state in an atexit handler), on either side.
+  {
+    const jaxring::JobIdentity job = test_job(0);
+    CHECK(!jaxring::handshake_mac(job, true, "n", "m", 0, 1, 0).empty());
+    CHECK(jaxring::close_handshakes(1.0) && jaxring::handshakes_closed());
+    CHECK(jaxring::handshake_mac(job, true, "n", "m", 0, 1, 0).empty());
+    int fds[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0);
+    std::string error;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    CHECK(!jaxring::connect_handshake(fds[0], job, 1, 0, deadline, &error));
+    CHECK(error.find("exiting") != std::string::npos);
+    int process = -1, channel = -1;
+    CHECK(!jaxring::accept_handshake(fds[1], job, deadline, &process, &channel, &error));
+    close(fds[0]);
+    close(fds[1]);
+  }
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

@@ -7,11 +7,37 @@
 #include <openssl/rand.h>
 #endif
 
+#include <atomic>
+#include <chrono>
 #include <sstream>
+#include <thread>
 
 namespace jaxring {
 
 namespace {
+
+std::atomic<bool> g_handshakes_closed{false};
+std::atomic<int> g_crypto_calls{0};
+
+// One use of libcrypto's global state; allowed() is false once handshakes
+// are closed (close_handshakes counts on this order: count first, then look).
+class CryptoCall {
+ public:
+  CryptoCall() {
+    g_crypto_calls.fetch_add(1);
+    allowed_ = !g_handshakes_closed.load();
+  }
+  ~CryptoCall() { g_crypto_calls.fetch_sub(1); }
+  CryptoCall(const CryptoCall&) = delete;
+  CryptoCall& operator=(const CryptoCall&) = delete;
+  bool allowed() const { return allowed_; }
+
+ private:
+  bool allowed_;
+};
+
+constexpr const char* kClosedError =
+    "this process is exiting: jaxring opens no new connections";
 
 constexpr size_t kHelloBytes = 8 + 4 + 4 + kNonceBytes;
 constexpr size_t kReplyBytes = 8 + 4 + 4 + kNonceBytes + kMacBytes;
@@ -32,6 +58,8 @@ int32_t get_i32(const char* p) { return static_cast<int32_t>(get_u32(p)); }
 bool fresh_nonce(std::string* nonce) {
   nonce->assign(kNonceBytes, '\0');
 #ifdef JAXRING_TCP_AUTH
+  CryptoCall call;
+  if (!call.allowed()) return false;
   return RAND_bytes(reinterpret_cast<unsigned char*>(nonce->data()),
                     static_cast<int>(kNonceBytes)) == 1;
 #else
@@ -73,6 +101,19 @@ bool same_bytes(const std::string& a, const std::string& b) {
 
 }  // namespace
 
+bool close_handshakes(double timeout_s) {
+  g_handshakes_closed.store(true);
+  const auto until = std::chrono::steady_clock::now() +
+                     std::chrono::duration<double>(timeout_s);
+  while (g_crypto_calls.load() > 0) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+bool handshakes_closed() { return g_handshakes_closed.load(); }
+
 std::string tcp_auth_library() {
 #ifdef JAXRING_TCP_AUTH
   return OpenSSL_version(OPENSSL_VERSION);
@@ -113,6 +154,8 @@ std::string handshake_mac(const JobIdentity& me, bool from_acceptor,
   put_u32(&msg, static_cast<uint32_t>(acceptor_process));
   put_u32(&msg, static_cast<uint32_t>(channel));
 #ifdef JAXRING_TCP_AUTH
+  CryptoCall call;
+  if (!call.allowed()) return "";  // as a failed HMAC below
   std::string mac(EVP_MAX_MD_SIZE, '\0');
   unsigned int len = 0;
   if (!HMAC(EVP_sha256(), me.secret.data(), static_cast<int>(me.secret.size()),
@@ -129,6 +172,10 @@ std::string handshake_mac(const JobIdentity& me, bool from_acceptor,
 
 bool accept_handshake(int fd, const JobIdentity& me, Clock::time_point deadline,
                       int* process, int* channel, std::string* why) {
+  if (handshakes_closed()) {
+    *why = kClosedError;
+    return false;
+  }
   char hello[kHelloBytes];
   if (read_exact_by(fd, hello, 8, deadline, why) != ReadResult::kOk) return false;
   if (get_u32(hello) != kWireMagic) {
@@ -177,11 +224,17 @@ bool accept_handshake(int fd, const JobIdentity& me, Clock::time_point deadline,
 
 bool connect_handshake(int fd, const JobIdentity& me, int peer, int channel,
                        Clock::time_point deadline, std::string* error) {
+  if (handshakes_closed()) {
+    *error = kClosedError;
+    return false;
+  }
   std::ostringstream who;
   who << "process " << peer;
   std::string nonce;
   if (!fresh_nonce(&nonce)) {
-    *error = "no random bytes for a handshake nonce (OpenSSL RAND_bytes failed)";
+    *error = handshakes_closed()
+                 ? kClosedError
+                 : "no random bytes for a handshake nonce (OpenSSL RAND_bytes failed)";
     return false;
   }
   std::string hello;

@@ -78,6 +78,16 @@ bool accept_handshake(int fd, const JobIdentity& me, Clock::time_point deadline,
 bool connect_handshake(int fd, const JobIdentity& me, int peer, int channel,
                        Clock::time_point deadline, std::string* error);
 
+// libcrypto frees its global state (its locks, the random generator) in an
+// atexit handler. A transport thread can be handshaking just then: when a
+// peer exits first, this process reconnects to tell the others, and may be
+// exiting itself. So the calls into libcrypto are counted, and
+// close_handshakes(), called at interpreter exit before that handler runs,
+// refuses handshakes from then on and waits up to timeout_s for the calls in
+// flight; false if some were still running.
+bool close_handshakes(double timeout_s);
+bool handshakes_closed();
+
 // The MAC one end sends. `from_acceptor` picks the label; the other fields
 // are in the order the header comment gives. Exposed for tests.
 std::string handshake_mac(const JobIdentity& me, bool from_acceptor,

@@ -483,6 +483,10 @@ class Transport {
         return false;
       }
       auto& l = links_[{p, channel}];
+      if (!l && handshakes_closed()) {  // exiting: no new connections
+        links_.erase({p, channel});
+        return false;
+      }
       if (!l) {
         try {
           l.reset(new OutLink(p, channel, addresses_[p], identity()));
