@@ -9,8 +9,9 @@ needed early (a BatchNorm statistic) gets a bucket that is done before its
 first use. Reductions it cannot rewrite stay as they are and are reported, each
 time the step is traced, by an :class:`OverlapWarning` that says why: those
 inside ``scan``, ``cond``, ``while``, ``remat`` or custom-derivative bodies,
-those over other axes, or of dtypes its buckets do not carry. Complex values
-travel as float lanes, in the buckets of that float type.
+those over other axes, of dtypes its buckets do not carry, or of values typed
+unreduced. Complex values travel as float lanes, in the buckets of that float
+type.
 Reductions within ``axis_index_groups`` are bucketed with the others of the
 same groups.
 
