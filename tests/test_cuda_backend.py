@@ -48,6 +48,8 @@ def test_module_links_and_reports_versions():
     assert info["cuda_runtime"] >= 12000
     assert cu.device_count() >= 0
     assert "jaxring_allreduce_cuda" in cu.registrations()
+    # The values lowering takes for the "algorithm" attribute, named by C++.
+    assert set(cu.ALGORITHMS) == {"ring", "nccl"} and len(set(cu.ALGORITHMS.values())) == 2
 
 
 @needs_cuda_build

@@ -286,6 +286,21 @@ NB_MODULE(_jaxring, m) {
     return nb::bytes(out.data(), out.size());
   });
 
+  // The values of the custom calls' attributes, named once here for Python.
+  m.attr("REDUCE_OPS") = [] {
+    nb::dict d;
+    d["sum"] = static_cast<int>(jaxring::ReduceOp::kSum);
+    d["prod"] = static_cast<int>(jaxring::ReduceOp::kProd);
+    d["min"] = static_cast<int>(jaxring::ReduceOp::kMin);
+    d["max"] = static_cast<int>(jaxring::ReduceOp::kMax);
+    return d;
+  }();
+  m.attr("ALGORITHMS") = [] {
+    nb::dict d;
+    d["ring"] = static_cast<int>(jaxring::Algorithm::kRing);
+    d["direct"] = static_cast<int>(jaxring::Algorithm::kDirect);
+    return d;
+  }();
   m.attr("ELEM_TYPES") = [] {
     nb::dict d;
     for (int i = 0; i <= static_cast<int>(jaxring::ElemType::kU64); ++i) {

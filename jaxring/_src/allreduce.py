@@ -34,7 +34,6 @@ from jaxring._src import jax_compat as compat
 from jaxring._src.config import config, parse_link, validate
 from jaxring._src.jax_compat import ad, batching, hlo, ir, mlir
 
-_OPS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
 _PUBLIC_OPS = ("sum", "mean", "max", "min", "prod")
 SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (
     jax.numpy.float16, jax.numpy.bfloat16, np.float32, np.float64,
@@ -426,9 +425,18 @@ def link_param() -> tuple[float, float]:
     return (0.0, 0.0) if spec is None else parse_link(spec)
 
 
-# Values of the custom calls' "algorithm" attribute (Algorithm in
-# xla_ffi/cpu/inprocess_transport.h).
-_ALGORITHM_IDS = {"ring": 0, "direct": 1}
+def _cpu_algorithm_id(algorithm: str) -> np.int64:
+    """The CPU custom calls' algorithm attribute, as the C++ side names its
+    values (Algorithm in xla_ffi/cpu/operation.h)."""
+    from jaxring import _jaxring
+    return np.int64(_jaxring.ALGORITHMS[algorithm])
+
+
+def _reduce_op_id(op: str) -> np.int64:
+    """The custom calls' reduce_op attribute for op, as the C++ side names
+    its values (ReduceOp in xla_ffi/reduce.h)."""
+    from jaxring import _jaxring
+    return np.int64(_jaxring.REDUCE_OPS[op])
 
 
 def resolve_algorithm(algorithm: str, link, rank_process) -> str:
@@ -493,10 +501,10 @@ def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
     return dict(**_call_ids(ctx, label, mesh),
                 world_size=np.int64(world),
                 group_sizes=np.asarray(ring.group_sizes, np.int64),
-                algorithm=np.int64(_ALGORITHM_IDS[chosen]),
+                algorithm=_cpu_algorithm_id(chosen),
                 topology=np.asarray(tiers, np.int64),
                 rank_process=np.asarray(rank_process, np.int64),
-                reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
+                reduce_op=_reduce_op_id(op), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s),
                 link_bytes_per_s=np.float64(link[0]),
                 link_latency_s=np.float64(link[1]))
@@ -522,9 +530,6 @@ call_sites.register_lowering(allreduce_p, _in_manual_region(_lowering), platform
 
 # ---- the CUDA lowering ------------------------------------------------------
 
-# Values of the CUDA custom call's "algorithm" attribute (CudaAlgorithm in
-# xla_ffi/cuda/allreduce_cuda.h).
-_CUDA_ALGORITHM_IDS = {"ring": 0, "nccl": 2}
 # Element types NCCL's own allreduce has (the ring moves bytes and reduces
 # with jaxring's kernels, so it has every supported type).
 _NCCL_DTYPES = tuple(d for d in SUPPORTED_DTYPES
@@ -585,10 +590,11 @@ def cuda_attributes(ctx, label, axes, groups, op, rings, chunk_bytes, timeout_s,
     # The CUDA handlers take no slot id: NCCL finds ranks by communicator.
     ids = _call_ids(ctx, label, members)
     return dict(op_id=ids["op_id"], world_size=np.int64(world),
-                reduce_op=np.int64(_OPS[op]), num_rings=np.int64(rings),
+                reduce_op=_reduce_op_id(op), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes),
                 timeout_s=np.float64(timeout_s),
-                algorithm=np.int64(_CUDA_ALGORITHM_IDS[chosen]),
+                algorithm=np.int64(cuda_backend.require("jaxring.allreduce")
+                                   .ALGORITHMS[chosen]),
                 device_table=cuda_backend.device_table(members),
                 nccl_ids=cuda_backend.unique_ids(members, rings, timeout_s))
 

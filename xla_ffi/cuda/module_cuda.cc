@@ -128,6 +128,13 @@ NB_MODULE(_jaxring_cuda, m) {
     return nb::bytes(id.data(), id.size());
   }, "A fresh NCCL unique id (128 bytes); needs no GPU.");
   m.attr("UNIQUE_ID_BYTES") = NCCL_UNIQUE_ID_BYTES;
+  // The values of the custom calls' "algorithm" attribute, named once here.
+  m.attr("ALGORITHMS") = [] {
+    nb::dict d;
+    d["ring"] = static_cast<int>(jaxring::cuda::CudaAlgorithm::kRing);
+    d["nccl"] = static_cast<int>(jaxring::cuda::CudaAlgorithm::kNccl);
+    return d;
+  }();
 
   m.def("set_process_index", &jaxring::cuda::set_process_index, nb::arg("index"),
         "This process's index, to find its devices in a device table.");
