@@ -7,19 +7,13 @@
 
 #include <sys/types.h>
 
-#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <string>
 
+#include "deadline.h"
+
 namespace jaxring {
-
-using Clock = std::chrono::steady_clock;
-
-inline Clock::time_point after_seconds(double s) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                            std::chrono::duration<double>(s));
-}
 
 // Waits up to one poll slice (100 ms) for fd to be ready for `events`.
 int poll_once(int fd, short events);

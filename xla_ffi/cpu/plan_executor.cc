@@ -1,0 +1,478 @@
+#include "plan_executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <list>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "../failure.h"
+#include "huge_pages.h"
+#include "task_queue.h"
+#include "timeline.h"
+#include "wire_format.h"
+
+namespace jaxring {
+
+namespace {
+
+// An idle worker rechecks deadlines this often.
+constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
+// How long a rank must have waited without progress before it asks its host
+// whether a peer runs another program (and how often it asks again). A peer
+// merely ahead, in the next program, is the normal case.
+constexpr auto kMismatchProbeAfter = std::chrono::seconds(1);
+// How long a failed rank waits for its host's abort frames to leave.
+constexpr auto kAbortFlush = std::chrono::seconds(1);
+
+// One local rank's part of an operation, held by its device's worker.
+struct PlanTask {
+  std::shared_ptr<PlanOp> op;
+  int rank = 0;
+  Completion done;
+  // Per ring: the phase this rank runs (num_phases once done), and how many
+  // of its non-empty units are still to come.
+  std::vector<int> phase;
+  std::vector<int64_t> remaining;
+  bool started = false;  // phase 0 entered on every ring
+  // When this rank last consumed a unit (or joined), and when it may next
+  // ask for a peer running another program (see kMismatchProbeAfter).
+  Clock::time_point last_progress = Clock::now();
+  Clock::time_point next_probe = Clock::now();
+};
+
+const char* phase_name(PhaseKind kind) {
+  switch (kind) {
+    case PhaseKind::kReduceScatter: return "reduce-scatter";
+    case PhaseKind::kAllreduce: return "allreduce";
+    case PhaseKind::kAllGather: return "all-gather";
+  }
+  return "?";
+}
+
+}  // namespace
+
+class PlanWorker {
+ public:
+  explicit PlanWorker(int device) : device_(device) {
+    std::thread([this] { loop(); }).detach();
+  }
+  void submit(PlanTask t) { queue_.submit(std::move(t)); }
+  void wake() { queue_.wake(); }
+
+ private:
+  void loop();
+
+  const int device_;
+  TaskQueue<PlanTask> queue_;
+};
+
+namespace {
+
+// Unit u of (ring, phase), `bytes` at `data`, from `rank` to its next rank:
+// in memory when that rank runs in this process (staged if it has not
+// joined or not reached the phase), else through the operation's host.
+// Requires op.mu; returns a tagged error if the next rank is unreachable.
+std::string send_unit(const std::shared_ptr<PlanOp>& op_ptr, int rank, int ring,
+                      int phase, int64_t u, const char* data, int64_t bytes,
+                      std::vector<PlanWorker*>* wake) {
+  PlanOp& op = *op_ptr;
+  if (op.failed) return std::string();  // a failed rank must not be touched
+  const TieredPlan& plan = *op.plan;
+  const int next = plan.next_rank(ring, phase, rank);
+  const int me = op.host->process();
+  if (op.process_of_rank[next] != me) {
+    return op.host->send_remote(op_ptr, rank, ring, phase, u, data, bytes);
+  }
+  Inbox& ib = op.inbox(next, ring);
+  auto local = op.locals.find(next);
+  if (local != op.locals.end() && ib.phase == phase) {
+    const Span span = plan.recv_span(ring, phase, next, u);
+    std::memcpy(static_cast<char*>(local->second.out) +
+                    span.offset * plan.elem_bytes(),
+                data, static_cast<size_t>(bytes));
+  } else {
+    Staged& st = ib.staged[{phase, u}];
+    st = Staged(static_cast<size_t>(bytes));
+    st.from_process = me;
+    std::memcpy(st.data.get(), data, static_cast<size_t>(bytes));
+  }
+  ib.received.insert({phase, u});
+  if (local != op.locals.end()) wake->push_back(local->second.worker);
+  ib.ready[phase].push_back(u);
+  ++ib.arrived[phase];
+  return std::string();
+}
+
+// One pass of a worker over one task: runs what the rank can run now.
+// Holds op.mu, except around copies and reductions of the rank's own
+// buffers and while it calls into the host or the completion.
+class Pass {
+ public:
+  Pass(PlanTask& task, int device)
+      : task_(task),
+        op_(*task.op),
+        lock_(op_.mu),
+        me_(op_.locals[task.rank]),
+        plan_(*op_.plan),
+        phases_(plan_.num_phases()),
+        esize_(plan_.elem_bytes()),
+        device_(device) {}
+
+  // Returns whether anything happened; sets *finished once the task's
+  // completion has been called.
+  bool run(bool* finished);
+
+ private:
+  // This rank's own contribution to the reduce steps of phase j of ring r,
+  // for the element at `offset`: its input in the first phase, the copy of
+  // the previous phase's result after that.
+  const char* own(int r, int j, int64_t offset) const {
+    if (j == 0) return static_cast<const char*>(me_.in) + offset * esize_;
+    return me_.own[r].get() + (offset - me_.own_offset[r]) * esize_;
+  }
+  void start();
+  void enter_phase(int r, int j);
+  void consume(int r, int j, int64_t u);
+  bool complete(const std::optional<std::string>& result, bool* finished);
+  bool fail_all(const std::string& why);
+  std::string timeout_message(bool all_done);
+  void unlock_and_wake() {
+    lock_.unlock();
+    for (PlanWorker* w : wake_) w->wake();
+    wake_.clear();
+  }
+  bool going() const { return error_.empty() && !op_.failed; }
+
+  PlanTask& task_;
+  PlanOp& op_;
+  std::unique_lock<std::mutex> lock_;
+  LocalRank& me_;
+  const TieredPlan& plan_;
+  const int phases_;
+  const int64_t esize_;
+  const int device_;
+  std::vector<PlanWorker*> wake_;  // ranks of this process to wake
+  std::string error_;              // from a send: fails the operation
+};
+
+// Phase 0 on every ring, with room for the rank's own contribution to the
+// later phases.
+void Pass::start() {
+  task_.started = true;
+  if (phases_ > 1) {
+    // Phase 1's shard holds the shards of all later phases.
+    me_.own.resize(plan_.num_rings());
+    me_.own_offset.resize(plan_.num_rings());
+    for (int r = 0; r < plan_.num_rings(); ++r) {
+      const Span s = plan_.shard(r, 1, task_.rank);
+      me_.own[r].reset(new char[std::max<int64_t>(1, s.count * esize_)]);
+      me_.own_offset[r] = s.offset;
+    }
+  }
+  for (int r = 0; r < plan_.num_rings() && going(); ++r) enter_phase(r, 0);
+}
+
+// Moves ring r to phase j: takes a copy of the shard as this rank's own
+// contribution (a reduce phase after the first), opens the phase to direct
+// writes, and sends the first unit of every chunk.
+void Pass::enter_phase(int r, int j) {
+  task_.phase[r] = j;
+  if (j == phases_) return;
+  const Phase& ph = plan_.phase(j);
+  Inbox& ib = op_.inbox(task_.rank, r);
+  if (j > 0 && ph.kind != PhaseKind::kAllGather) {
+    // Units of phase j are staged until ib.phase says otherwise, so the
+    // shard can be copied without the lock.
+    const Span s = plan_.shard(r, j, task_.rank);
+    char* to = me_.own[r].get() + (s.offset - me_.own_offset[r]) * esize_;
+    const char* from = static_cast<const char*>(me_.out) + s.offset * esize_;
+    lock_.unlock();
+    std::memcpy(to, from, static_cast<size_t>(s.count * esize_));
+    lock_.lock();
+    if (op_.failed) return;
+  }
+  ib.phase = j;
+  const int64_t units = plan_.num_units(r, j, task_.rank);
+  for (int64_t u = 0; u < units && going(); ++u) {
+    if (u % ph.num_steps == 0) {
+      const Span s = plan_.send_span(r, j, task_.rank, u);
+      if (s.count > 0) {
+        const char* data =
+            ph.kind == PhaseKind::kAllGather
+                ? static_cast<const char*>(me_.out) + s.offset * esize_
+                : own(r, j, s.offset);
+        error_ = send_unit(task_.op, task_.rank, r, j, u, data,
+                           s.count * esize_, &wake_);
+      }
+    }
+    // Empty units carry nothing: consume them now, nobody sends them.
+    if (plan_.recv_span(r, j, task_.rank, u).count > 0) {
+      ++task_.remaining[r];
+    } else {
+      consume(r, j, u);
+    }
+  }
+}
+
+// Unit u of (ring r, phase j) received: reduce it into (or store it as)
+// this rank's result, then hand the chunk on to the next rank as unit u+1
+// unless it was the phase's last step.
+void Pass::consume(int r, int j, int64_t u) {
+  const int steps = plan_.phase(j).num_steps;
+  const Span span = plan_.recv_span(r, j, task_.rank, u);
+  Inbox& ib = op_.inbox(task_.rank, r);
+  if (span.count > 0) {
+    char* dst = static_cast<char*>(me_.out) + span.offset * esize_;
+    auto staged = ib.staged.find({j, u});
+    const char* src = staged != ib.staged.end() ? staged->second.data.get() : dst;
+    lock_.unlock();
+    if (plan_.is_reduce_unit(j, u)) {
+      // The neighbour's partial first, then this rank's own: the summation
+      // order of the ring, whichever link brought the partial.
+      reduce(op_.desc.type, op_.desc.op, dst, src, own(r, j, span.offset),
+             span.count);
+    } else if (src != dst) {
+      std::memcpy(dst, src, static_cast<size_t>(span.count * esize_));
+    }
+    lock_.lock();
+    if (staged != ib.staged.end()) ib.staged.erase(staged);
+    // The operation may have failed while the lock was dropped; then the
+    // other local ranks may have completed, and nothing more is sent.
+    if (op_.failed) return;
+  }
+  if (u % steps != steps - 1) {
+    const Span fwd = plan_.send_span(r, j, task_.rank, u + 1);
+    if (fwd.count > 0) {
+      error_ = send_unit(task_.op, task_.rank, r, j, u + 1,
+                         static_cast<const char*>(me_.out) + fwd.offset * esize_,
+                         fwd.count * esize_, &wake_);
+    }
+  }
+}
+
+bool Pass::complete(const std::optional<std::string>& result, bool* finished) {
+  if (!result && timeline_enabled()) {
+    timeline_record({device_, op_.key.run_id, op_.key.op_id,
+                     op_.desc.count * esize_, op_.desc.num_rings, me_.joined_ns,
+                     timeline_now_ns()});
+  }
+  const bool last = ++op_.completed_locals == op_.expected_locals;
+  unlock_and_wake();
+  if (last) op_.host->forget(task_.op);
+  task_.done(result);
+  *finished = true;
+  return true;
+}
+
+// Fails the operation for every rank; this task completes on a later pass,
+// once nothing touches its buffers.
+bool Pass::fail_all(const std::string& why) {
+  unlock_and_wake();
+  op_.host->fail(task_.op, why);
+  return true;
+}
+
+std::string Pass::timeout_message(bool all_done) {
+  std::ostringstream os;
+  os << op_.name() << " timed out after " << op_.timeout_s << " s on rank "
+     << task_.rank << ": ";
+  const char* sep = "";
+  for (int r = 0; r < plan_.num_rings(); ++r) {
+    const int j = task_.phase[r];
+    if (j >= phases_) continue;
+    const Phase& ph = plan_.phase(j);
+    const int prev = plan_.prev_rank(r, j, task_.rank);
+    Inbox& ib = op_.inbox(task_.rank, r);
+    os << sep << "ring " << r;
+    if (phases_ > 1) {
+      os << " (" << phase_name(ph.kind) << " along tier " << ph.tier << ")";
+    }
+    os << " waits for rank " << prev << " (process " << op_.process_of_rank[prev]
+       << "): " << ib.arrived[j] << " of " << ib.arrived[j] + task_.remaining[r]
+       << " chunks arrived";
+    sep = "; ";
+  }
+  if (all_done) {
+    os << me_.outstanding_sends << " frame(s) to the next rank not yet sent";
+  }
+  os << ". Every process must run the same allreduces; a peer that stopped "
+        "responding or took a different branch never sends.";
+  return os.str();
+}
+
+bool Pass::run(bool* finished) {
+  if (op_.failed) {
+    // Complete once no I/O thread still touches this rank's buffers.
+    if (op_.writers > 0 || me_.outstanding_sends > 0) return false;
+    if (op_.aborts_in_flight.load() > 0 &&
+        Clock::now() < op_.failed_at + kAbortFlush) {
+      return false;
+    }
+    return complete(op_.error, finished);
+  }
+  bool progressed = false;
+  if (!task_.started) {
+    start();
+    progressed = true;
+  }
+  bool all_done = true;
+  for (int r = 0; r < plan_.num_rings() && going(); ++r) {
+    Inbox& ib = op_.inbox(task_.rank, r);
+    while (task_.phase[r] < phases_ && going()) {
+      const int j = task_.phase[r];
+      std::deque<int64_t>& ready = ib.ready[j];
+      while (!ready.empty() && going()) {
+        const int64_t u = ready.front();
+        ready.pop_front();
+        consume(r, j, u);
+        --task_.remaining[r];
+        progressed = true;
+      }
+      if (task_.remaining[r] > 0) break;
+      enter_phase(r, j + 1);
+      progressed = true;
+    }
+    if (task_.phase[r] < phases_) all_done = false;
+  }
+  if (!error_.empty()) return fail_all(error_);
+  if (op_.failed) return true;  // completes through the failure, next pass
+  if (all_done && me_.outstanding_sends == 0) return complete(std::nullopt, finished);
+
+  const auto now = Clock::now();
+  if (progressed) task_.last_progress = now;
+  if (!progressed && now > task_.last_progress + kMismatchProbeAfter &&
+      now > task_.next_probe && now <= op_.deadline) {
+    // Waiting with nothing to do: is a peer at this call site in another
+    // program? (The host fails this operation if so; the next pass
+    // completes.)
+    task_.next_probe = now + kMismatchProbeAfter;
+    unlock_and_wake();
+    op_.host->check_programs_agree(task_.op);
+    return false;
+  }
+  if (!progressed && now > op_.deadline) {
+    // Which peer is stuck is known only when every ring waits for the same.
+    std::set<int> waited_for;
+    for (int r = 0; r < plan_.num_rings(); ++r) {
+      if (task_.phase[r] >= phases_) continue;
+      waited_for.insert(
+          op_.process_of_rank[plan_.prev_rank(r, task_.phase[r], task_.rank)]);
+    }
+    const int peer = waited_for.size() == 1 ? *waited_for.begin() : -1;
+    return fail_all(tagged(FailureKind::kTimeout, peer, timeout_message(all_done)));
+  }
+  unlock_and_wake();
+  return progressed;
+}
+
+}  // namespace
+
+void PlanWorker::loop() {
+  std::list<PlanTask> active;
+  for (;;) {
+    const uint64_t seen = queue_.collect(active);
+    bool progressed = false;
+    for (auto it = active.begin(); it != active.end();) {
+      bool finished = false;
+      progressed |= Pass(*it, device_).run(&finished);
+      it = finished ? active.erase(it) : std::next(it);
+    }
+    // The deadline poll bounds the sleep so timeouts are noticed.
+    if (!progressed && !active.empty()) {
+      queue_.wait_until(seen, Clock::now() + kDeadlinePoll);
+    }
+  }
+}
+
+PlanWorker* plan_worker(int device) {
+  // Leaked on purpose, with the workers: see PlanWorker.
+  static std::mutex* mu = new std::mutex();
+  static auto* workers = new std::map<int, std::unique_ptr<PlanWorker>>();
+  std::lock_guard<std::mutex> lock(*mu);
+  auto& w = (*workers)[device];
+  if (!w) w.reset(new PlanWorker(device));
+  return w.get();
+}
+
+void wake(PlanWorker* worker) { worker->wake(); }
+
+std::string join_rank(PlanOp& op, const OpDesc& desc, int rank, int device,
+                      int me, const std::vector<int>& process_of_rank,
+                      const void* in, void* out, double timeout_s,
+                      bool* fails_all) {
+  *fails_all = false;
+  if (op.process_of_rank.empty()) {
+    // The first local rank: now the peers to tell about a failure are known.
+    op.process_of_rank = process_of_rank;
+    op.expected_locals = static_cast<int>(
+        std::count(process_of_rank.begin(), process_of_rank.end(), me));
+    op.timeout_s = timeout_s;
+    op.deadline = after_seconds(timeout_s);
+  }
+  if (op.failed) return op.error;
+  std::string error;
+  if (op.has_desc && !same_operation(op.desc, desc)) {
+    std::ostringstream os;
+    os << op_name(op.key, desc) << ": rank " << rank << " (process " << me
+       << ") called it with " << desc.describe() << " but other rank(s) with "
+       << op.desc.describe() << ". Every rank must pass the same shape, dtype and op.";
+    error = tagged(FailureKind::kMismatch, -1, os.str());
+  } else if (op.process_of_rank != process_of_rank) {
+    error = tagged(FailureKind::kMismatch, -1,
+                   op_name(op.key, desc) +
+                       ": ranks of this process disagree on where the ranks run");
+  } else if (std::string forged = op.misrouted_staged_frame(); !forged.empty()) {
+    error = tagged(FailureKind::kMismatch, -1, forged);
+  } else if (op.locals.count(rank)) {
+    std::ostringstream os;
+    os << op_name(op.key, desc) << ": rank " << rank
+       << " joined twice (two devices computed the same rank)";
+    error = tagged(FailureKind::kInternal, -1, os.str());
+  } else if (!op.has_desc) {
+    try {
+      op.set_desc(desc);
+    } catch (const std::exception& e) {
+      error = tagged(FailureKind::kInvalid, -1, op_name(op.key, desc) + ": " + e.what());
+    }
+  }
+  if (!error.empty()) {
+    *fails_all = true;  // the other ranks would wait for this one
+    return error;
+  }
+  advise_huge_pages(out, desc.count * elem_bytes(desc.type));
+  LocalRank& l = op.locals[rank];
+  l.in = in;
+  l.out = out;
+  l.device = device;
+  l.worker = plan_worker(device);
+  l.joined_ns = timeline_now_ns();
+  // Units that arrived before this rank joined stay staged; its worker
+  // consumes them from there.
+  for (int r = 0; r < desc.num_rings; ++r) op.inbox(rank, r);
+  return std::string();
+}
+
+void run_rank(std::shared_ptr<PlanOp> op, int rank, Completion done) {
+  PlanWorker* worker;
+  int rings;
+  {
+    std::lock_guard<std::mutex> lock(op->mu);
+    worker = op->locals.at(rank).worker;
+    rings = op->desc.num_rings;
+  }
+  PlanTask task;
+  task.op = std::move(op);
+  task.rank = rank;
+  task.done = std::move(done);
+  task.phase.assign(rings, 0);
+  task.remaining.assign(rings, 0);
+  worker->submit(std::move(task));
+}
+
+}  // namespace jaxring

@@ -1,0 +1,127 @@
+#include "tcp_out_link.h"
+
+#include <unistd.h>
+
+#include <thread>
+#include <utility>
+
+#include "plan_executor.h"
+#include "socket_io.h"
+
+namespace jaxring {
+
+OutLink::OutLink(int process, int channel, std::string address,
+                 JobIdentity identity,
+                 std::function<void(const std::string&)> on_death)
+    : process_(process), channel_(channel), address_(std::move(address)),
+      identity_(std::move(identity)), on_death_(std::move(on_death)) {
+  std::thread([this] { loop(); }).detach();
+}
+
+bool OutLink::enqueue(OutFrame f) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (dead_) return false;
+    queue_.push_back(std::move(f));
+  }
+  cv_.notify_one();
+  return true;
+}
+
+std::vector<OutFrame> OutLink::take_frames_of(const PlanOp* op) {
+  std::vector<OutFrame> taken;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (it->op.get() == op) {
+      taken.push_back(std::move(*it));
+      it = queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return taken;
+}
+
+void release_send(const OutFrame& f) {
+  if (f.abort_of) f.abort_of->aborts_in_flight.fetch_sub(1);
+  if (!f.op) return;
+  PlanWorker* w = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(f.op->mu);
+    auto it = f.op->locals.find(f.rank);
+    if (it != f.op->locals.end()) {
+      --it->second.outstanding_sends;
+      w = it->second.worker;
+    }
+  }
+  if (w) wake(w);
+}
+
+void OutLink::die(const std::string& why) {
+  std::deque<OutFrame> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dead_ = true;
+    dropped.swap(queue_);
+  }
+  on_death_(why);
+  for (const OutFrame& f : dropped) release_send(f);
+}
+
+void OutLink::loop() {
+  std::string error;
+  const int fd = connect_to(address_, kConnectTimeoutS, &error);
+  if (fd < 0) {
+    die(error);
+    return;
+  }
+  if (!connect_handshake(fd, identity_, process_, channel_,
+                         after_seconds(kHandshakeTimeoutS), &error)) {
+    ::close(fd);
+    die(error);
+    return;
+  }
+  for (;;) {
+    OutFrame f;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return !queue_.empty(); });
+      f = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    if (f.op && f.op->failed_flag.load()) {  // nobody waits for it any more
+      release_send(f);
+      continue;
+    }
+    const char* p = reinterpret_cast<const char*>(&f.header);
+    size_t n = sizeof(f.header);
+    bool ok = write_all(fd, p, n, f.stall_s, nullptr, &error);
+    if (ok) {
+      const char* data = f.op ? f.data : f.message.data();
+      size_t left = static_cast<size_t>(f.header.payload_bytes);
+      // If the operation fails mid-frame, its rank must be free to complete:
+      // finish the frame (the stream must stay whole) from a private copy.
+      std::vector<char> copy;
+      bool released = !f.op;
+      auto on_slice = [&] {
+        if (!released && f.op->failed_flag.load()) {
+          copy.assign(data, data + left);
+          data = copy.data();
+          released = true;
+          release_send(f);
+        }
+      };
+      ok = write_all(fd, data, left, f.stall_s, on_slice, &error);
+      if (!released || !f.op) release_send(f);
+    } else {
+      release_send(f);
+    }
+    if (!ok) {
+      ::close(fd);
+      die(error);
+      return;
+    }
+  }
+}
+
+}  // namespace jaxring
