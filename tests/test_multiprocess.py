@@ -86,6 +86,29 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
     assert all(d == digests[0] for d in digests.values())
 
 
+@pytest.mark.parametrize("tiers,split", [("2x2x2", (2, 4)), ("2x4", (4, 2))],
+                         ids=["2x2x2-over-2-processes", "2x4-over-4-processes"])
+def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
+    # The same plan and inputs, once with every rank in one process (every
+    # unit moves in memory) and once split over processes (units that cross
+    # them go over TCP): the plan fixes the summation order, so the bits are
+    # the same, whichever link carried each partial sum.
+    nproc, devices = split
+    digests = {}
+    for where, (n, d) in (("memory", (1, 8)), ("tcp", (nproc, devices))):
+        r = run_launcher(n, "allreduce_check.py", 7, 24, tiers, devices_per_process=d)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        by_rank = lines_by_rank(r.stdout)
+        for lines in by_rank.values():
+            assert lines.count("DONE") == 1 and f"TOPOLOGY {tiers}" in lines, lines[-5:]
+        checks = {tuple(l for l in lines if l.startswith("CHECK"))
+                  for lines in by_rank.values()}
+        assert len(checks) == 1  # every process got the same bits
+        digests[where] = checks.pop()
+        assert len(digests[where]) == 24
+    assert digests["memory"] == digests["tcp"]
+
+
 def test_different_programs_fail_fast_on_every_rank():
     timeout_s = 60
     r = run_launcher(2, "mismatch.py", timeout_s)

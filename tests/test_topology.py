@@ -50,11 +50,12 @@ def test_resolve_refuses_bad_topologies():
     across = np.array([0, 0, 1, 1], np.int64)
     with pytest.raises(ValueError, match="has 6 ranks but the allreduce runs over 4"):
         topology.resolve((2, 3), 4, across)
-    with pytest.raises(ValueError, match="every rank of this allreduce is in this process"):
-        topology.resolve((2, 2), 4, np.zeros(4, np.int64))
+    # Tiers among the devices of one process are a plan like any other.
+    assert topology.resolve((2, 2), 4, np.zeros(4, np.int64)) == (2, 2)
+    assert topology.resolve("auto", 4, np.zeros(4, np.int64)) == ()
 
 
-def test_tiered_topology_in_one_process_fails_at_trace_time():
+def test_topology_settings_in_one_process_at_trace_time():
     mesh = jax.make_mesh((4,), ("i",), devices=jax.devices()[:4])
     x = jax.device_put(np.ones(16, np.float32), NamedSharding(mesh, P("i")))
 
@@ -65,8 +66,10 @@ def test_tiered_topology_in_one_process_fails_at_trace_time():
         return f.lower(x).as_text()
     assert "topology = dense<> : tensor<0xi64>" in lowered()
     assert "topology = dense<> : tensor<0xi64>" in lowered(topology=[4])
-    with pytest.raises(ValueError, match="Tiered plans run between processes"):
-        lowered(topology=(2, 2))
+    assert "topology = dense<2> : tensor<2xi64>" in lowered(topology=(2, 2))
+    assert "algorithm = 0 : i64" in lowered(topology=(2, 2))  # ring, not direct
+    with pytest.raises(ValueError, match="'direct' has no tiers"):
+        lowered(topology=(2, 2), algorithm="direct")
     with pytest.raises(ValueError, match="must multiply to the size"):
         lowered(topology=(3,))
     with pytest.raises(ValueError, match="topology must be"):

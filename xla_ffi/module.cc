@@ -11,6 +11,7 @@
 #include "cpu/allreduce_handler.h"
 #include "cpu/buffer_pool.h"
 #include "cpu/gang_start.h"
+#include "cpu/inprocess_plan_host.h"
 #include "cpu/inprocess_transport.h"
 #include "cpu/split_phase.h"
 #include "cpu/tcp_transport.h"
@@ -201,8 +202,9 @@ NB_MODULE(_jaxring, m) {
   m.def("wait_for_completions", &jaxring::wait_for_completions,
         nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>(),
         "Waits until no transport thread is completing an XLA future.");
-  m.def("inprocess_pending_ops", &jaxring::inprocess_pending_ops,
-        "Operations the in-process transport still holds.");
+  m.def("inprocess_pending_ops",
+        [] { return jaxring::inprocess_pending_ops() + jaxring::inprocess_plan_pending_ops(); },
+        "Operations the in-process transport (and its tiered plans' host) still holds.");
   m.def("timeline_enable", &jaxring::timeline_enable, nb::arg("on"),
         "Starts or stops recording the transport's timeline.");
   m.def("timeline_now_ns", &jaxring::timeline_now_ns,

@@ -439,15 +439,19 @@ def _reduce_op_id(op: str) -> np.int64:
     return np.int64(_jaxring.REDUCE_OPS[op])
 
 
-def resolve_algorithm(algorithm: str, link, rank_process) -> str:
+def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False) -> str:
     """"ring" or "direct" for an operation, from the setting and where its
     ranks run. "auto" takes direct only where it applies: every rank in this
-    process (direct reads its peers' memory) and no emulated link (which
-    models the ring's transfers)."""
+    process (direct reads its peers' memory), no emulated link (which models
+    the ring's transfers) and no tiered plan (a plan of rings)."""
     across = distributed.spans_processes(rank_process)
     emulated = link != (0.0, 0.0)
+    if tiered and emulated and not across:
+        raise NotImplementedError(
+            "jaxring: cpu_link does not emulate tiered plans yet; unset "
+            "jaxring.config.cpu_link / JAXRING_CPU_LINK or use topology='flat'.")
     if algorithm == "auto":
-        return "ring" if across or emulated else "direct"
+        return "ring" if across or emulated or tiered else "direct"
     if algorithm == "nccl":
         raise ValueError(
             "jaxring: algorithm='nccl' runs NCCL's allreduce and exists on the "
@@ -457,6 +461,11 @@ def resolve_algorithm(algorithm: str, link, rank_process) -> str:
             "jaxring: algorithm='direct' reads its peers' buffers, so every "
             "rank must be in one process; this operation spans processes. "
             "Use algorithm='ring' or 'auto'.")
+    if algorithm == "direct" and tiered:
+        raise ValueError(
+            "jaxring: algorithm='direct' has no tiers, and a tiered topology "
+            "runs the ring plan; use algorithm='ring' or 'auto', or "
+            "topology='flat'.")
     if algorithm == "direct" and emulated:
         raise ValueError(
             "jaxring: algorithm='direct' has no transfers for cpu_link to "
@@ -488,7 +497,6 @@ def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
     """The custom-call attributes every ring operation carries, with the op
     id of its place in the module being lowered."""
     world, rank_process = ring.world, ring.rank_process
-    chosen = resolve_algorithm(algorithm, link, rank_process)
     if len(ring.group_sizes) and topology not in ("auto", "flat") \
             and _topology.normalized(tuple(topology)):
         raise NotImplementedError(
@@ -497,6 +505,7 @@ def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
             "sizes, which run as flat rings; use topology='flat' or 'auto'.")
     tiers = (() if len(ring.group_sizes)
              else _topology.resolve(topology, world, rank_process))
+    chosen = resolve_algorithm(algorithm, link, rank_process, tiered=bool(tiers))
     mesh = (world, tuple(rank_process), tuple(ring.group_sizes))
     return dict(**_call_ids(ctx, label, mesh),
                 world_size=np.int64(world),

@@ -113,11 +113,4 @@ def resolve(setting: Any, world: int, rank_process: np.ndarray,
             f"{where}: topology {dims} has {math.prod(dims)} ranks but the "
             f"allreduce runs over {world}; the tier sizes must multiply to the "
             "size of the reduced axes.")
-    dims = normalized(dims)
-    if dims and not across:
-        raise ValueError(
-            f"{where}: topology {tuple(setting)} has more than one tier, but "
-            "every rank of this allreduce is in this process, which is a "
-            "single tier. Tiered plans run between processes; use "
-            "topology='flat' or 'auto' here.")
-    return dims
+    return normalized(dims)

@@ -3,9 +3,10 @@
 Every process builds every rank's inputs from one seed, so it can compute the
 numpy reference for the whole job itself, and compares jaxring.allreduce
 (over TCP between processes, in memory inside one) against it for every
-dtype and op at random sizes. Prints one CHECK line per case with a digest
-of the local results, so the test can also check that every rank got the
-same bits, then DONE. An optional third argument is the topology setting
+dtype and op at random sizes. Checks that every local rank got the same
+bits and prints one CHECK line per case with a digest of them, so the test
+can compare bits across processes, and across runs that split the ranks
+between processes differently, then DONE. An optional third argument is the topology setting
 ("auto", "flat" or "2x2"); the TOPOLOGY line says which tiers the lowered
 custom call carries.
 """
@@ -83,7 +84,7 @@ def main():
             print("TOPOLOGY", "x".join(tiers) or "flat", flush=True)
         out = fns[key](arr)
         want = reference(x, op)
-        digest = hashlib.sha256()
+        first = None
         for shard in out.addressable_shards:
             got = np.asarray(shard.data)[0]
             if np.issubdtype(dtype, np.integer):
@@ -99,8 +100,13 @@ def main():
                                  f"rings={rings} chunk={chunk} shard {shard.index}: "
                                  f"{len(bad)} elements differ, first at {bad[:3]}: "
                                  f"{got[bad[:3]]} != {want[bad[:3]]}")
-            digest.update(got.tobytes())
-        print(f"CHECK {case} {op} {dtype} {count} {digest.hexdigest()[:16]}", flush=True)
+            if first is None:
+                first = got.tobytes()
+            elif got.tobytes() != first:
+                raise SystemExit(f"MISMATCH case {case}: ranks of this process "
+                                 f"got different bits (shard {shard.index})")
+        digest = hashlib.sha256(first).hexdigest()[:16]
+        print(f"CHECK {case} {op} {dtype} {count} {digest}", flush=True)
     print("DONE", flush=True)
 
 

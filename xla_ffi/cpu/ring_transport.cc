@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "../failure.h"
+#include "inprocess_plan_host.h"
 #include "tcp_transport.h"
 
 namespace jaxring {
@@ -20,11 +21,21 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
     done(tagged(FailureKind::kInvalid, -1,
                 "jaxring allreduce: algorithm=direct reads its peers' buffers, so "
                 "it needs every rank in one process and no link emulation"));
-  } else if (one_process && desc.topology.size() > 1) {
+  } else if (desc.algorithm == Algorithm::kDirect && desc.topology.size() > 1) {
     // Python refuses this at trace time; this guards hand-written calls.
     done(tagged(FailureKind::kInvalid, -1,
-                "jaxring allreduce: a tiered topology runs between processes; the "
-                "devices of one process form a single tier"));
+                "jaxring allreduce: algorithm=direct has no tiers; a tiered "
+                "topology runs the ring plan"));
+  } else if (one_process && desc.topology.size() > 1) {
+    if (desc.link_bytes_per_s > 0) {
+      // Python refuses this at trace time; this guards hand-written calls.
+      done(tagged(FailureKind::kInvalid, -1,
+                  "jaxring allreduce: link emulation of a tiered plan is not "
+                  "supported yet"));
+    } else {
+      inprocess_plan_allreduce(key, desc, rank, device, in, out, timeout_s,
+                               std::move(done));
+    }
   } else if (one_process) {
     inprocess_allreduce(key, desc, rank, device, in, out, timeout_s,
                         std::move(done));

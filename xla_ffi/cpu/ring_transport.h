@@ -1,6 +1,6 @@
 // Picks the transport for one rank's part of an allreduce: the in-process
-// transport when every rank of the group runs in this process, TCP when the
-// group spans processes.
+// transport when every rank of the group runs in this process (its plan host
+// for a tiered plan), TCP when the group spans processes.
 #pragma once
 
 #include <vector>

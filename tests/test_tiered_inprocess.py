@@ -1,0 +1,139 @@
+"""Tiered plans among the virtual devices of one process.
+
+The plan executor runs them with every rank local, every unit moving in
+memory; each result is checked against lax.psum (or numpy) computed in the
+same run. tests/test_multiprocess.py checks that the same plan gives the
+same bits when some of its units cross processes over TCP.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxring
+from jaxring import _jaxring
+from conftest import overlapped_and_plain
+
+TOPOLOGIES = [(2, 4), (4, 2), (2, 2, 2)]
+
+
+def mesh8():
+    return jax.make_mesh((8,), ("i",), devices=jax.devices()[:8])
+
+
+def sharded_call(fn, mesh, spec=P("i")):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec,
+                                 check_vma=False))
+
+
+def lowered_topology(f, x) -> str:
+    return re.search(r"topology = (dense<[^>]*> : tensor<\d+xi64>)",
+                     f.lower(x).as_text()).group(1)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("rings,chunk_bytes", [(1, 1 << 20), (2, 256), (3, 4096)])
+def test_float_sums_match_psum(topology, rings, chunk_bytes):
+    mesh = mesh8()
+    rng = np.random.default_rng(sum(topology) * 10 + rings)
+    x = rng.standard_normal((8, 5003)).astype(np.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("i")))
+    f = sharded_call(lambda v: jaxring.allreduce(
+        v, "i", topology=topology, rings=rings, chunk_bytes=chunk_bytes), mesh)
+    want = np.asarray(sharded_call(lambda v: jax.lax.psum(v, "i"), mesh)(xs))
+    tiers = lowered_topology(f, xs)  # e.g. dense<[2, 4]> : tensor<2xi64>
+    assert tiers.endswith(f"tensor<{len(topology)}xi64>"), tiers  # not flat
+    got = np.asarray(f(xs))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # Every rank holds the same bits: the all-gathers copy finished chunks.
+    assert all(np.array_equal(got[0], got[k]) for k in range(8))
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod"])
+@pytest.mark.parametrize("count", [1, 7, 17, 1000])
+def test_integer_reductions_are_exact(topology, op, count):
+    mesh = mesh8()
+    rng = np.random.default_rng(count)
+    x = rng.integers(-3, 4, size=(8, count)).astype(np.int32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("i")))
+    got = np.asarray(sharded_call(lambda v: jaxring.allreduce(
+        v, "i", op=op, topology=topology, rings=2, chunk_bytes=8), mesh)(xs))
+    f = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}[op]
+    want = f(x, axis=0, keepdims=True).astype(np.int32)
+    assert np.array_equal(got, np.broadcast_to(want, got.shape))
+
+
+def test_tiers_over_two_mesh_axes_and_within_groups():
+    # A 2x4 mesh reduced over both axes as 4x2 tiers, and the groups
+    # {0..3}, {4..7} of a flat 8-device axis each reduced as 2x2 tiers.
+    devices = np.array(jax.devices()[:8])
+    mesh = jax.make_mesh((2, 4), ("a", "b"), devices=devices)
+    x = np.arange(8 * 6, dtype=np.int64).reshape(2, 4, 6) ** 2
+    xs = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
+    got = sharded_call(lambda v: jaxring.psum(v, ("a", "b"), topology=(4, 2)),
+                       mesh, P("a", "b"))(xs)
+    want = sharded_call(lambda v: jax.lax.psum(v, ("a", "b")), mesh, P("a", "b"))(xs)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+    mesh = mesh8()
+    y = np.arange(8 * 5, dtype=np.int32).reshape(8, 5)
+    ys = jax.device_put(y, NamedSharding(mesh, P("i")))
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    got = sharded_call(lambda v: jaxring.psum(
+        v, "i", axis_index_groups=groups, topology=(2, 2)), mesh)(ys)
+    want = np.concatenate([np.broadcast_to(y[:4].sum(0), (4, 5)),
+                           np.broadcast_to(y[4:].sum(0), (4, 5))])
+    assert np.array_equal(np.asarray(got), want)
+
+
+def test_overlap_with_a_tiered_topology_matches_the_plain_step():
+    mesh = mesh8()
+    jaxring.config.update("topology", (2, 4))
+    try:
+        def step(w, x):
+            def loss(w):
+                h = jnp.tanh(x @ w["a"])
+                return jnp.sum((h @ w["b"]) ** 2)
+            g = jax.grad(loss)(w)
+            return jax.tree.map(lambda t: jax.lax.pmean(t, "i"), g)
+
+        rng = np.random.default_rng(3)
+        w = {"a": jnp.asarray(rng.standard_normal((16, 32)), jnp.float32),
+             "b": jnp.asarray(rng.standard_normal((32, 4)), jnp.float32)}
+        x = jax.device_put(rng.standard_normal((8 * 4, 16)).astype(np.float32),
+                           NamedSharding(mesh, P("i")))
+
+        def run(f):
+            return jax.jit(jax.shard_map(lambda xb: f(w, xb), mesh=mesh,
+                                         in_specs=P("i"), out_specs=P(),
+                                         check_vma=False))
+
+        got, text, want = overlapped_and_plain(run, step, x, bucket_mb=0.001)
+        hlo = run(jaxring.overlap(step, bucket_mb=0.001)).lower(x).as_text()
+        # Several buckets, each started on the tiered plan.
+        assert hlo.count("topology = dense<[2, 4]>") >= 2, hlo
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+    finally:
+        jaxring.config.reset("topology")
+    assert _jaxring.inprocess_pending_ops() == 0
+
+
+def test_direct_algorithm_and_emulated_links_are_refused_with_tiers():
+    mesh = mesh8()
+    xs = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("i")))
+    with pytest.raises(ValueError, match="'direct' has no tiers"):
+        sharded_call(lambda v: jaxring.allreduce(
+            v, "i", topology=(2, 4), algorithm="direct"), mesh).lower(xs)
+    jaxring.config.update("cpu_link", "10Gbit,5us")
+    try:
+        with pytest.raises(NotImplementedError, match="does not emulate tiered plans yet"):
+            sharded_call(lambda v: jaxring.allreduce(v, "i", topology=(2, 4)),
+                         mesh).lower(xs)
+    finally:
+        jaxring.config.reset("cpu_link")
