@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxring
-from jaxring._src.config import parse_link
+from jaxring._src.config import parse_link, parse_links
 
 N = 8
 
@@ -35,6 +35,26 @@ def test_parse_link_units():
                 "4bit", "10Gbit,61s"):
         with pytest.raises(ValueError):
             parse_link(bad)
+
+
+def test_parse_links_per_tier():
+    def flat(spec):
+        return [v for tier in parse_links(spec) for v in tier]
+    assert flat("10Gbit,20us") == pytest.approx([0, 1.25e9, 20e-6])
+    assert flat("4:100Gbit,2us;1Gbit,20us") == pytest.approx(
+        [4, 12.5e9, 2e-6, 0, 1.25e8, 20e-6])
+    assert flat("2:1GB;4:10MB,1ms;1MB") == pytest.approx(
+        [2, 1e9, 0.0, 4, 1e7, 1e-3, 0, 1e6, 0.0])
+    # A size on every tier but the last, at most 4 tiers, each a valid link.
+    for bad in ("4:10Gbit", "10Gbit;1Gbit", "4:10Gbit;2:1Gbit", "0:10Gbit;1Gbit",
+                "x:10Gbit;1Gbit", "2:1GB;2:1GB;2:1GB;2:1GB;1GB", "4:fast;1Gbit",
+                "4:10Gbit;"):
+        with pytest.raises(ValueError):
+            parse_links(bad)
+    jaxring.config.update("cpu_link", "4:100Gbit,2us;1Gbit,20us")
+    jaxring.config.reset("cpu_link")
+    with pytest.raises(ValueError, match="one link per tier"):
+        jaxring.config.update("cpu_link", "10Gbit;1Gbit")
 
 
 def test_config_rejects_a_bad_link():

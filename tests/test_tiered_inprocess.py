@@ -7,6 +7,7 @@ same bits when some of its units cross processes over TCP.
 """
 
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -124,16 +125,56 @@ def test_overlap_with_a_tiered_topology_matches_the_plain_step():
     assert _jaxring.inprocess_pending_ops() == 0
 
 
-def test_direct_algorithm_and_emulated_links_are_refused_with_tiers():
+def test_direct_algorithm_is_refused_with_tiers():
     mesh = mesh8()
     xs = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("i")))
     with pytest.raises(ValueError, match="'direct' has no tiers"):
         sharded_call(lambda v: jaxring.allreduce(
             v, "i", topology=(2, 4), algorithm="direct"), mesh).lower(xs)
-    jaxring.config.update("cpu_link", "10Gbit,5us")
+
+
+def timed(f, x):
+    f(x).block_until_ready()  # compile
+    start = time.perf_counter()
+    out = np.asarray(f(x))
+    return out, time.perf_counter() - start
+
+
+def test_emulated_two_tier_cluster_paces_each_tier_on_its_own_link():
+    # 2 hosts of 4 devices: 8 Gbit inside a host, one 400 Mbit link per host
+    # shared by its devices. The emulation's floor for each plan is what
+    # the busiest host link carries: a flat ring crosses between the hosts
+    # at 2 of its 8 hops, 2 (n-1)/n * S through each host's link; the tiered
+    # plan sends each device's half of its quarter shard across, S per host.
+    mesh = mesh8()
+    size = 2 << 20
+    x = np.random.default_rng(5).standard_normal((8, size // 4)).astype(np.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("i")))
+    want = np.asarray(sharded_call(lambda v: jax.lax.psum(v, "i"), mesh)(xs))
+    host_link = 400e6 / 8
+    floors = {"flat": 2 * 7 / 8 * size / host_link, (4, 2): size / host_link}
+    jaxring.config.update("cpu_link", "4:8Gbit,1us;400Mbit,10us")
     try:
-        with pytest.raises(NotImplementedError, match="does not emulate tiered plans yet"):
-            sharded_call(lambda v: jaxring.allreduce(v, "i", topology=(2, 4)),
-                         mesh).lower(xs)
+        took = {}
+        for topology, floor in floors.items():
+            got, took[topology] = timed(sharded_call(lambda v: jaxring.allreduce(
+                v, "i", topology=topology, rings=2), mesh), xs)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            assert took[topology] >= 0.95 * floor, (topology, took[topology], floor)
+    finally:
+        jaxring.config.reset("cpu_link")
+    assert _jaxring.inprocess_pending_ops() == 0
+
+
+def test_emulated_tiers_must_divide_the_ring():
+    mesh = mesh8()
+    xs = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("i")))
+    jaxring.config.update("cpu_link", "3:8Gbit;1Gbit")
+    try:
+        with pytest.raises(ValueError, match="does not divide the 8 ranks"):
+            sharded_call(lambda v: jaxring.allreduce(v, "i"), mesh).lower(xs)
+        with pytest.raises(NotImplementedError, match="one cluster per ring"):
+            sharded_call(lambda v: jaxring.allreduce(
+                v, "i", axis_index_groups=[[0, 1, 2], [3, 4, 5, 6, 7]]), mesh).lower(xs)
     finally:
         jaxring.config.reset("cpu_link")

@@ -31,7 +31,7 @@ from jaxring._src import call_sites, cuda_backend, distributed, runtime, timelin
 from jaxring._src import topology as _topology
 from jaxring._src import tuning as _tuning
 from jaxring._src import jax_compat as compat
-from jaxring._src.config import config, parse_link, validate
+from jaxring._src.config import config, parse_links, validate
 from jaxring._src.jax_compat import ad, batching, hlo, ir, mlir
 
 _PUBLIC_OPS = ("sum", "mean", "max", "min", "prod")
@@ -406,7 +406,7 @@ def ring_coordinates(ctx, axes: tuple, groups: tuple | None, timeout_s: float,
         rank_process = distributed.process_table(devices, rank_table,
                                                  group_table, world)
     if distributed.spans_processes(rank_process):
-        if link != (0.0, 0.0):
+        if link:
             raise NotImplementedError(
                 "jaxring: cpu_link emulates links between the devices of one "
                 "process; this ring spans processes, whose traffic crosses a "
@@ -418,11 +418,33 @@ def ring_coordinates(ctx, axes: tuple, groups: tuple | None, timeout_s: float,
                            rank_process, group_sizes(groups, group_table))
 
 
-def link_param() -> tuple[float, float]:
-    """The emulated CPU link from jaxring.config, as (bytes/s, latency s);
-    (0, 0) when off. Read at trace time, like every setting."""
+def link_param() -> tuple:
+    """The emulated CPU links from jaxring.config, as (size, bytes/s,
+    latency s) per tier (config.parse_links); () when off. Read at trace
+    time, like every setting."""
     spec = config.cpu_link
-    return (0.0, 0.0) if spec is None else parse_link(spec)
+    return () if spec is None else parse_links(spec)
+
+
+def link_attributes(link: tuple, world: int, uneven_groups: bool) -> dict:
+    """The custom calls' link emulation attributes: per tier, its bandwidth,
+    latency and size (the last given as 0: the rest of the ranks)."""
+    if len(link) > 1:
+        if uneven_groups:
+            raise NotImplementedError(
+                "jaxring: cpu_link with tiers emulates one cluster per ring, "
+                "which axis_index_groups of different sizes do not share; use "
+                "one link (\"10Gbit,20us\") or groups of one size.")
+        inner = math.prod(size for size, _, _ in link[:-1])
+        if world % inner:
+            raise ValueError(
+                f"jaxring: cpu_link's tiers put {inner} ranks in a group of the "
+                f"last tier, which does not divide the {world} ranks of this "
+                "allreduce; give tier sizes whose product divides the axis size.")
+    return dict(link_bytes_per_s=np.asarray([bw for _, bw, _ in link], np.float64),
+                link_latency_s=np.asarray([lat for _, _, lat in link], np.float64),
+                link_tiers=np.asarray([size for size, _, _ in link[:-1]] + [0] * bool(link),
+                                      np.int64))
 
 
 def _cpu_algorithm_id(algorithm: str) -> np.int64:
@@ -445,11 +467,7 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False) 
     process (direct reads its peers' memory), no emulated link (which models
     the ring's transfers) and no tiered plan (a plan of rings)."""
     across = distributed.spans_processes(rank_process)
-    emulated = link != (0.0, 0.0)
-    if tiered and emulated and not across:
-        raise NotImplementedError(
-            "jaxring: cpu_link does not emulate tiered plans yet; unset "
-            "jaxring.config.cpu_link / JAXRING_CPU_LINK or use topology='flat'.")
+    emulated = bool(link)
     if algorithm == "auto":
         return "ring" if across or emulated or tiered else "direct"
     if algorithm == "nccl":
@@ -515,8 +533,7 @@ def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
                 rank_process=np.asarray(rank_process, np.int64),
                 reduce_op=_reduce_op_id(op), num_rings=np.int64(rings),
                 chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s),
-                link_bytes_per_s=np.float64(link[0]),
-                link_latency_s=np.float64(link[1]))
+                **link_attributes(link, world, bool(len(ring.group_sizes))))
 
 
 SCALAR_I32 = compat.ShapedArray((), np.int32)
@@ -575,7 +592,7 @@ def cuda_attributes(ctx, label, axes, groups, op, rings, chunk_bytes, timeout_s,
     """The attributes every CUDA ring operation carries, with its op id;
     registers the CUDA targets first (or raises why there are none)."""
     cuda_backend.register()
-    if link != (0.0, 0.0):
+    if link:
         raise ValueError(
             "jaxring: cpu_link emulates links of the CPU backend; unset "
             "jaxring.config.cpu_link / JAXRING_CPU_LINK on GPUs.")

@@ -86,13 +86,43 @@ def parse_link(spec: str) -> tuple[float, float]:
     return rate, latency
 
 
+def parse_links(spec: str) -> tuple[tuple[int, float, float], ...]:
+    """One emulated link, or one per tier of an emulated cluster, as
+    ``(size, bytes per second, latency in seconds)`` per tier, tightest
+    first.
+
+    ``"10Gbit,20us"`` is one link for every device: ``((0, 1.25e9, 2e-5),)``.
+    ``"4:100Gbit,2us;1Gbit,20us"`` is groups of 4 ranks joined by 100 Gbit
+    links, and those groups (hosts) joined by 1 Gbit links; every tier but
+    the last names its size, and the last takes the rest of the ranks (size
+    0 here). Up to 4 tiers.
+    """
+    parts = spec.split(";")
+    if not 1 <= len(parts) <= 4:
+        raise ValueError(spec)
+    tiers = []
+    for i, part in enumerate(parts):
+        size, sep, link = part.partition(":")
+        if (i + 1 < len(parts)) != bool(sep):
+            raise ValueError(spec)  # a size on every tier but the last
+        n = 0
+        if sep:
+            if not size.strip().isdigit() or not 1 <= int(size) <= 65535:
+                raise ValueError(spec)
+            n = int(size)
+        else:
+            link = size
+        tiers.append((n, *parse_link(link)))
+    return tuple(tiers)
+
+
 def _link_spec(v: Any) -> bool:
     if v is None:
         return True
     if not isinstance(v, str):
         return False
     try:
-        parse_link(v)
+        parse_links(v)
     except ValueError:
         return False
     return True
@@ -161,14 +191,18 @@ _OPTIONS = {
                 "uses the settings' defaults. A value set explicitly (an "
                 "argument, config.update, the environment) always wins."),
         _Option("cpu_link", "JAXRING_CPU_LINK", None, lambda s: s or None,
-                _link_spec, 'None or a link such as "10Gbit,20us" (at least 8bit, '
-                'a finite latency of at most 60s)',
+                _link_spec, 'None, a link such as "10Gbit,20us" (at least 8bit, '
+                'a finite latency of at most 60s), or one link per tier such as '
+                '"4:100Gbit,2us;1Gbit,20us" (a size on every tier but the last)',
                 "Link emulation for the in-process CPU transport: every "
                 "device's outgoing transfers share one link of this bandwidth "
-                "and arrive this much later. Waiting costs wall time, not CPU, "
+                "and arrive this much later. Several links, tightest first, "
+                "emulate a cluster of tiers: \"4:100Gbit,2us;1Gbit,20us\" is "
+                "hosts of 4 ranks on 100 Gbit links, each host sharing one "
+                "1 Gbit link to the others. Waiting costs wall time, not CPU, "
                 "so compute and communication compete as on a real network. "
-                "An emulation for measuring overlap on one machine; None "
-                "(default) moves data at memory speed."),
+                "An emulation for measuring overlap and plans on one machine; "
+                "None (default) moves data at memory speed."),
         _Option("cpu_gang_start", "JAXRING_CPU_GANG_START", True, _parse_bool,
                 lambda v: isinstance(v, bool), "True or False (env: 1/0)",
                 "On CPU, where every rank of an overlapped bucket is a "

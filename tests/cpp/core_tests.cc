@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -32,7 +33,10 @@
 
 #include "cpu/buffer_pool.h"
 #include "cpu/gang_start.h"
+#include "cpu/inprocess_plan_host.h"
+#include "cpu/link_pacing.h"
 #include "cpu/inprocess_transport.h"
+#include "cpu/ring_transport.h"
 #include "cpu/tcp_transport.h"
 #include "cpu/wire_format.h"
 #include "plan.h"
@@ -92,8 +96,8 @@ std::vector<std::string> run_ranks(const std::vector<int>& order,
   std::vector<std::thread> threads;
   for (int r : order) {
     threads.emplace_back([&, r] {
-      jaxring::inprocess_allreduce(
-          key, desc, r, /*device=*/r, in[r], out[r], timeout_s,
+      jaxring::ring_allreduce(
+          key, desc, r, /*device=*/r, /*process_of_rank=*/{}, in[r], out[r], timeout_s,
           [&](const std::optional<std::string>& err) {
             std::lock_guard<std::mutex> lock(done.mu);
             if (err) done.errors.push_back(*err);
@@ -131,8 +135,7 @@ void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
   desc.num_rings = rings;
   desc.chunk_bytes = chunk_bytes;
   desc.algorithm = algorithm;
-  desc.link_bytes_per_s = link_bytes_per_s;
-  desc.link_latency_s = link_bytes_per_s > 0 ? 2e-6 : 0;
+  if (link_bytes_per_s > 0) desc.link = {{p, link_bytes_per_s, 2e-6}};
   std::vector<int> order(p);
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), std::mt19937(seed));
@@ -483,8 +486,7 @@ void run_emulation_tests() {
       double wall = 0;
       const auto threaded = float_allreduce(p, count, desc, 10 + rings, 30, &errors, &wall);
       CHECK(errors.empty());
-      desc.link_bytes_per_s = 200e6;
-      desc.link_latency_s = 50e-6;
+      desc.link = {{p, 200e6, 50e-6}};
       const auto emulated = float_allreduce(p, count, desc, 10 + rings, 30, &errors, &wall);
       CHECK(errors.empty());
       for (int r = 0; r < p; ++r) {
@@ -492,7 +494,7 @@ void run_emulation_tests() {
         CHECK(std::memcmp(emulated[0].data(), emulated[r].data(), count * 4) == 0);
       }
       // Each rank sends 2(p-1)/p of its buffer over its own link.
-      const double link_s = 2.0 * (p - 1) / p * count * 4 / desc.link_bytes_per_s;
+      const double link_s = 2.0 * (p - 1) / p * count * 4 / desc.link[0].bytes_per_s;
       CHECK(wall >= 0.95 * link_s);
     }
   {
@@ -506,7 +508,7 @@ void run_emulation_tests() {
     const int64_t big = 5 << 20;
     const auto threaded = float_allreduce(3, big, desc, 30, 60, &errors, &wall);
     CHECK(errors.empty());
-    desc.link_bytes_per_s = 1e11;
+    desc.link = {{3, 1e11, 0}};
     const auto emulated = float_allreduce(3, big, desc, 30, 60, &errors, &wall);
     CHECK(errors.empty());
     for (int r = 0; r < 3; ++r) {
@@ -515,7 +517,7 @@ void run_emulation_tests() {
   }
   {
     jaxring::OpDesc desc;
-    desc.link_bytes_per_s = 1e6;  // 0.5 s of link for 0.2 s of timeout
+    desc.link = {{3, 1e6, 0}};  // 0.5 s of link for 0.2 s of timeout
     std::vector<std::string> errors;
     double wall = 0;
     float_allreduce(3, 100000, desc, 20, 0.2, &errors, &wall);
@@ -526,6 +528,56 @@ void run_emulation_tests() {
 
 // Gang start: every rank waits for the last; a rank of another operation
 // passes while one gathers; a missing rank costs at most the wait.
+// Tiered plans among the threads of one process run on the plan executor:
+// exact int32 sums for every rank, started in shuffled orders, into separate
+// outputs and in place, plain and on an emulated two-tier cluster.
+void run_tiered_tests() {
+  int64_t op_id = 50000;
+  const std::vector<std::vector<int>> topologies = {{2, 4}, {4, 2}, {2, 2, 2}};
+  for (const auto& dims : topologies)
+    for (int rings : {1, 3})
+      for (int64_t count : {0, 1, 7, 1000, 100003})
+        for (int variant = 0; variant < 3; ++variant) {
+          const int p = 8;
+          const bool in_place = variant == 1, emulated = variant == 2;
+          std::vector<std::vector<int32_t>> in(p, std::vector<int32_t>(count));
+          std::vector<std::vector<int32_t>> out(p, std::vector<int32_t>(count, -1));
+          std::vector<int32_t> expect(count, 0);
+          for (int r = 0; r < p; ++r)
+            for (int64_t i = 0; i < count; ++i) {
+              in[r][i] = static_cast<int32_t>((r + 3) * (i % 11) - r);
+              expect[i] += in[r][i];
+            }
+          jaxring::OpDesc desc;
+          desc.type = jaxring::ElemType::kS32;
+          desc.count = count;
+          desc.world_size = p;
+          desc.num_rings = rings;
+          desc.chunk_bytes = 1024;
+          desc.topology = dims;
+          if (emulated) desc.link = {{dims[0], 20e9, 1e-6}, {p / dims[0], 2e9, 5e-6}};
+          std::vector<int> order(p);
+          std::iota(order.begin(), order.end(), 0);
+          std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<unsigned>(op_id)));
+          std::vector<const void*> ins;
+          std::vector<void*> outs;
+          for (int r = 0; r < p; ++r) {
+            ins.push_back(in[r].data());
+            outs.push_back(in_place ? in[r].data() : out[r].data());
+          }
+          CHECK(run_ranks(order, jaxring::OpKey{2, op_id++, 0}, desc, ins, outs, 30.0).empty());
+          for (int r = 0; r < p; ++r) CHECK((in_place ? in : out)[r] == expect);
+        }
+  CHECK(jaxring::inprocess_plan_pending_ops() == 0);
+  // The loosest tier a transfer crosses: 2 hosts of 4.
+  jaxring::OpDesc desc;
+  desc.world_size = 8;
+  desc.link = {{4, 1e9, 0}, {2, 1e8, 0}};
+  CHECK(jaxring::crossed_tier(desc, 0, 3) == 0);
+  CHECK(jaxring::crossed_tier(desc, 3, 4) == 1);
+  CHECK(jaxring::crossed_tier(desc, 7, 0) == 1);
+}
+
 void run_gang_tests() {
   using Clock = std::chrono::steady_clock;
   {
@@ -612,6 +664,7 @@ int main() {
         run_allreduce(p, 2, count, 4096, op_id++, static_cast<unsigned>(op_id),
                       jaxring::Algorithm::kRing, in_place, /*link=*/10e9);
   run_emulation_tests();
+  run_tiered_tests();
   run_gang_tests();
   // A released buffer comes back for the next request of its size; the pool
   // never holds more than its cap.
@@ -643,7 +696,7 @@ int main() {
   for (int kind = 0; kind < 3; ++kind) {
     const auto algorithm = kind == 1 ? jaxring::Algorithm::kDirect : jaxring::Algorithm::kRing;
     jaxring::OpDesc desc;
-    if (kind == 2) desc.link_bytes_per_s = 1e9;
+    if (kind == 2) desc.link = {{3, 1e9, 0}};
     desc.type = jaxring::ElemType::kF32;
     desc.count = 10;
     desc.world_size = 3;

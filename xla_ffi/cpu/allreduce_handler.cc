@@ -29,14 +29,52 @@ ffi::Future failed_future(const std::string& message) {
   return future;
 }
 
+// The emulated cluster's tiers from the link attributes (one entry per tier;
+// empty: no emulation). Every tier's size but the last is given; the last,
+// given as 0, takes the rest of the ranks.
+std::optional<std::string> describe_link(ffi::Span<const double> bytes_per_s,
+                                         ffi::Span<const double> latency_s,
+                                         ffi::Span<const int64_t> tiers,
+                                         int64_t world_size, OpDesc* desc) {
+  const size_t n = bytes_per_s.size();
+  if (latency_s.size() != n || tiers.size() != n || n > 4) {
+    return "jaxring allreduce: the emulated links need a bandwidth, a latency "
+           "and a size for each of at most 4 tiers";
+  }
+  desc->link.clear();
+  int64_t inner = 1;  // ranks per group of the tier below
+  for (size_t t = 0; t < n; ++t) {
+    // NaN fails both comparisons, so it is refused with the negatives.
+    if (!(bytes_per_s[t] > 0 && bytes_per_s[t] < kInfinity) ||
+        !(latency_s[t] >= 0 && latency_s[t] <= 60.0)) {
+      return "jaxring allreduce: an emulated link's bandwidth must be finite "
+             "and positive, its latency finite, not negative, at most 60 s";
+    }
+    int64_t size = tiers[t];
+    if (t + 1 == n) {
+      if (size != 0 || world_size % inner != 0) {
+        return "jaxring allreduce: the emulated cluster's tiers do not divide "
+               "the ring's ranks";
+      }
+      size = world_size / inner;
+    } else if (size < 1 || size > world_size || inner * size > world_size) {
+      return "jaxring allreduce: an emulated tier of 1 to world_size ranks";
+    }
+    inner *= size;
+    desc->link.push_back({static_cast<int>(size), bytes_per_s[t], latency_s[t]});
+  }
+  return std::nullopt;
+}
+
 // Checks the attributes (the Python side validates them at trace time; this
 // guards against a hand-written custom call) and builds the description.
 std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
                                        int rank, int64_t world_size,
                                        int64_t reduce_op, int64_t num_rings,
                                        int64_t chunk_bytes, double timeout_s,
-                                       double link_bytes_per_s,
-                                       double link_latency_s,
+                                       ffi::Span<const double> link_bytes_per_s,
+                                       ffi::Span<const double> link_latency_s,
+                                       ffi::Span<const int64_t> link_tiers,
                                        int64_t algorithm,
                                        ffi::Span<const int64_t> topology,
                                        OpDesc* desc) {
@@ -46,11 +84,9 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
                                          chunk_bytes, timeout_s, &type, &op)) {
     return error;
   }
-  // NaN fails both comparisons, so it is refused with the negatives.
-  if (!(link_bytes_per_s >= 0 && link_bytes_per_s < kInfinity) ||
-      !(link_latency_s >= 0 && link_latency_s <= 60.0)) {
-    return "jaxring allreduce: the emulated link's bandwidth and latency "
-           "must be finite and not negative (latency at most 60 s)";
+  if (auto error = describe_link(link_bytes_per_s, link_latency_s, link_tiers,
+                                 world_size, desc)) {
+    return error;
   }
   if (algorithm != static_cast<int64_t>(Algorithm::kRing) &&
       algorithm != static_cast<int64_t>(Algorithm::kDirect)) {
@@ -68,8 +104,6 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
   desc->world_size = static_cast<int>(world_size);
   desc->num_rings = static_cast<int>(num_rings);
   desc->chunk_bytes = chunk_bytes;
-  desc->link_bytes_per_s = link_bytes_per_s;
-  desc->link_latency_s = link_latency_s;
   desc->algorithm = static_cast<Algorithm>(algorithm);
   // The tiers of the plan, tightest first; none means one flat ring. The
   // TCP transport packs them into a frame header: at most 4, each < 2^16.
@@ -149,8 +183,10 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                              ffi::Result<ffi::AnyBuffer> out, int64_t op_id,
                              int64_t slot_id, int64_t world_size, int64_t reduce_op,
                              int64_t num_rings, int64_t chunk_bytes,
-                             double timeout_s, double link_bytes_per_s,
-                             double link_latency_s, int64_t algorithm,
+                             double timeout_s,
+                             ffi::Span<const double> link_bytes_per_s,
+                             ffi::Span<const double> link_latency_s,
+                             ffi::Span<const int64_t> link_tiers, int64_t algorithm,
                              ffi::Span<const int64_t> topology,
                              ffi::Span<const int64_t> rank_process,
                              ffi::Span<const int64_t> group_sizes) {
@@ -164,8 +200,8 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
   OpDesc desc;
   if (auto error = describe_op(x.element_type(), count, rank, ring_size,
                                reduce_op, num_rings, chunk_bytes, timeout_s,
-                               link_bytes_per_s, link_latency_s, algorithm,
-                               topology, &desc)) {
+                               link_bytes_per_s, link_latency_s, link_tiers,
+                               algorithm, topology, &desc)) {
     return failed_future(*error);
   }
   desc.slot_id = slot_id;
@@ -204,9 +240,10 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                  int64_t world_size,
                                  int64_t reduce_op, int64_t num_rings,
                                  int64_t chunk_bytes, double timeout_s,
-                                 double link_bytes_per_s,
-                                 double link_latency_s, int64_t algorithm,
-                                 int64_t num_deps, bool gang,
+                                 ffi::Span<const double> link_bytes_per_s,
+                                 ffi::Span<const double> link_latency_s,
+                                 ffi::Span<const int64_t> link_tiers,
+                                 int64_t algorithm, int64_t num_deps, bool gang,
                                  ffi::Span<const int64_t> topology,
                                  ffi::Span<const int64_t> rank_process,
                                  ffi::Span<const int64_t> group_sizes) {
@@ -242,7 +279,7 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
   if (auto error = describe_op(dtype, count, rank_buf.typed_data()[0],
                                ring_size, reduce_op, num_rings, chunk_bytes,
                                timeout_s, link_bytes_per_s, link_latency_s,
-                               algorithm, topology, &desc)) {
+                               link_tiers, algorithm, topology, &desc)) {
     return ffi::Error::InvalidArgument(*error);
   }
   desc.slot_id = slot_id;
@@ -310,8 +347,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("num_rings")
         .Attr<int64_t>("chunk_bytes")
         .Attr<double>("timeout_s")
-        .Attr<double>("link_bytes_per_s")  // emulated link, 0 = off
-        .Attr<double>("link_latency_s")
+        // emulated links, one per tier (empty: off); the sizes of the
+        // emulated cluster's tiers, the last given as 0 (the rest)
+        .Attr<ffi::Span<const double>>("link_bytes_per_s")
+        .Attr<ffi::Span<const double>>("link_latency_s")
+        .Attr<ffi::Span<const int64_t>>("link_tiers")
         .Attr<int64_t>("algorithm")  // Algorithm: 0 ring, 1 direct
         // the tiered plan's tiers, tightest first; empty: one flat ring
         .Attr<ffi::Span<const int64_t>>("topology")
@@ -337,8 +377,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("num_rings")
         .Attr<int64_t>("chunk_bytes")
         .Attr<double>("timeout_s")
-        .Attr<double>("link_bytes_per_s")
-        .Attr<double>("link_latency_s")
+        .Attr<ffi::Span<const double>>("link_bytes_per_s")
+        .Attr<ffi::Span<const double>>("link_latency_s")
+        .Attr<ffi::Span<const int64_t>>("link_tiers")
         .Attr<int64_t>("algorithm")
         .Attr<int64_t>("num_deps")
         .Attr<bool>("gang")  // wait for the in-process peers (gang_start.h)

@@ -91,7 +91,7 @@ struct Op {
     }
   }
 
-  bool emulated() const { return desc.link_bytes_per_s > 0; }
+  bool emulated() const { return desc.emulated(); }
   bool direct() const { return desc.algorithm == Algorithm::kDirect; }
 
   const OpKey key;
@@ -185,9 +185,11 @@ class Worker {
   int64_t book_transfer(int64_t ready_ns, int64_t bytes, const OpDesc& d) {
     std::lock_guard<std::mutex> lock(egress_mu_);
     const int64_t start = std::max(ready_ns, egress_free_ns_);
-    const int64_t busy = static_cast<int64_t>(1e9 * bytes / d.link_bytes_per_s);
+    // This path runs flat rings on one link (ring_transport.cc).
+    const EmulatedTier& link = d.link.front();
+    const int64_t busy = static_cast<int64_t>(1e9 * bytes / link.bytes_per_s);
     egress_free_ns_ = start + busy;
-    return start + busy + static_cast<int64_t>(1e9 * d.link_latency_s);
+    return start + busy + static_cast<int64_t>(1e9 * link.latency_s);
   }
 
  private:

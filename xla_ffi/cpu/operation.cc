@@ -16,9 +16,15 @@ std::string OpDesc::describe() const {
       os << (i ? "x" : "") << topology[i];
     }
   }
-  if (link_bytes_per_s > 0) {
-    os << ", emulated link " << link_bytes_per_s << " B/s + "
-       << link_latency_s << " s";
+  if (link.size() == 1) {
+    os << ", emulated link " << link[0].bytes_per_s << " B/s + "
+       << link[0].latency_s << " s";
+  } else if (!link.empty()) {
+    os << ", emulated links";
+    for (size_t i = 0; i < link.size(); ++i) {
+      os << (i ? "; " : " ") << link[i].size << " x " << link[i].bytes_per_s
+         << " B/s + " << link[i].latency_s << " s";
+    }
   }
   return os.str();
 }

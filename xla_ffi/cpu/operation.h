@@ -40,6 +40,17 @@ enum class Algorithm : int {
   kDirect = 1,
 };
 
+// One tier of the cluster that link emulation models in one process.
+struct EmulatedTier {
+  // Groups of the tier below (ranks, for tier 0) per group of this tier.
+  int size = 1;
+  double bytes_per_s = 0;
+  double latency_s = 0;
+  bool operator==(const EmulatedTier& o) const {
+    return size == o.size && bytes_per_s == o.bytes_per_s && latency_s == o.latency_s;
+  }
+};
+
 // What every rank of an operation must agree on.
 struct OpDesc {
   ElemType type = ElemType::kF32;
@@ -48,13 +59,15 @@ struct OpDesc {
   int world_size = 1;
   int num_rings = 1;
   int64_t chunk_bytes = 1 << 20;
-  // Link emulation (0 = off): each device's outgoing transfers share one
-  // link of this bandwidth, and each transfer arrives this much later. The
-  // data moves once every rank is here; each rank sleeps until the modelled
-  // link delivers its last transfer, so emulated time costs wall time, not
-  // CPU.
-  double link_bytes_per_s = 0;
-  double link_latency_s = 0;
+  // Link emulation, in one process only (empty = off). With one tier, each
+  // rank's outgoing transfers share one link of that bandwidth and arrive
+  // that much later. With several, the ranks form an emulated cluster (see
+  // link_pacing.h): tier t's groups hold link[t].size groups of tier t-1,
+  // and a transfer crosses the link of the loosest tier whose group its two
+  // ends do not share. Emulated time costs wall time (the ranks sleep until
+  // the modelled link delivers), not CPU.
+  std::vector<EmulatedTier> link;
+  bool emulated() const { return !link.empty(); }
   Algorithm algorithm = Algorithm::kRing;
   // The ring plan's tiers, tightest first (see tiered_plan.h); empty means
   // one flat ring over all ranks. Only the TCP transport runs more than one.
@@ -68,9 +81,7 @@ struct OpDesc {
     return type == o.type && op == o.op && count == o.count &&
            algorithm == o.algorithm && topology == o.topology &&
            world_size == o.world_size && num_rings == o.num_rings &&
-           chunk_bytes == o.chunk_bytes &&
-           link_bytes_per_s == o.link_bytes_per_s &&
-           link_latency_s == o.link_latency_s;
+           chunk_bytes == o.chunk_bytes && link == o.link;
   }
   std::string describe() const;
 };

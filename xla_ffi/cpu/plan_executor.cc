@@ -13,6 +13,7 @@
 
 #include "../failure.h"
 #include "huge_pages.h"
+#include "link_pacing.h"
 #include "task_queue.h"
 #include "timeline.h"
 #include "wire_format.h"
@@ -40,6 +41,9 @@ struct PlanTask {
   std::vector<int> phase;
   std::vector<int64_t> remaining;
   bool started = false;  // phase 0 entered on every ring
+  // Under link emulation: when the next unit in flight to this rank
+  // arrives (-1: none).
+  int64_t wake_ns = -1;
   // When this rank last consumed a unit (or joined), and when it may next
   // ask for a peer running another program (see kMismatchProbeAfter).
   Clock::time_point last_progress = Clock::now();
@@ -104,7 +108,14 @@ std::string send_unit(const std::shared_ptr<PlanOp>& op_ptr, int rank, int ring,
   }
   ib.received.insert({phase, u});
   if (local != op.locals.end()) wake->push_back(local->second.worker);
-  ib.ready[phase].push_back(u);
+  if (op.desc.emulated()) {
+    // The data is in place; the receiver takes it when the link delivers.
+    ib.in_flight.emplace(paced_arrival_ns(op.desc, op.key.group, rank, next,
+                                          bytes, timeline_now_ns()),
+                         std::make_pair(phase, u));
+  } else {
+    ib.ready[phase].push_back(u);
+  }
   ++ib.arrived[phase];
   return std::string();
 }
@@ -137,6 +148,7 @@ class Pass {
     return me_.own[r].get() + (offset - me_.own_offset[r]) * esize_;
   }
   void start();
+  void deliver_arrived();
   void enter_phase(int r, int j);
   void consume(int r, int j, int64_t u);
   bool complete(const std::optional<std::string>& result, bool* finished);
@@ -178,6 +190,24 @@ void Pass::start() {
   for (int r = 0; r < plan_.num_rings() && going(); ++r) enter_phase(r, 0);
 }
 
+// Link emulation: the units whose emulated link has delivered them become
+// ready; the task wakes when the next one arrives.
+void Pass::deliver_arrived() {
+  const int64_t now = timeline_now_ns();
+  task_.wake_ns = -1;
+  for (int r = 0; r < plan_.num_rings(); ++r) {
+    Inbox& ib = op_.inbox(task_.rank, r);
+    auto it = ib.in_flight.begin();
+    for (; it != ib.in_flight.end() && it->first <= now; ++it) {
+      ib.ready[it->second.first].push_back(it->second.second);
+    }
+    ib.in_flight.erase(ib.in_flight.begin(), it);
+    if (it != ib.in_flight.end() && (task_.wake_ns < 0 || it->first < task_.wake_ns)) {
+      task_.wake_ns = it->first;
+    }
+  }
+}
+
 // Moves ring r to phase j: takes a copy of the shard as this rank's own
 // contribution (a reduce phase after the first), opens the phase to direct
 // writes, and sends the first unit of every chunk.
@@ -186,14 +216,14 @@ void Pass::enter_phase(int r, int j) {
   if (j == phases_) return;
   const Phase& ph = plan_.phase(j);
   Inbox& ib = op_.inbox(task_.rank, r);
-  if (j > 0 && ph.kind != PhaseKind::kAllGather) {
+  const Span shard = plan_.shard(r, j, task_.rank);
+  if (j > 0 && ph.kind != PhaseKind::kAllGather && shard.count > 0) {
     // Units of phase j are staged until ib.phase says otherwise, so the
     // shard can be copied without the lock.
-    const Span s = plan_.shard(r, j, task_.rank);
-    char* to = me_.own[r].get() + (s.offset - me_.own_offset[r]) * esize_;
-    const char* from = static_cast<const char*>(me_.out) + s.offset * esize_;
+    char* to = me_.own[r].get() + (shard.offset - me_.own_offset[r]) * esize_;
+    const char* from = static_cast<const char*>(me_.out) + shard.offset * esize_;
     lock_.unlock();
-    std::memcpy(to, from, static_cast<size_t>(s.count * esize_));
+    std::memcpy(to, from, static_cast<size_t>(shard.count * esize_));
     lock_.lock();
     if (op_.failed) return;
   }
@@ -321,6 +351,7 @@ bool Pass::run(bool* finished) {
     start();
     progressed = true;
   }
+  if (op_.desc.emulated()) deliver_arrived();
   bool all_done = true;
   for (int r = 0; r < plan_.num_rings() && going(); ++r) {
     Inbox& ib = op_.inbox(task_.rank, r);
@@ -378,14 +409,24 @@ void PlanWorker::loop() {
   for (;;) {
     const uint64_t seen = queue_.collect(active);
     bool progressed = false;
+    int64_t wake_ns = -1;  // the next emulated arrival for a task here
     for (auto it = active.begin(); it != active.end();) {
       bool finished = false;
       progressed |= Pass(*it, device_).run(&finished);
-      it = finished ? active.erase(it) : std::next(it);
+      if (finished) {
+        it = active.erase(it);
+        continue;
+      }
+      if (it->wake_ns >= 0 && (wake_ns < 0 || it->wake_ns < wake_ns)) wake_ns = it->wake_ns;
+      ++it;
     }
     // The deadline poll bounds the sleep so timeouts are noticed.
     if (!progressed && !active.empty()) {
-      queue_.wait_until(seen, Clock::now() + kDeadlinePoll);
+      auto until = Clock::now() + kDeadlinePoll;
+      if (wake_ns >= 0) {
+        until = std::min(until, Clock::time_point(std::chrono::nanoseconds(wake_ns)));
+      }
+      queue_.wait_until(seen, until);
     }
   }
 }
@@ -447,6 +488,12 @@ std::string join_rank(PlanOp& op, const OpDesc& desc, int rank, int device,
   }
   advise_huge_pages(out, desc.count * elem_bytes(desc.type));
   LocalRank& l = op.locals[rank];
+  const int64_t bytes = desc.count * elem_bytes(desc.type);
+  if (in == out && bytes > 0) {
+    l.input_copy.reset(new char[bytes]);
+    std::memcpy(l.input_copy.get(), in, static_cast<size_t>(bytes));
+    in = l.input_copy.get();
+  }
   l.in = in;
   l.out = out;
   l.device = device;

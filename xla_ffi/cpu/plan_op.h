@@ -71,6 +71,9 @@ struct Inbox {
   // they come: a chunk of step t+1 never waits behind one of step t still
   // on the wire.
   std::map<int, std::deque<int64_t>> ready;
+  // Under link emulation: units whose data is here but whose emulated link
+  // delivers them later, by arrival time (steady clock ns) -> (phase, unit).
+  std::multimap<int64_t, std::pair<int, int64_t>> in_flight;
   std::map<int, int64_t> arrived;  // per phase (for timeout messages)
   // (phase, unit)s that came before the rank joined or reached their phase.
   std::map<std::pair<int, int64_t>, Staged> staged;
@@ -93,6 +96,9 @@ struct LocalRank {
   // phase 1, which holds every later one, from own_offset on.
   std::vector<std::unique_ptr<char[]>> own;
   std::vector<int64_t> own_offset;
+  // A copy of the input when it is the output buffer too: units are
+  // received into the output while the input is still to be reduced.
+  std::unique_ptr<char[]> input_copy;
 };
 
 struct PlanOp {

@@ -15,8 +15,7 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
       process_of_rank.empty() ||
       std::all_of(process_of_rank.begin(), process_of_rank.end(),
                   [&](int p) { return p == process_of_rank.front(); });
-  if (desc.algorithm == Algorithm::kDirect &&
-      (!one_process || desc.link_bytes_per_s > 0)) {
+  if (desc.algorithm == Algorithm::kDirect && (!one_process || desc.emulated())) {
     // Python refuses this at trace time; this guards hand-written calls.
     done(tagged(FailureKind::kInvalid, -1,
                 "jaxring allreduce: algorithm=direct reads its peers' buffers, so "
@@ -26,20 +25,15 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
     done(tagged(FailureKind::kInvalid, -1,
                 "jaxring allreduce: algorithm=direct has no tiers; a tiered "
                 "topology runs the ring plan"));
-  } else if (one_process && desc.topology.size() > 1) {
-    if (desc.link_bytes_per_s > 0) {
-      // Python refuses this at trace time; this guards hand-written calls.
-      done(tagged(FailureKind::kInvalid, -1,
-                  "jaxring allreduce: link emulation of a tiered plan is not "
-                  "supported yet"));
-    } else {
-      inprocess_plan_allreduce(key, desc, rank, device, in, out, timeout_s,
-                               std::move(done));
-    }
+  } else if (one_process && (desc.topology.size() > 1 || desc.link.size() > 1)) {
+    // A tiered plan, or an emulated cluster of tiers: the plan executor,
+    // whose units can cross a different emulated link at every phase.
+    inprocess_plan_allreduce(key, desc, rank, device, in, out, timeout_s,
+                             std::move(done));
   } else if (one_process) {
     inprocess_allreduce(key, desc, rank, device, in, out, timeout_s,
                         std::move(done));
-  } else if (desc.link_bytes_per_s > 0) {
+  } else if (desc.emulated()) {
     // Python refuses this at trace time; this guards hand-written calls.
     done(tagged(FailureKind::kInvalid, -1,
                 "jaxring allreduce: link emulation applies to the in-process "
