@@ -653,8 +653,11 @@ def test_auto_algorithm_is_direct_in_one_process_and_ring_under_link_emulation()
 def test_direct_refused_across_processes():
     from jaxring._src.allreduce import resolve_algorithm
     one, two = np.zeros(4, np.int64), np.array([0, 0, 1, 1], np.int64)
-    assert resolve_algorithm("auto", (0.0, 0.0), one) == "direct"
-    assert resolve_algorithm("auto", (0.0, 0.0), two) == "ring"
-    assert resolve_algorithm("ring", (0.0, 0.0), one) == "ring"
+    assert resolve_algorithm("auto", (), one) == "direct"
+    assert resolve_algorithm("auto", (), two) == "ring"
+    assert resolve_algorithm("ring", (), one) == "ring"
     with pytest.raises(ValueError, match="every rank must be in one process"):
-        resolve_algorithm("direct", (0.0, 0.0), two)
+        resolve_algorithm("direct", (), two)
+    # An emulated link models the ring's transfers; a tiered plan is rings.
+    assert resolve_algorithm("auto", ((0, 1e9, 0.0),), one) == "ring"
+    assert resolve_algorithm("auto", (), one, tiered=True) == "ring"
