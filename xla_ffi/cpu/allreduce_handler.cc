@@ -13,6 +13,7 @@
 #include "../ffi_common.h"
 #include "../reduce.h"
 #include "inprocess_transport.h"
+#include "ring_attrs.h"
 #include "ring_transport.h"
 #include "split_phase.h"
 
@@ -70,24 +71,20 @@ std::optional<std::string> describe_link(ffi::Span<const double> bytes_per_s,
 // guards against a hand-written custom call) and builds the description.
 std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
                                        int rank, int64_t world_size,
-                                       int64_t reduce_op, int64_t num_rings,
-                                       int64_t chunk_bytes, double timeout_s,
-                                       ffi::Span<const double> link_bytes_per_s,
-                                       ffi::Span<const double> link_latency_s,
-                                       ffi::Span<const int64_t> link_tiers,
-                                       int64_t algorithm,
-                                       ffi::Span<const int64_t> topology,
-                                       OpDesc* desc) {
+                                       const RingAttrs& a, OpDesc* desc) {
   ElemType type;
   ReduceOp op;
-  if (auto error = check_allreduce_attrs(dtype, reduce_op, world_size, num_rings,
-                                         chunk_bytes, timeout_s, &type, &op)) {
+  if (auto error = check_allreduce_attrs(dtype, a.reduce_op, world_size,
+                                         a.num_rings, a.chunk_bytes, a.timeout_s,
+                                         &type, &op)) {
     return error;
   }
-  if (auto error = describe_link(link_bytes_per_s, link_latency_s, link_tiers,
-                                 world_size, desc)) {
+  if (auto error = describe_link(a.link_bytes_per_s, a.link_latency_s,
+                                 a.link_tiers, world_size, desc)) {
     return error;
   }
+  const int64_t algorithm = a.algorithm;
+  const ffi::Span<const int64_t> topology = a.topology;
   if (algorithm != static_cast<int64_t>(Algorithm::kRing) &&
       algorithm != static_cast<int64_t>(Algorithm::kDirect)) {
     return "jaxring allreduce: unknown algorithm";
@@ -102,8 +99,8 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
   desc->op = op;
   desc->count = count;
   desc->world_size = static_cast<int>(world_size);
-  desc->num_rings = static_cast<int>(num_rings);
-  desc->chunk_bytes = chunk_bytes;
+  desc->num_rings = static_cast<int>(a.num_rings);
+  desc->chunk_bytes = a.chunk_bytes;
   desc->algorithm = static_cast<Algorithm>(algorithm);
   // The tiers of the plan, tightest first; none means one flat ring. The
   // TCP transport packs them into a frame header: at most 4, each < 2^16.
@@ -157,6 +154,33 @@ std::optional<std::string> processes_of_group(
   return std::nullopt;
 }
 
+// One rank's part of a ring operation, from its custom call's attributes.
+struct RankOp {
+  OpKey key;
+  OpDesc desc;
+  int rank = 0;
+  std::vector<int> processes;  // of the ranks of its ring
+};
+
+// Checks the attributes against this call (its operands' dtype and count,
+// its rank and group) and describes the rank's part, or says why not.
+std::optional<std::string> rank_op(const RingAttrs& a, ffi::RunId run_id,
+                                   ffi::DataType dtype, int64_t count, int rank,
+                                   int64_t group, RankOp* op) {
+  int64_t ring_size = a.world_size;
+  if (auto error = size_of_group(a.group_sizes, group, a.world_size, &ring_size)) {
+    return error;
+  }
+  if (auto error = describe_op(dtype, count, rank, ring_size, a, &op->desc)) {
+    return error;
+  }
+  op->desc.slot_id = a.slot_id;
+  op->key = OpKey{run_id.run_id, a.op_id, group};
+  op->rank = rank;
+  return processes_of_group(a.rank_process, group, a.world_size, ring_size,
+                            &op->processes);
+}
+
 // Transport threads now inside a promise's completion (wait_for_completions).
 std::atomic<int> g_completing{0};
 
@@ -180,32 +204,14 @@ ffi::Future future_for(std::function<void(Completion)> start) {
 ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                              ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_buf,
                              ffi::Buffer<ffi::S32> group_buf,
-                             ffi::Result<ffi::AnyBuffer> out, int64_t op_id,
-                             int64_t slot_id, int64_t world_size, int64_t reduce_op,
-                             int64_t num_rings, int64_t chunk_bytes,
-                             double timeout_s,
-                             ffi::Span<const double> link_bytes_per_s,
-                             ffi::Span<const double> link_latency_s,
-                             ffi::Span<const int64_t> link_tiers, int64_t algorithm,
-                             ffi::Span<const int64_t> topology,
-                             ffi::Span<const int64_t> rank_process,
-                             ffi::Span<const int64_t> group_sizes) {
-  const int rank = rank_buf.typed_data()[0];
-  const int64_t group = group_buf.typed_data()[0];
+                             ffi::Result<ffi::AnyBuffer> out, RingAttrs attrs) {
   const int64_t count = static_cast<int64_t>(x.element_count());
-  int64_t ring_size = world_size;
-  if (auto error = size_of_group(group_sizes, group, world_size, &ring_size)) {
+  RankOp op;
+  if (auto error = rank_op(attrs, run_id, x.element_type(), count,
+                           rank_buf.typed_data()[0], group_buf.typed_data()[0], &op)) {
     return failed_future(*error);
   }
-  OpDesc desc;
-  if (auto error = describe_op(x.element_type(), count, rank, ring_size,
-                               reduce_op, num_rings, chunk_bytes, timeout_s,
-                               link_bytes_per_s, link_latency_s, link_tiers,
-                               algorithm, topology, &desc)) {
-    return failed_future(*error);
-  }
-  desc.slot_id = slot_id;
-  if (ring_size == 1) {
+  if (op.desc.world_size == 1) {
     if (out->untyped_data() != x.untyped_data() && count > 0) {
       std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
     }
@@ -214,15 +220,9 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
     promise.SetAvailable();
     return future;
   }
-  std::vector<int> processes;
-  if (auto error = processes_of_group(rank_process, group, world_size, ring_size,
-                                      &processes)) {
-    return failed_future(*error);
-  }
-  const OpKey key{run_id.run_id, op_id, group};
   return future_for([&](Completion done) {
-    ring_allreduce(key, desc, rank, device, processes, x.untyped_data(),
-                   out->untyped_data(), timeout_s, std::move(done));
+    ring_allreduce(op.key, op.desc, op.rank, device, op.processes, x.untyped_data(),
+                   out->untyped_data(), attrs.timeout_s, std::move(done));
   });
 }
 
@@ -236,18 +236,9 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
                                  ffi::Buffer<ffi::S32> group_buf,
                                  ffi::RemainingArgs xs,
                                  ffi::Result<ffi::Buffer<ffi::S32>> handle,
-                                 int64_t op_id, int64_t slot_id,
-                                 int64_t world_size,
-                                 int64_t reduce_op, int64_t num_rings,
-                                 int64_t chunk_bytes, double timeout_s,
-                                 ffi::Span<const double> link_bytes_per_s,
-                                 ffi::Span<const double> link_latency_s,
-                                 ffi::Span<const int64_t> link_tiers,
-                                 int64_t algorithm, int64_t num_deps, bool gang,
-                                 ffi::Span<const int64_t> topology,
-                                 ffi::Span<const int64_t> rank_process,
-                                 ffi::Span<const int64_t> group_sizes) {
+                                 StartAttrs attrs) {
   handle->typed_data()[0] = 0;
+  const int64_t num_deps = attrs.num_deps;
   std::vector<ConstBytes> inputs;
   int64_t count = 0;
   ffi::DataType dtype = ffi::DataType::INVALID;
@@ -270,28 +261,13 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
     return ffi::Error::InvalidArgument(
         "jaxring allreduce start: no operands");
   }
-  const int64_t group = group_buf.typed_data()[0];
-  int64_t ring_size = world_size;
-  if (auto error = size_of_group(group_sizes, group, world_size, &ring_size)) {
+  RankOp op;
+  if (auto error = rank_op(attrs.ring, run_id, dtype, count, rank_buf.typed_data()[0],
+                           group_buf.typed_data()[0], &op)) {
     return ffi::Error::InvalidArgument(*error);
   }
-  OpDesc desc;
-  if (auto error = describe_op(dtype, count, rank_buf.typed_data()[0],
-                               ring_size, reduce_op, num_rings, chunk_bytes,
-                               timeout_s, link_bytes_per_s, link_latency_s,
-                               link_tiers, algorithm, topology, &desc)) {
-    return ffi::Error::InvalidArgument(*error);
-  }
-  desc.slot_id = slot_id;
-  std::vector<int> processes;
-  if (auto error = processes_of_group(rank_process, group, world_size, ring_size,
-                                      &processes)) {
-    return ffi::Error::InvalidArgument(*error);
-  }
-  const OpKey key{run_id.run_id, op_id, group};
-  if (auto error = split_phase_start(key, desc, rank_buf.typed_data()[0],
-                                     device, processes, inputs, timeout_s,
-                                     gang)) {
+  if (auto error = split_phase_start(op.key, op.desc, op.rank, device, op.processes,
+                                     inputs, attrs.ring.timeout_s, attrs.gang)) {
     return failure_error(*error);
   }
   return ffi::Error::Success();
@@ -340,25 +316,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()  // rank of this device in its group
         .Arg<ffi::Buffer<ffi::S32>>()  // which group (ring) it belongs to
         .Ret<ffi::AnyBuffer>()      // the reduced result
-        .Attr<int64_t>("op_id")     // call identity, set at lowering
-        .Attr<int64_t>("slot_id")   // its slot, whatever the shapes
-        .Attr<int64_t>("world_size")
-        .Attr<int64_t>("reduce_op")
-        .Attr<int64_t>("num_rings")
-        .Attr<int64_t>("chunk_bytes")
-        .Attr<double>("timeout_s")
-        // emulated links, one per tier (empty: off); the sizes of the
-        // emulated cluster's tiers, the last given as 0 (the rest)
-        .Attr<ffi::Span<const double>>("link_bytes_per_s")
-        .Attr<ffi::Span<const double>>("link_latency_s")
-        .Attr<ffi::Span<const int64_t>>("link_tiers")
-        .Attr<int64_t>("algorithm")  // Algorithm: 0 ring, 1 direct
-        // the tiered plan's tiers, tightest first; empty: one flat ring
-        .Attr<ffi::Span<const int64_t>>("topology")
-        // process of each rank, one row of world_size per group
-        .Attr<ffi::Span<const int64_t>>("rank_process")
-        // size of each group where they differ; empty: all world_size
-        .Attr<ffi::Span<const int64_t>>("group_sizes"));
+        .Attrs<RingAttrs>());       // ring_attrs.h
 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -370,22 +328,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()  // which group (ring) it belongs to
         .RemainingArgs()               // num_deps dependencies, then operands
         .Ret<ffi::Buffer<ffi::S32>>()  // handle for done
-        .Attr<int64_t>("op_id")
-        .Attr<int64_t>("slot_id")
-        .Attr<int64_t>("world_size")
-        .Attr<int64_t>("reduce_op")
-        .Attr<int64_t>("num_rings")
-        .Attr<int64_t>("chunk_bytes")
-        .Attr<double>("timeout_s")
-        .Attr<ffi::Span<const double>>("link_bytes_per_s")
-        .Attr<ffi::Span<const double>>("link_latency_s")
-        .Attr<ffi::Span<const int64_t>>("link_tiers")
-        .Attr<int64_t>("algorithm")
-        .Attr<int64_t>("num_deps")
-        .Attr<bool>("gang")  // wait for the in-process peers (gang_start.h)
-        .Attr<ffi::Span<const int64_t>>("topology")
-        .Attr<ffi::Span<const int64_t>>("rank_process")
-        .Attr<ffi::Span<const int64_t>>("group_sizes"));
+        .Attrs<StartAttrs>());         // ring_attrs.h
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllreduceDoneCpu, AllreduceDoneCpuImpl,
