@@ -26,6 +26,10 @@ def mesh8():
     return jax.make_mesh((8,), ("i",), devices=jax.devices()[:8])
 
 
+def ones8():
+    return jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh8(), P("i")))
+
+
 def sharded_call(fn, mesh, spec=P("i")):
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec,
                                  check_vma=False))
@@ -126,8 +130,7 @@ def test_overlap_with_a_tiered_topology_matches_the_plain_step():
 
 
 def test_direct_algorithm_is_refused_with_tiers():
-    mesh = mesh8()
-    xs = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("i")))
+    mesh, xs = mesh8(), ones8()
     with pytest.raises(ValueError, match="'direct' has no tiers"):
         sharded_call(lambda v: jaxring.allreduce(
             v, "i", topology=(2, 4), algorithm="direct"), mesh).lower(xs)
@@ -167,8 +170,7 @@ def test_emulated_two_tier_cluster_paces_each_tier_on_its_own_link():
 
 
 def test_emulated_tiers_must_divide_the_ring():
-    mesh = mesh8()
-    xs = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("i")))
+    mesh, xs = mesh8(), ones8()
     jaxring.config.update("cpu_link", "3:8Gbit;1Gbit")
     try:
         with pytest.raises(ValueError, match="does not divide the 8 ranks"):
