@@ -40,7 +40,10 @@ struct PlanTask {
   // of its non-empty units are still to come.
   std::vector<int> phase;
   std::vector<int64_t> remaining;
-  bool started = false;  // phase 0 entered on every ring
+  bool started = false;
+  // Rings whose phase 0 has begun: all of them at once for a flat plan; in
+  // turn for a tiered one (see Pass::start).
+  int entered = 0;
   // Under link emulation: when the next unit in flight to this rank
   // arrives (-1: none).
   int64_t wake_ns = -1;
@@ -148,6 +151,7 @@ class Pass {
     return me_.own[r].get() + (offset - me_.own_offset[r]) * esize_;
   }
   void start();
+  bool enter_next_ring();
   void deliver_arrived();
   void enter_phase(int r, int j);
   void consume(int r, int j, int64_t u);
@@ -187,7 +191,26 @@ void Pass::start() {
       me_.own_offset[r] = s.offset;
     }
   }
-  for (int r = 0; r < plan_.num_rings() && going(); ++r) enter_phase(r, 0);
+  // A flat plan starts every ring at once. A tiered one starts the first,
+  // and each next one once the one before has left the tight tier's phase:
+  // where the CPU is short, the first ring then reaches the loose tier's
+  // link early, and the rest keep it busy, instead of every ring reaching
+  // it only after all of them passed the tight tier. Each ring's phase 0
+  // needs only that ring's units, so no rank waits on a ring another has
+  // not started for want of one it has not started itself.
+  const int first = phases_ > 1 ? 1 : plan_.num_rings();
+  while (task_.entered < first && going()) enter_phase(task_.entered++, 0);
+}
+
+// A tiered plan's next ring starts once the one before has left phase 0.
+bool Pass::enter_next_ring() {
+  bool entered = false;
+  while (task_.entered < plan_.num_rings() && task_.phase[task_.entered - 1] > 0 &&
+         going()) {
+    enter_phase(task_.entered++, 0);
+    entered = true;
+  }
+  return entered;
 }
 
 // Link emulation: the units whose emulated link has delivered them become
@@ -352,9 +375,9 @@ bool Pass::run(bool* finished) {
     progressed = true;
   }
   if (op_.desc.emulated()) deliver_arrived();
-  bool all_done = true;
-  for (int r = 0; r < plan_.num_rings() && going(); ++r) {
+  for (int r = 0; r < task_.entered && going(); ++r) {
     Inbox& ib = op_.inbox(task_.rank, r);
+    bool ring_progressed = false;
     while (task_.phase[r] < phases_ && going()) {
       const int j = task_.phase[r];
       std::deque<int64_t>& ready = ib.ready[j];
@@ -363,14 +386,21 @@ bool Pass::run(bool* finished) {
         ready.pop_front();
         consume(r, j, u);
         --task_.remaining[r];
-        progressed = true;
+        ring_progressed = true;
       }
       if (task_.remaining[r] > 0) break;
       enter_phase(r, j + 1);
-      progressed = true;
+      ring_progressed = true;
     }
-    if (task_.phase[r] < phases_) all_done = false;
+    progressed |= ring_progressed;
+    // A tiered plan's rings take turns by priority, the first ring first
+    // (the reason is Pass::start's): a rank that has work on a ring leaves
+    // the later rings for the next pass.
+    if (phases_ > 1 && ring_progressed) break;
   }
+  if (phases_ > 1) progressed |= enter_next_ring();
+  bool all_done = true;
+  for (int r = 0; r < plan_.num_rings(); ++r) all_done &= task_.phase[r] == phases_;
   if (!error_.empty()) return fail_all(error_);
   if (op_.failed) return true;  // completes through the failure, next pass
   if (all_done && me_.outstanding_sends == 0) return complete(std::nullopt, finished);
