@@ -177,8 +177,8 @@ class Pass {
   std::string error_;              // from a send: fails the operation
 };
 
-// Phase 0 on every ring, with room for the rank's own contribution to the
-// later phases.
+// Starts the rank: room for its own contribution to the later phases, and
+// phase 0 of its first ring (of every ring, for a flat plan).
 void Pass::start() {
   task_.started = true;
   if (phases_ > 1) {
@@ -205,8 +205,8 @@ void Pass::start() {
 // A tiered plan's next ring starts once the one before has left phase 0.
 bool Pass::enter_next_ring() {
   bool entered = false;
-  while (task_.entered < plan_.num_rings() && task_.phase[task_.entered - 1] > 0 &&
-         going()) {
+  while (task_.entered > 0 && task_.entered < plan_.num_rings() &&
+         task_.phase[task_.entered - 1] > 0 && going()) {
     enter_phase(task_.entered++, 0);
     entered = true;
   }
@@ -338,7 +338,8 @@ std::string Pass::timeout_message(bool all_done) {
   const char* sep = "";
   for (int r = 0; r < plan_.num_rings(); ++r) {
     const int j = task_.phase[r];
-    if (j >= phases_) continue;
+    // A ring not yet started waits for the one before it, named already.
+    if (j >= phases_ || r >= task_.entered) continue;
     const Phase& ph = plan_.phase(j);
     const int prev = plan_.prev_rank(r, j, task_.rank);
     Inbox& ib = op_.inbox(task_.rank, r);
@@ -421,7 +422,7 @@ bool Pass::run(bool* finished) {
     // Which peer is stuck is known only when every ring waits for the same.
     std::set<int> waited_for;
     for (int r = 0; r < plan_.num_rings(); ++r) {
-      if (task_.phase[r] >= phases_) continue;
+      if (task_.phase[r] >= phases_ || r >= task_.entered) continue;
       waited_for.insert(
           op_.process_of_rank[plan_.prev_rank(r, task_.phase[r], task_.rank)]);
     }
