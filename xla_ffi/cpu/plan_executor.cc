@@ -81,48 +81,6 @@ class PlanWorker {
 
 namespace {
 
-// Unit u of (ring, phase), `bytes` at `data`, from `rank` to its next rank:
-// in memory when that rank runs in this process (staged if it has not
-// joined or not reached the phase), else through the operation's host.
-// Requires op.mu; returns a tagged error if the next rank is unreachable.
-std::string send_unit(const std::shared_ptr<PlanOp>& op_ptr, int rank, int ring,
-                      int phase, int64_t u, const char* data, int64_t bytes,
-                      std::vector<PlanWorker*>* wake) {
-  PlanOp& op = *op_ptr;
-  if (op.failed) return std::string();  // a failed rank must not be touched
-  const TieredPlan& plan = *op.plan;
-  const int next = plan.next_rank(ring, phase, rank);
-  const int me = op.host->process();
-  if (op.process_of_rank[next] != me) {
-    return op.host->send_remote(op_ptr, rank, ring, phase, u, data, bytes);
-  }
-  Inbox& ib = op.inbox(next, ring);
-  auto local = op.locals.find(next);
-  if (local != op.locals.end() && ib.phase == phase) {
-    const Span span = plan.recv_span(ring, phase, next, u);
-    std::memcpy(static_cast<char*>(local->second.out) +
-                    span.offset * plan.elem_bytes(),
-                data, static_cast<size_t>(bytes));
-  } else {
-    Staged& st = ib.staged[{phase, u}];
-    st = Staged(static_cast<size_t>(bytes));
-    st.from_process = me;
-    std::memcpy(st.data.get(), data, static_cast<size_t>(bytes));
-  }
-  ib.received.insert({phase, u});
-  if (local != op.locals.end()) wake->push_back(local->second.worker);
-  if (op.desc.emulated()) {
-    // The data is in place; the receiver takes it when the link delivers.
-    ib.in_flight.emplace(paced_arrival_ns(op.desc, op.key.group, rank, next,
-                                          bytes, timeline_now_ns()),
-                         std::make_pair(phase, u));
-  } else {
-    ib.ready[phase].push_back(u);
-  }
-  ++ib.arrived[phase];
-  return std::string();
-}
-
 // One pass of a worker over one task: runs what the rank can run now.
 // Holds op.mu, except around copies and reductions of the rank's own
 // buffers and while it calls into the host or the completion.
@@ -151,6 +109,7 @@ class Pass {
     return me_.own[r].get() + (offset - me_.own_offset[r]) * esize_;
   }
   void start();
+  void send(int r, int j, int64_t u, const char* data, int64_t bytes);
   bool enter_next_ring();
   void deliver_arrived();
   void enter_phase(int r, int j);
@@ -176,6 +135,56 @@ class Pass {
   std::vector<PlanWorker*> wake_;  // ranks of this process to wake
   std::string error_;              // from a send: fails the operation
 };
+
+// Unit u of (ring r, phase j), `bytes` at `data`, to this rank's next rank:
+// in memory when that rank runs in this process (staged if it has not
+// joined or not reached the phase), else through the operation's host. An
+// unreachable next rank sets error_.
+void Pass::send(int r, int j, int64_t u, const char* data, int64_t bytes) {
+  if (op_.failed) return;  // a failed rank's buffers must not be touched
+  const int next = plan_.next_rank(r, j, task_.rank);
+  const int me = op_.host->process();
+  if (op_.process_of_rank[next] != me) {
+    error_ = op_.host->send_remote(task_.op, task_.rank, r, j, u, data, bytes);
+    return;
+  }
+  // The memory link. The ranks of one process share the operation's lock,
+  // so the copy runs without it; op_.writers keeps a failed receiver from
+  // completing meanwhile, and the unit is announced only once it is there.
+  Inbox& ib = op_.inbox(next, r);
+  auto local = op_.locals.find(next);
+  char* dest;
+  if (local != op_.locals.end() && ib.phase == j) {
+    dest = static_cast<char*>(local->second.out) +
+           plan_.recv_span(r, j, next, u).offset * esize_;
+  } else {
+    Staged& st = ib.staged[{j, u}];
+    st = Staged(static_cast<size_t>(bytes));
+    st.from_process = me;
+    dest = st.data.get();
+  }
+  ib.received.insert({j, u});
+  ++op_.writers;
+  lock_.unlock();
+  std::memcpy(dest, data, static_cast<size_t>(bytes));
+  lock_.lock();
+  --op_.writers;
+  if (op_.failed) {  // its ranks may be waiting for this copy to end
+    for (PlanWorker* w : op_.workers()) wake_.push_back(w);
+    return;
+  }
+  local = op_.locals.find(next);  // it may have joined meanwhile
+  if (local != op_.locals.end()) wake_.push_back(local->second.worker);
+  if (op_.desc.emulated()) {
+    // The receiver takes the unit when the emulated link delivers it.
+    ib.in_flight.emplace(paced_arrival_ns(op_.desc, op_.key.group, task_.rank,
+                                          next, bytes, timeline_now_ns()),
+                         std::make_pair(j, u));
+  } else {
+    ib.ready[j].push_back(u);
+  }
+  ++ib.arrived[j];
+}
 
 // Starts the rank: room for its own contribution to the later phases, and
 // phase 0 of its first ring (of every ring, for a flat plan).
@@ -260,8 +269,7 @@ void Pass::enter_phase(int r, int j) {
             ph.kind == PhaseKind::kAllGather
                 ? static_cast<const char*>(me_.out) + s.offset * esize_
                 : own(r, j, s.offset);
-        error_ = send_unit(task_.op, task_.rank, r, j, u, data,
-                           s.count * esize_, &wake_);
+        send(r, j, u, data, s.count * esize_);
       }
     }
     // Empty units carry nothing: consume them now, nobody sends them.
@@ -302,9 +310,8 @@ void Pass::consume(int r, int j, int64_t u) {
   if (u % steps != steps - 1) {
     const Span fwd = plan_.send_span(r, j, task_.rank, u + 1);
     if (fwd.count > 0) {
-      error_ = send_unit(task_.op, task_.rank, r, j, u + 1,
-                         static_cast<const char*>(me_.out) + fwd.offset * esize_,
-                         fwd.count * esize_, &wake_);
+      send(r, j, u + 1, static_cast<const char*>(me_.out) + fwd.offset * esize_,
+           fwd.count * esize_);
     }
   }
 }

@@ -122,7 +122,9 @@ struct PlanOp {
   std::atomic<bool> failed_flag{false};  // readable without mu by the I/O
   std::string error;
   Clock::time_point failed_at;
-  int writers = 0;  // readers currently receiving into a local buffer
+  // Threads copying into a local rank's buffer without mu (a TCP reader, a
+  // rank sending in memory): a failed rank completes only once none is.
+  int writers = 0;
   int first_sender = -1;  // process whose frame created it, if one did
   std::set<int> heard_from;  // processes whose data frames it accepted
   // Abort frames this process queued for the operation and not yet written;
