@@ -36,6 +36,14 @@ _timeline.start_from_environment()
 
 __version__ = _bc.VERSION
 
+
+def __getattr__(name):
+    # jaxring.compression needs optax, so it loads on first use.
+    if name == "compression":
+        import importlib
+        return importlib.import_module("jaxring.compression")
+    raise AttributeError(f"module 'jaxring' has no attribute {name!r}")
+
 __all__ = [
     "CollectiveTimeoutError",
     "JaxringError",

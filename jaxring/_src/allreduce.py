@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxring._src import call_sites, cuda_backend, distributed, runtime, timeline
 from jaxring._src import topology as _topology
 from jaxring._src import tuning as _tuning
+from jaxring._src import wire_format
 from jaxring._src import jax_compat as compat
 from jaxring._src.config import config, parse_links, validate
 from jaxring._src.jax_compat import ad, batching, hlo, ir, mlir
@@ -680,6 +681,15 @@ def _to_ring_form(leaf, op: str):
     return leaf, lambda r: r
 
 
+def _to_wire_form(leaf, restore, wire: np.dtype):
+    """leaf in the dtype it travels in under the wire format, and the
+    function that makes its reduced value the result in leaf's dtype."""
+    dtype = np.dtype(leaf.dtype)
+    if wire_format.travels_as(dtype, wire) == dtype:
+        return leaf, restore
+    return leaf.astype(wire), lambda r: restore(r.astype(dtype))
+
+
 def _check_unreduced(aval, axes: tuple, groups, op: str) -> bool:
     """Whether aval is typed unreduced over axes, which jaxring then sums as
     lax.psum does; raises where lax.psum would not take it."""
@@ -760,7 +770,7 @@ def _fused_allreduce(leaves: list, params: dict) -> list:
 def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
               rings: int | None = None, chunk_bytes: int | None = None,
               timeout_s: float | None = None, algorithm: str | None = None,
-              topology: Any = None):
+              topology: Any = None, wire_dtype: Any = None):
     """Reduces ``x`` over the mapped axis ``axis_name``, like ``lax.psum``.
 
     Runs a chunked multi-ring allreduce: the buffer is split into ``rings``
@@ -792,6 +802,12 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
         ``(4, 2)`` for 4 devices in each of 2 processes; ``"flat"`` for one
         ring; ``"auto"`` (default ``jaxring.config.topology``) derives them
         from where the ranks run. See docs/allreduce.md#tiered-plans.
+      wire_dtype: ``None`` (default), ``"bfloat16"`` or ``"float16"``: with
+        ``op="sum"``/``"mean"``, float32 values travel the ring in that
+        16-bit format, each hop adding in float32 and rounding once; the
+        result is float32 again, within ``n * u * sum|x_i|`` of the exact sum
+        over n ranks (u = 2**-8 for bfloat16, 2**-11 for float16). Other
+        dtypes travel as they are. See docs/allreduce.md#16-bit-wire-formats.
 
     Returns:
       The reduction, with the structure of ``x``; under ``check_vma`` it is
@@ -805,6 +821,11 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
     """
     if op not in _PUBLIC_OPS:
         raise ValueError(f"jaxring.allreduce: op must be one of {_PUBLIC_OPS}, got {op!r}")
+    wire = wire_format.wire_dtype_of(wire_dtype, "jaxring.allreduce")
+    if wire is not None and op not in ("sum", "mean"):
+        raise ValueError(
+            f"jaxring.allreduce: wire_dtype applies to op='sum' or 'mean' "
+            f"(a wire format rounds partial sums), got op={op!r}")
     axes = _axes_tuple(axis_name)
     groups = _groups_tuple(axis_index_groups)
     # What a tuning table may fill in: settings neither passed nor set.
@@ -836,6 +857,9 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
     _check_groups_cover(axes, groups)
     ring_op = "sum" if op == "mean" else op
     leaves, restore = zip(*(_to_ring_form(jax.numpy.asarray(l), ring_op) for l in leaves))
+    if wire is not None:
+        leaves, restore = zip(*(_to_wire_form(l, r, wire)
+                                for l, r in zip(leaves, restore)))
     by_dtype: dict[np.dtype, list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_dtype.setdefault(_check_dtype(leaf), []).append(i)

@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxring._src import allreduce as _ar
 from jaxring._src import jax_compat as compat
-from jaxring._src import bucketing, runtime
+from jaxring._src import bucketing, runtime, wire_format
 from jaxring._src.config import config, validate
 from jaxring._src.overlap_emit import Emitter
 from jaxring._src.overlap_report import (
@@ -64,6 +64,7 @@ class OverlapOptions:
     rings: int
     chunk_bytes: int
     timeout_s: float
+    wire_dtype: np.dtype | None = None
 
 
 # ---- finding the reductions -------------------------------------------------
@@ -96,7 +97,7 @@ def _nested_reductions(jaxpr, want) -> bool:
     return False
 
 
-def _find_reductions(jaxpr, want) -> tuple[list[Reduction], list[str]]:
+def _find_reductions(jaxpr, want, wire=None) -> tuple[list[Reduction], list[str]]:
     found, left = [], []
     for i, eqn in enumerate(jaxpr.eqns):
         axes = _axes_of(eqn)
@@ -131,12 +132,15 @@ def _find_reductions(jaxpr, want) -> tuple[list[Reduction], list[str]]:
         for j, v in enumerate(eqn.invars):
             dtype = np.dtype(v.aval.dtype)
             lanes = dtype.kind == "c"
+            carried = _lanes_of(dtype)
+            travels = wire_format.travels_as(carried, wire)
             found.append(Reduction(i, j, axes,
                                    tuple(v.aval.shape) + ((2,) if lanes else ()),
-                                   _lanes_of(dtype), label="",
+                                   travels, label="",
                                    groups=None if groups is None
                                    else tuple(map(tuple, groups)),
-                                   complex_lanes=lanes))
+                                   complex_lanes=lanes,
+                                   carried=None if travels == carried else carried))
     return found, left
 
 
@@ -192,7 +196,7 @@ def _rewrite(fn, opts: OverlapOptions, args, kwargs, *, report: bool):
         _ar._check_bound(want)
     closed, dyn_vals, out_tree = trace_step(fn, args, kwargs)
     jaxpr = closed.jaxpr
-    reductions, left = _find_reductions(jaxpr, want)
+    reductions, left = _find_reductions(jaxpr, want, opts.wire_dtype)
     reductions = label_reductions(jaxpr, reductions, args, kwargs)
     if not reductions:
         left = left + [f"no psum over {_axes_text(want)} at the top level of "
@@ -208,7 +212,8 @@ def _rewrite(fn, opts: OverlapOptions, args, kwargs, *, report: bool):
 
 
 def _options(axis_name, bucket_mb, first_bucket_mb, partition_mb,
-             max_inflight_mb, rings, chunk_bytes, timeout_s) -> OverlapOptions:
+             max_inflight_mb, rings, chunk_bytes, timeout_s,
+             wire_dtype=None) -> OverlapOptions:
     where = "jaxring.overlap"
     for name, v in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb),
                     ("partition_mb", partition_mb)):
@@ -229,7 +234,8 @@ def _options(axis_name, bucket_mb, first_bucket_mb, partition_mb,
                              config.chunk_bytes if chunk_bytes is None else chunk_bytes,
                              where),
         timeout_s=validate("timeout_s",
-                           config.timeout_s if timeout_s is None else timeout_s, where))
+                           config.timeout_s if timeout_s is None else timeout_s, where),
+        wire_dtype=wire_format.wire_dtype_of(wire_dtype, where))
 
 
 DEFAULT_BUCKET_MB = 1.0
@@ -243,7 +249,8 @@ def overlap(fn: Callable | None = None, *, axis_name=None,
             partition_mb: float | None = None,
             max_inflight_mb: float | None = DEFAULT_MAX_INFLIGHT_MB,
             rings: int | None = None, chunk_bytes: int | None = None,
-            timeout_s: float | None = None, report: bool = False):
+            timeout_s: float | None = None, report: bool = False,
+            wire_dtype: Any = None):
     """Overlaps a step's psums with the computation that follows them.
 
     Use inside ``jax.shard_map`` or ``jax.pmap``, on a function written with
@@ -272,19 +279,23 @@ def overlap(fn: Callable | None = None, *, axis_name=None,
       rings, chunk_bytes, timeout_s: as for :func:`jaxring.allreduce`.
       report: print the buckets chosen each time the step is traced (see
         :func:`jaxring.explain` for the same as a value).
+      wire_dtype: ``None``, ``"bfloat16"`` or ``"float16"``: every float32
+        value the buckets carry (metrics too) travels in that format, as
+        with :func:`jaxring.allreduce`'s ``wire_dtype``.
     """
     if fn is None:
         return functools.partial(
             overlap, axis_name=axis_name, bucket_mb=bucket_mb,
             first_bucket_mb=first_bucket_mb, partition_mb=partition_mb,
             max_inflight_mb=max_inflight_mb, rings=rings,
-            chunk_bytes=chunk_bytes, timeout_s=timeout_s, report=report)
+            chunk_bytes=chunk_bytes, timeout_s=timeout_s, report=report,
+            wire_dtype=wire_dtype)
     if not callable(fn):
         raise TypeError(f"jaxring.overlap decorates a function, got {fn!r}; "
                         "did you mean overlap(axis_name=...)?")
     opts = _options(axis_name, bucket_mb, first_bucket_mb,
                     bucket_mb if partition_mb is None else partition_mb,
-                    max_inflight_mb, rings, chunk_bytes, timeout_s)
+                    max_inflight_mb, rings, chunk_bytes, timeout_s, wire_dtype)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):

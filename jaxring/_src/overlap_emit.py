@@ -115,6 +115,10 @@ class Emitter:
             x = jax.numpy.stack([jax.numpy.real(x), jax.numpy.imag(x)], axis=-1)
             aval = aval.update(shape=r.shape, dtype=r.dtype, sharding=NamedSharding(
                 aval.sharding.mesh, PartitionSpec(*[None] * len(r.shape))))
+        if r.carried is not None:
+            # Rounded once here; the ring adds in float32 (wire_format).
+            x = x.astype(r.dtype)
+            aval = aval.update(dtype=r.dtype)
         if it.count == math.prod(r.shape):
             return x, aval
         flat = jax.numpy.ravel(x)
@@ -164,6 +168,8 @@ class Emitter:
             if len(got) < self.parts_total[it.key]:
                 return
             value = jax.numpy.concatenate([got[p] for p in sorted(got)]).reshape(r.shape)
+        if r.carried is not None:
+            value = value.astype(r.carried)
         if r.complex_lanes:
             value = jax.lax.complex(value[..., 0], value[..., 1])
         self.env[var_out] = value

@@ -28,6 +28,9 @@ class Reduction:
     # A complex operand travels as float lanes (real, imaginary): shape and
     # dtype are then those of the lanes, shape + (2,) of the float type.
     complex_lanes: bool = False
+    # Under overlap(wire_dtype=...) a float32 value travels in the wire
+    # format: dtype is then the wire's, and carried the dtype it returns to.
+    carried: np.dtype | None = None
 
 
 def _operand_signature(jaxpr, r: Reduction) -> tuple:
