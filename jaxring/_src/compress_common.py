@@ -171,12 +171,13 @@ def state_specs(opt_state, axis_name):
 
 def for_ranks(opt_state, world: int):
     """opt_state with one row per rank in each per-rank leaf (init makes one
-    row), for a shard_map over world ranks."""
+    row), for a shard_map over world ranks. Those leaves come back as NumPy
+    arrays, which jit places as their specs ask, on a mesh of any axis type."""
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"jaxring.compression.for_ranks: world must be a "
                          f"positive int, got {world!r}")
     return jax.tree_util.tree_map(
-        lambda leaf, per_rank: (jax.numpy.repeat(leaf, world, axis=0)
+        lambda leaf, per_rank: (np.repeat(np.asarray(leaf), world, axis=0)
                                 if per_rank else leaf),
         opt_state, rank_mask(opt_state))
 
