@@ -21,7 +21,28 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--link", default=None, help='emulated link, e.g. "1Gbit,50us"')
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--compression", choices=COMPRESSIONS, default="none",
+                   help="gradient compression (jaxring.compression), which then "
+                        "averages the gradients itself: wire16 (bfloat16 with error "
+                        "feedback) or powersgd (rank --rank)")
+    p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
     return p
+
+
+COMPRESSIONS = ("none", "wire16", "powersgd")
+
+
+def with_compression(args, optimizer):
+    """optimizer, after the compression --compression names. With one, the
+    optimizer takes each rank's local gradients and averages them itself,
+    and its state holds per-rank rows (jaxring.compression.for_ranks)."""
+    if args.compression == "none":
+        return optimizer
+    import optax
+    import jaxring.compression as jc
+    first = (jc.wire16("batch") if args.compression == "wire16"
+             else jc.powersgd("batch", rank=args.rank))
+    return optax.chain(first, optimizer)
 
 
 def start(args):
@@ -55,6 +76,18 @@ def start(args):
     if args.link:
         jaxring.config.update("cpu_link", args.link)
     return jaxring
+
+
+def optimizer_state_on(mesh, optimizer, params):
+    """(the optimizer's state placed on mesh, its shard_map specs): replicated,
+    but for a compressing optimizer's per-rank rows (its error feedback),
+    which are split over the "batch" axis."""
+    import jax
+    import jaxring.compression as jc
+    from jax.sharding import NamedSharding
+    state = jc.for_ranks(optimizer.init(params), mesh.shape["batch"])
+    specs = jc.state_specs(state, "batch")
+    return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), specs
 
 
 def on_host(tree):

@@ -4,6 +4,7 @@ upsampled to 16x16, under jax.pmap, flax-examples style, with jaxring.
     python examples/train_cnn.py                       # overlap, 8 devices
     python examples/train_cnn.py --mode psum           # plain lax.pmean
     python examples/train_cnn.py --link 1Gbit,50us --timeline trace.json
+    python examples/train_cnn.py --compression powersgd --rank 2
     python -m jaxring.launch -n 2 --devices-per-process 4 examples/train_cnn.py
 
 The train step is the usual flax one: gradients and BatchNorm statistics are
@@ -14,7 +15,10 @@ averaged with ``lax.pmean`` over the ``batch`` axis. --mode picks how:
 flax's BatchNorm averages its batch statistics with lax.pmean itself: under
 overlap those are rewritten too (each gets a bucket done before its use);
 under allreduce they stay lax.pmean. For one seed the three modes give the
-same loss curve, up to float rounding.
+same loss curve, up to float rounding. --compression wire16|powersgd chains
+jaxring.compression's transformation before SGD: it averages the local
+gradients itself, in fewer bytes. The train state is replicated per device,
+flax-style, so each device keeps its own error feedback.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ def main(argv=None):
     variables = model.init(jax.random.key(args.seed), jnp.ones((1, 16, 16, 1)), train=False)
     state = State.create(apply_fn=model.apply, params=variables["params"],
                          batch_stats=variables["batch_stats"],
-                         tx=optax.sgd(args.lr, momentum=0.9))
+                         tx=common.with_compression(args, optax.sgd(args.lr, momentum=0.9)))
 
     mean = {"overlap": jax.lax.pmean, "psum": jax.lax.pmean,
             "allreduce": jaxring.pmean}[args.mode]
@@ -102,13 +106,17 @@ def main(argv=None):
             loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
             return loss, (updates, (jnp.argmax(logits, -1) == labels).mean())
         (loss, (updates, accuracy)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        grads = mean(grads, "batch")
+        if args.compression == "none":
+            grads = mean(grads, "batch")  # else the optimizer averages them
         state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
         return state, mean(loss, "batch"), mean(accuracy, "batch")
 
     if args.mode == "overlap":
         train_step = jaxring.overlap(train_step, axis_name="batch")
-    step = jax.pmap(train_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=(None, 0, 0))
+    step = jax.pmap(train_step, axis_name="batch")
+    # One copy of the state per local device (flax's replicate).
+    local = jax.local_device_count()
+    state = jax.tree.map(lambda v: np.stack([np.asarray(v)] * local), state)
 
     @jax.jit
     def predict(state, x):
@@ -151,10 +159,10 @@ def main(argv=None):
             break
     bar.close()
 
-    logits = np.asarray(predict(common.on_host(state), x_test))
+    logits = np.asarray(predict(jax.tree.map(lambda v: np.asarray(v[0]), state), x_test))
     test_acc = float((logits.argmax(-1) == y_test).mean())
     elapsed = time.perf_counter() - t0 if t0 else 0.0
-    print(f"mode={args.mode} devices={n} steps={n_done} final loss={losses[-1]:.4f} "
+    print(f"mode={args.mode} compression={args.compression} devices={n} steps={n_done} final loss={losses[-1]:.4f} "
           f"test accuracy={test_acc:.4f} time after compile={elapsed:.1f} s")
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))
     if args.timeline:

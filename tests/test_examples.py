@@ -39,6 +39,14 @@ def test_mlp_reaches_95_percent_on_digits_with_overlap():
     assert float(fields["accuracy"]) >= 0.95, fields
 
 
+@pytest.mark.parametrize("compression", ["wire16", "powersgd"])
+def test_mlp_reaches_95_percent_with_compression_under_overlap(compression):
+    fields, _ = run_example("train_mlp.py", "--mode", "overlap", "--devices", "8",
+                            "--compression", compression)
+    assert fields["compression"] == compression
+    assert float(fields["accuracy"]) >= 0.95, fields
+
+
 @pytest.mark.parametrize("mode", ["allreduce", "psum"])
 def test_mlp_modes_give_the_same_loss_curve(mode):
     _, overlap = run_example("train_mlp.py", "--mode", "overlap", "--devices", "4",
@@ -108,12 +116,21 @@ def run_launched(name, *args, timeout=600):
                                         pytest.param("train_cnn.py", ("--max-steps", "3"),
                                                      marks=pytest.mark.slow),
                                         ("train_lm.py", ("--steps", "4", "--layers", "1",
-                                                         "--width", "64"))])
+                                                         "--width", "64")),
+                                        ("train_mlp.py", ("--max-steps", "6",
+                                                          "--compression", "powersgd")),
+                                        pytest.param("train_cnn.py",
+                                                     ("--max-steps", "3",
+                                                      "--compression", "wire16"),
+                                                     marks=pytest.mark.slow)])
 def test_example_under_the_launcher_matches_one_process(name, steps):
     """2 processes x 2 devices (rings over TCP and memory) train as 1 process
     of 4 devices does: every process draws the same batches from the seed."""
     launched = run_launched(name, "--mode", "overlap", *steps)
     _, alone = run_example(name, "--mode", "overlap", "--devices", "4", *steps)
     assert len(launched) == len(alone) > 0
+    # A 16-bit wire rounds the partial sums of rings that run in another
+    # order across processes than in one (direct); BatchNorm amplifies that.
+    tolerance = 1e-3 if "wire16" in steps else 1e-5
     for a, b in zip(launched, alone):
-        assert abs(a - b) <= 1e-5 * abs(b), (launched, alone)
+        assert abs(a - b) <= tolerance * abs(b), (launched, alone)
