@@ -26,6 +26,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
                         "averages the gradients itself: wire16 (bfloat16 with error "
                         "feedback) or powersgd (rank --rank)")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
+    p.add_argument("--wire-dtype", choices=("bfloat16", "float16"), default=None,
+                   help="with --mode overlap: float32 values travel in this format")
     return p
 
 
@@ -71,6 +73,9 @@ def start(args):
         args.devices = jax.device_count()
         if jax.process_index() > 0:
             args.quiet, args.timeline = True, None
+    if args.wire_dtype and args.mode != "overlap":
+        raise SystemExit("--wire-dtype is an option of jaxring.overlap: use it with "
+                         "--mode overlap (or --compression wire16 in any mode)")
     if args.batch % args.devices:
         raise SystemExit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
     if args.link:
@@ -88,6 +93,17 @@ def optimizer_state_on(mesh, optimizer, params):
     state = jc.for_ranks(optimizer.init(params), mesh.shape["batch"])
     specs = jc.state_specs(state, "batch")
     return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), specs
+
+
+def gradient_wire_bytes(args, params, opt_state) -> int:
+    """Bytes of gradients each rank sends into the allreduces per step."""
+    import jax
+    import jaxring.compression as jc
+    import numpy as np
+    if args.compression != "none":
+        return jc.report(opt_state).wire_bytes
+    return sum(v.size * (2 if args.wire_dtype and v.dtype == np.float32 else v.dtype.itemsize)
+               for v in jax.tree.leaves(params))
 
 
 def on_host(tree):

@@ -123,7 +123,8 @@ def main(argv=None):
         return optax.apply_updates(params, updates), opt_state, mean(loss, "batch")
 
     if args.mode == "overlap":
-        train_step = jaxring.overlap(train_step, axis_name="batch")
+        train_step = jaxring.overlap(train_step, axis_name="batch",
+                                     wire_dtype=args.wire_dtype)
 
     mesh = jax.make_mesh((n,), ("batch",))
     opt_state, opt_specs = common.optimizer_state_on(mesh, optimizer, params)

@@ -87,7 +87,8 @@ def main(argv=None):
                 mean(loss, "batch"), mean(accuracy, "batch"))
 
     if args.mode == "overlap":
-        train_step = jaxring.overlap(train_step, axis_name="batch")
+        train_step = jaxring.overlap(train_step, axis_name="batch",
+                                     wire_dtype=args.wire_dtype)
 
     mesh = jax.make_mesh((args.devices,), ("batch",))
     opt_state, opt_specs = common.optimizer_state_on(mesh, optimizer, params)

@@ -1,0 +1,192 @@
+"""Time to accuracy with gradient compression, side by side.
+
+    python benchmarks/compression.py [--rounds 2] [--target 0.95]
+                                     [--settings slow fast] [--link auto|LINK]
+                                     [--plot compression.png] [--json compression.json]
+
+The CNN trainer (examples/train_cnn.py, 8 virtual devices, under
+jaxring.overlap) trains on digits until its test accuracy reaches --target,
+once per configuration, the configurations alternating in each round:
+
+  fp32         float32 gradients
+  bf16-wire    overlap(wire_dtype="bfloat16"): float32 values sent as bfloat16
+  wire16       jaxring.compression.wire16, with error feedback
+  powersgd-r1, powersgd-r2, powersgd-r4
+               jaxring.compression.powersgd of rank 1, 2, 4
+
+in two settings:
+
+  slow  an emulated link (jaxring.config.cpu_link) on which a ring allreduce
+        of the float32 gradients takes about twice the compute step,
+        calibrated from a first run without it (--link overrides);
+  fast  no link emulation (the in-process transport).
+
+It prints, per setting and configuration (medians over the rounds): steps
+and training seconds to the target (compilation and evaluation left out),
+milliseconds per step, gradient bytes each rank sends per step, the final
+accuracy, and the time to target relative to fp32 and to bf16-wire in the
+same run. --plot draws test accuracy against training time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+                       "train_cnn.py")
+
+CONFIGS = {
+    "fp32": [],
+    "bf16-wire": ["--wire-dtype", "bfloat16"],
+    "wire16": ["--compression", "wire16"],
+    "powersgd-r1": ["--compression", "powersgd", "--rank", "1"],
+    "powersgd-r2": ["--compression", "powersgd", "--rank", "2"],
+    "powersgd-r4": ["--compression", "powersgd", "--rank", "4"],
+}
+
+_EVAL = re.compile(r"^eval step=(\d+) seconds=([\d.]+) accuracy=([\d.]+)$")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
+    p.add_argument("--epochs", type=int, default=40, help="most epochs a run may take")
+    p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--settings", nargs="+", default=["slow", "fast"],
+                   choices=["slow", "fast"])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--link", default="auto",
+                   help='the slow setting\'s link, e.g. "50Mbit,50us" (default: calibrated)')
+    p.add_argument("--latency-us", type=float, default=50.0,
+                   help="latency of the calibrated link")
+    p.add_argument("--plot", default=None, help="accuracy against time, as a PNG")
+    p.add_argument("--json", default=None, help="every run's evaluations, as JSON")
+    return p.parse_args(argv)
+
+
+def train(args, config: str, link: str | None, max_steps: int | None = None) -> dict:
+    """One run of the trainer: its evaluations, steps, bytes per step and
+    final accuracy."""
+    cmd = [sys.executable, TRAINER, "--quiet", "--mode", "overlap", "--devices", "8",
+           "--epochs", str(args.epochs), *CONFIGS[config]]
+    if max_steps is None:
+        cmd += ["--eval-every", str(args.eval_every),
+                "--target-accuracy", str(args.target)]
+    else:
+        cmd += ["--max-steps", str(max_steps)]
+    if link:
+        cmd += ["--link", link]
+    with tempfile.TemporaryDirectory() as cwd:  # the installed jaxring, not the checkout
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=3600)
+    if res.returncode != 0:
+        raise RuntimeError(f"{config} failed:\n{res.stderr[-3000:]}")
+    evals = [tuple(float(g) for g in m.groups())
+             for m in map(_EVAL.match, res.stdout.splitlines()) if m]
+    summary = next(l for l in res.stdout.splitlines() if l.startswith("mode="))
+    fields = dict(f.split("=", 1) for f in summary.split() if "=" in f)
+    return {"config": config, "evals": evals, "steps": int(fields["steps"]),
+            "bytes_per_step": int(fields["bytes/step"]),
+            "accuracy": float(fields["accuracy"]),
+            "seconds": float(summary.split("time after compile=")[1].split()[0])}
+
+
+def to_target(run: dict, target: float) -> tuple[float, float] | None:
+    """(steps, seconds) at the first evaluation at or above target."""
+    for step, seconds, accuracy in run["evals"]:
+        if accuracy >= target:
+            return step, seconds
+    return None
+
+
+def calibrated_link(args) -> str:
+    """A link on which a ring allreduce of the float32 gradients takes about
+    twice the compute step, measured here without emulation."""
+    from jaxring.demo import calibrated_link as link_for
+    probe = train(args, "fp32", None, max_steps=40)
+    step_s = probe["seconds"] / (probe["steps"] - 2)  # the first two compile
+    return link_for(2 * step_s, probe["bytes_per_step"], 8, args.latency_us)
+
+
+def report(setting: str, link: str | None, runs: dict, target: float) -> dict:
+    print(f"\n== {setting}: {'link ' + link if link else 'no link emulation'}, "
+          f"target test accuracy {target:.2f}, medians over "
+          f"{len(next(iter(runs.values())))} round(s)")
+    print(f"{'config':>12} {'steps':>6} {'s to target':>12} {'ms/step':>8} "
+          f"{'bytes/step':>11} {'final acc':>9} {'vs fp32':>8} {'vs bf16':>8}")
+    rows = {}
+    for config, rs in runs.items():
+        reached = [to_target(r, target) for r in rs]
+        ok = [x for x in reached if x is not None]
+        rows[config] = {
+            "steps": statistics.median(s for s, _ in ok) if len(ok) == len(rs) else None,
+            "seconds": statistics.median(t for _, t in ok) if len(ok) == len(rs) else None,
+            "ms_per_step": statistics.median(
+                1e3 * r["seconds"] / max(r["steps"] - 2, 1) for r in rs),
+            "bytes_per_step": rs[0]["bytes_per_step"],
+            "accuracy": statistics.median(r["accuracy"] for r in rs)}
+    for config, row in rows.items():
+        def ratio(base):
+            b = rows.get(base, {}).get("seconds")
+            return f"{row['seconds'] / b:.2f}" if row["seconds"] and b else "-"
+        steps = f"{row['steps']:.0f}" if row["steps"] else "not reached"
+        secs = f"{row['seconds']:.2f}" if row["seconds"] else "-"
+        print(f"{config:>12} {steps:>6} {secs:>12} {row['ms_per_step']:>8.1f} "
+              f"{row['bytes_per_step']:>11,} {row['accuracy']:>9.4f} "
+              f"{ratio('fp32'):>8} {ratio('bf16-wire'):>8}")
+    return rows
+
+
+def plot(path: str, results: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (setting, data) in zip(axes[0], results.items()):
+        for config, rs in data["runs"].items():
+            r = rs[0]
+            ax.plot([e[1] for e in r["evals"]], [e[2] for e in r["evals"]],
+                    label=config, marker=".")
+        ax.set_title(f"{setting}: {data['link'] or 'no link emulation'}")
+        ax.set_xlabel("training seconds (round 1)")
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    results = {}
+    for setting in args.settings:
+        link = None
+        if setting == "slow":
+            link = calibrated_link(args) if args.link == "auto" else args.link
+        runs = {c: [] for c in args.configs}
+        for round_ in range(args.rounds):
+            for config in args.configs:
+                r = train(args, config, link)
+                runs[config].append(r)
+                print(f"[{setting} round {round_ + 1}] {config}: {r['steps']} steps, "
+                      f"{r['seconds']:.2f} s, accuracy {r['accuracy']:.4f}", flush=True)
+        results[setting] = {"link": link, "runs": runs,
+                            "rows": report(setting, link, runs, args.target)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.plot:
+        plot(args.plot, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
