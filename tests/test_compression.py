@@ -407,6 +407,20 @@ def test_overlap_buckets_the_compressed_allreduces():
                                    rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: jc.powersgd("batch", rank=2, min_size=10 ** 9),   # every leaf as is
+    lambda: jc.wire16("batch"),                                # float64 leaves as is
+])
+def test_leaves_left_as_they_are_get_the_plain_mean_bit_for_bit(make):
+    rng = np.random.default_rng(12)
+    grads = {"w": rng.normal(size=(N, 16, 8)), "b": rng.normal(size=(N, 8))}
+    (got,), _ = _apply(make(), grads)
+    want = mapped(lambda g: jax.tree_util.tree_map(
+        lambda v: jaxring.pmean(v[0], "batch"), g))(grads)
+    for k in grads:
+        assert np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes(), k
+
+
 # ---- the report and the errors ----------------------------------------------------
 
 def test_report_counts_the_bytes_per_leaf():

@@ -15,8 +15,12 @@ type.
 Reductions within ``axis_index_groups`` are bucketed with the others of the
 same groups.
 
-How. Each reduced value is ready once the equation producing it has run and
-needed at its first use. Values are grouped into buckets in the order they
+How. First the equations that compute the reduced values move up to just
+after their inputs exist (:mod:`jaxring._src.step_order`): a gradient that an
+optimizer transformation casts or projects before its psum is then ready
+where the backward pass makes it, not after the whole pass. Each reduced
+value is ready once the equation producing it has run and needed at its
+first use. Values are grouped into buckets in the order they
 become ready (see :mod:`jaxring._src.bucketing`); each bucket becomes a
 split-phase allreduce whose *start* is issued right after its last value is
 produced and whose *done* is placed right before its first use. The done
@@ -39,12 +43,12 @@ import numpy as np
 
 from jaxring._src import allreduce as _ar
 from jaxring._src import jax_compat as compat
-from jaxring._src import bucketing, runtime, wire_format
+from jaxring._src import bucketing, runtime, step_order, wire_format
 from jaxring._src.config import config, validate
 from jaxring._src.overlap_emit import Emitter
 from jaxring._src.overlap_report import (
     MiB, OverlapReport, Reduction, build_report, label_reductions)
-from jaxring._src.step_trace import trace_step, uses, where
+from jaxring._src.step_trace import retrace_in_order, trace_step, uses, where
 
 # Primitives whose top-level equations overlap rewrites (when their axes match).
 _PSUM_NAMES = ("psum", "psum_invariant")
@@ -195,6 +199,10 @@ def _rewrite(fn, opts: OverlapOptions, args, kwargs, *, report: bool):
     if want is not None:
         _ar._check_bound(want)
     closed, dyn_vals, out_tree = trace_step(fn, args, kwargs)
+    reductions, _ = _find_reductions(closed.jaxpr, want, opts.wire_dtype)
+    order = step_order.hoisted_order(closed.jaxpr, {r.eqn for r in reductions})
+    if order != sorted(order):
+        closed = retrace_in_order(closed, order, dyn_vals)
     jaxpr = closed.jaxpr
     reductions, left = _find_reductions(jaxpr, want, opts.wire_dtype)
     reductions = label_reductions(jaxpr, reductions, args, kwargs)

@@ -67,6 +67,23 @@ def read_atom(env, v):
     return v.val if isinstance(v, compat.Literal) else env[v]
 
 
+def retrace_in_order(closed, order: list[int], dyn_vals):
+    """closed's jaxpr traced again with its equations bound in order (a
+    topological order of them)."""
+    jaxpr, consts = compat.closed_parts(closed)
+
+    def run(*args):
+        env: dict = {}
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        for i in order:
+            eqn = jaxpr.eqns[i]
+            env.update(zip(eqn.outvars, bind_eqn(eqn, [read_atom(env, v) for v in eqn.invars])))
+        return [read_atom(env, v) for v in jaxpr.outvars]
+
+    return jax.make_jaxpr(run)(*dyn_vals)
+
+
 def _eval_inlining_jit(jaxpr, consts, args):
     env: dict = {}
     env.update(zip(jaxpr.constvars, consts))
