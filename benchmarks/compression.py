@@ -1,7 +1,8 @@
 """Time to accuracy with gradient compression, side by side.
 
     python benchmarks/compression.py [--rounds 2] [--target 0.95]
-                                     [--settings slow fast] [--link auto|LINK]
+                                     [--settings slow fast network] [--link auto|LINK]
+                                     [--processes 4] [--rate auto|RATE]
                                      [--plot compression.png] [--json compression.json]
 
 The CNN trainer (examples/train_cnn.py, 8 virtual devices, under
@@ -19,7 +20,11 @@ in two settings:
   slow  an emulated link (jaxring.config.cpu_link) on which a ring allreduce
         of the float32 gradients takes about twice the compute step,
         calibrated from a first run without it (--link overrides);
-  fast  no link emulation (the in-process transport).
+  fast  no link emulation (the in-process transport);
+  network (as root) --processes processes of one CPU device each, each in
+        its own network namespace on tbf-limited links (benchmarks/netns.py),
+        the rate calibrated the same way from a first run on unlimited links
+        (--rate overrides); jaxring's TCP transport carries the buckets.
 
 It prints, per setting and configuration (medians over the rounds): steps
 and training seconds to the target (compilation and evaluation left out),
@@ -39,8 +44,9 @@ import subprocess
 import sys
 import tempfile
 
-TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
-                       "train_cnn.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAINER = os.path.join(HERE, "..", "examples", "train_cnn.py")
+NETNS = os.path.join(HERE, "netns.py")
 
 CONFIGS = {
     "fp32": [],
@@ -61,22 +67,33 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=40, help="most epochs a run may take")
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--settings", nargs="+", default=["slow", "fast"],
-                   choices=["slow", "fast"])
+                   choices=["slow", "fast", "network"])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--link", default="auto",
                    help='the slow setting\'s link, e.g. "50Mbit,50us" (default: calibrated)')
     p.add_argument("--latency-us", type=float, default=50.0,
                    help="latency of the calibrated link")
+    p.add_argument("--processes", type=int, default=4,
+                   help="processes of the network setting")
+    p.add_argument("--rate", default="auto",
+                   help='the network setting\'s tbf rate, e.g. "40mbit" (default: calibrated)')
     p.add_argument("--plot", default=None, help="accuracy against time, as a PNG")
     p.add_argument("--json", default=None, help="every run's evaluations, as JSON")
     return p.parse_args(argv)
 
 
-def train(args, config: str, link: str | None, max_steps: int | None = None) -> dict:
+def train(args, config: str, link: str | None, max_steps: int | None = None,
+          rate: str | None = None, network: bool = False) -> dict:
     """One run of the trainer: its evaluations, steps, bytes per step and
-    final accuracy."""
-    cmd = [sys.executable, TRAINER, "--quiet", "--mode", "overlap", "--devices", "8",
+    final accuracy. In the network setting it runs over namespaces (at
+    rate, or unlimited) and process 0's lines are read."""
+    cmd = [sys.executable, TRAINER, "--quiet", "--mode", "overlap",
            "--epochs", str(args.epochs), *CONFIGS[config]]
+    if network:
+        cmd = [sys.executable, NETNS, "--nodes", str(args.processes),
+               *(["--rate", rate] if rate else []), "--", *cmd[1:]]
+    else:
+        cmd += ["--devices", "8"]
     if max_steps is None:
         cmd += ["--eval-every", str(args.eval_every),
                 "--target-accuracy", str(args.target)]
@@ -88,9 +105,11 @@ def train(args, config: str, link: str | None, max_steps: int | None = None) -> 
         res = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=3600)
     if res.returncode != 0:
         raise RuntimeError(f"{config} failed:\n{res.stderr[-3000:]}")
-    evals = [tuple(float(g) for g in m.groups())
-             for m in map(_EVAL.match, res.stdout.splitlines()) if m]
-    summary = next(l for l in res.stdout.splitlines() if l.startswith("mode="))
+    lines = res.stdout.splitlines()
+    if network:  # the launcher prefixes each process's lines with [rank]
+        lines = [l[4:] for l in lines if l.startswith("[0] ")]
+    evals = [tuple(float(g) for g in m.groups()) for m in map(_EVAL.match, lines) if m]
+    summary = next(l for l in lines if l.startswith("mode="))
     fields = dict(f.split("=", 1) for f in summary.split() if "=" in f)
     return {"config": config, "evals": evals, "steps": int(fields["steps"]),
             "bytes_per_step": int(fields["bytes/step"]),
@@ -115,8 +134,19 @@ def calibrated_link(args) -> str:
     return link_for(2 * step_s, probe["bytes_per_step"], 8, args.latency_us)
 
 
+def calibrated_rate(args) -> str:
+    """A tbf rate on which a ring allreduce of the float32 gradients over
+    the processes takes about twice their compute step, measured on
+    unlimited links."""
+    probe = train(args, "fp32", None, max_steps=40, network=True)
+    step_s = probe["seconds"] / (probe["steps"] - 2)
+    n = args.processes
+    per_link = 2 * (n - 1) / n * probe["bytes_per_step"] / (2 * step_s)
+    return f"{max(1, round(per_link * 8 / 1e6))}mbit"
+
+
 def report(setting: str, link: str | None, runs: dict, target: float) -> dict:
-    print(f"\n== {setting}: {'link ' + link if link else 'no link emulation'}, "
+    print(f"\n== {setting}: {link or 'no link emulation'}, "
           f"target test accuracy {target:.2f}, medians over "
           f"{len(next(iter(runs.values())))} round(s)")
     print(f"{'config':>12} {'steps':>6} {'s to target':>12} {'ms/step':>8} "
@@ -168,18 +198,24 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     results = {}
     for setting in args.settings:
-        link = None
+        link = rate = None
         if setting == "slow":
             link = calibrated_link(args) if args.link == "auto" else args.link
+        if setting == "network":
+            if os.geteuid() != 0:
+                raise SystemExit("the network setting needs root (network namespaces)")
+            rate = calibrated_rate(args) if args.rate == "auto" else args.rate
         runs = {c: [] for c in args.configs}
         for round_ in range(args.rounds):
             for config in args.configs:
-                r = train(args, config, link)
+                r = train(args, config, link, rate=rate, network=setting == "network")
                 runs[config].append(r)
                 print(f"[{setting} round {round_ + 1}] {config}: {r['steps']} steps, "
                       f"{r['seconds']:.2f} s, accuracy {r['accuracy']:.4f}", flush=True)
-        results[setting] = {"link": link, "runs": runs,
-                            "rows": report(setting, link, runs, args.target)}
+        where = (f"emulated link {link}" if link else
+                 f"{args.processes} processes, tbf {rate}" if rate else None)
+        results[setting] = {"link": where, "runs": runs,
+                            "rows": report(setting, where, runs, args.target)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
