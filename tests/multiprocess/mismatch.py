@@ -31,4 +31,8 @@ except Exception as e:
     message = " ".join(str(e).split())
     print(f"RAISED {time.time() - start:.3f} {type(e).__name__} {message[:600]}",
           flush=True)
+# The abort that tells the other process why is written by a sender thread;
+# exiting at once can close the connection before it is, and the other
+# process then sees a lost peer instead of the mismatch. Give it time.
+time.sleep(3)
 os._exit(0)
