@@ -31,7 +31,9 @@ from test_multiprocess import Job
 pytestmark = pytest.mark.multiprocess
 
 MAGIC = 0x4A52494E
-VERSION = 4
+VERSION = 5
+SHM_OFFER_MAGIC = 0x4A52534D
+SHM_RING_BYTES = 8 << 20  # shm_link.h, kShmRingBytes
 # What the victim may keep after the attacks, beyond what it held before
 # (the insider's 4096 kept operations stage 2 KiB each).
 EXTRA_THREADS, EXTRA_FDS, EXTRA_RSS_MIB = 16, 16, 128.0
@@ -65,6 +67,12 @@ def frame_header(kind: int, **fields) -> bytes:
                        f["topology"], f["unit"], f["payload_bytes"], f["slot_id"])
 
 
+def shm_offer(name: bytes = b"", capacity: int = SHM_RING_BYTES) -> bytes:
+    """The ShmOffer a connector sends after its proof (shm_link.h); an
+    empty name offers nothing."""
+    return struct.pack("=IIQ", SHM_OFFER_MAGIC, len(name), capacity) + name.ljust(96, b"\0")
+
+
 def connect(address: str) -> socket.socket:
     host, port = address.rsplit(":", 1)
     return socket.create_connection((host.strip("[]"), int(port)), timeout=5)
@@ -94,7 +102,8 @@ def send_quietly(sock: socket.socket, data: bytes) -> None:
 
 
 def prove(address: str, secret: bytes, job_id: bytes, process: int = 1,
-          channel: int = 9, garble: bool = False) -> socket.socket:
+          channel: int = 9, garble: bool = False,
+          offer: bytes = shm_offer()) -> socket.socket:
     s = connect(address)
     nonce = secrets.token_bytes(16)
     s.sendall(hello(process, channel, nonce))
@@ -106,8 +115,18 @@ def prove(address: str, secret: bytes, job_id: bytes, process: int = 1,
     proof = mac(secret, job_id, False, nonce, reply[16:32], process, 0, channel)
     if garble:
         proof = bytes([proof[0] ^ 1]) + proof[1:]
-    s.sendall(proof)
+    s.sendall(proof + offer)
     return s
+
+
+def offer_answer(s: socket.socket) -> int:
+    """The victim's answer to a shared-memory offer (1: mapped)."""
+    answer = b""
+    while len(answer) < 4:
+        chunk = s.recv(4 - len(answer))
+        assert chunk, "the victim closed instead of answering the offer"
+        answer += chunk
+    return struct.unpack("=I", answer)[0]
 
 
 def attacks(address: str, secret: bytes):
@@ -187,10 +206,32 @@ def insider_attacks(address: str, secret: bytes, job_id: bytes, kept: list):
     channels of its own; each connection stays open until the job ends,
     since an authenticated connection that closes means its process left."""
 
-    def member(channel: int) -> socket.socket:
-        s = prove(address, secret, job_id, process=1, channel=channel)
+    def member(channel: int, offer: bytes = shm_offer()) -> socket.socket:
+        s = prove(address, secret, job_id, process=1, channel=channel, offer=offer)
         kept.append(s)
         return s
+
+    def offers_another_links_segment():
+        # A segment name of another job, another direction and a path: each
+        # is declined (answer 0) and the connection stays.
+        names = [b"/jaxring-" + b"0" * 32 + b"-1-0-25-" + b"a" * 32,
+                 b"/jaxring-" + job_id.hex().encode() + b"-0-1-25-" + b"a" * 32,
+                 b"/../../etc/passwd"]
+        return all(offer_answer(member(25 + i, shm_offer(name))) == 0
+                   for i, name in enumerate(names))
+
+    def offers_a_segment_others_may_open():
+        # Named as the link's own, but readable by everyone: declined.
+        name = f"jaxring-{job_id.hex()}-1-0-28-{secrets.token_hex(16)}"
+        path = os.path.join("/dev/shm", name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        try:
+            os.fchmod(fd, 0o644)
+            os.ftruncate(fd, 4096 + SHM_RING_BYTES)
+            return offer_answer(member(28, shm_offer(b"/" + name.encode()))) == 0
+        finally:
+            os.close(fd)
+            os.unlink(path)
 
     def duplicate_units():
         s = member(21)
@@ -229,6 +270,9 @@ def insider_attacks(address: str, secret: bytes, job_id: bytes, kept: list):
         ("200 aborts of 1 MiB for random keys", abort_flood),
         ("peer-lost notices about no other process", peer_lost_about_no_one),
         ("a header with values never sent", implausible_header),
+        ("shared-memory offers of segments not of its link", offers_another_links_segment),
+        ("a shared-memory offer of a segment others may open",
+         offers_a_segment_others_may_open),
     ]
 
 
@@ -299,6 +343,9 @@ def run_against_job(make_attacks, concurrent=()):
         assert done["wrong"] == "0", (r, lines[r])
         assert int(done["steps"]) > 3, lines[r]
         assert "lost=[]" in after, (r, after)
+        # The two processes share this host: their data went through
+        # shared memory while the attacks ran.
+        assert int(parse(after)["shm_links"]) > 0, (r, after)
     before0, after0 = parse(lines[0]["READY"]), parse(lines[0]["AFTER"])
     assert int(after0["threads"]) <= int(before0["threads"]) + EXTRA_THREADS, lines[0]
     assert int(after0["fds"]) <= int(before0["fds"]) + EXTRA_FDS, lines[0]

@@ -208,14 +208,14 @@ class Job:
     so the test itself can kill or stop one of them."""
 
     def __init__(self, nproc: int, timeout_s: float, script: str = "fault_loop.py",
-                 secret: str | None = None):
+                 secret: str | None = None, args: tuple = ()):
         coordinator = f"127.0.0.1:{launch._free_port()}"
         self.secret = secret or launch.new_secret_hex()
         self.cwd = tempfile.TemporaryDirectory()
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-m", "jaxring._src.launched",
-                 str(SCRIPTS / script), str(timeout_s)],
+                 str(SCRIPTS / script), str(timeout_s), *map(str, args)],
                 env=launch.child_env(os.environ, rank, nproc, coordinator, 1,
                                      self.secret),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -294,6 +294,57 @@ def test_killed_peer_makes_every_survivor_raise_twenty_times():
                 assert message.split()[2:4] == ["PeerLostError", f"peer={victim}:"], message
         finally:
             job.kill_all()
+
+
+def jaxring_segments() -> set[str]:
+    """jaxring's shared-memory segments in /dev/shm (shm_link.h)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("jaxring-")}
+    except FileNotFoundError:
+        return set()
+
+
+def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm():
+    """Three processes on this host exchange 16 MiB allreduces through
+    shared-memory rings. While they run, /dev/shm holds no segment of the
+    job (each is unlinked once its peer mapped it); a process killed
+    mid-operation makes both survivors raise PeerLostError naming it, and
+    afterwards /dev/shm still holds nothing of the job."""
+    before = jaxring_segments()
+    job = Job(3, 10.0, args=(1 << 22,))
+    try:
+        job.wait_ready()
+        for rank in range(3):
+            ready = next(l for l in job.lines[rank] if l.startswith("READY"))
+            assert int(ready.split("shm_links=")[1]) > 0, ready
+        assert jaxring_segments() - before == set()
+        time.sleep(0.1)
+        killed_at = time.time()
+        job.procs[2].kill()
+        for rank in (0, 1):
+            raised = job.raised_at(rank, 30)
+            assert raised - killed_at < 15, (rank, raised - killed_at)
+            message = next(l for l in job.lines[rank] if l.startswith("RAISED"))
+            assert message.split()[2:4] == ["PeerLostError", "peer=2:"], message
+    finally:
+        job.kill_all()
+    assert jaxring_segments() - before == set()
+
+
+def test_jaxring_transport_tcp_keeps_processes_on_sockets():
+    """JAXRING_TRANSPORT=tcp: the same job, no shared-memory link."""
+    os.environ["JAXRING_TRANSPORT"] = "tcp"
+    try:
+        job = Job(2, 10.0)
+    finally:
+        del os.environ["JAXRING_TRANSPORT"]
+    try:
+        job.wait_ready()
+        for rank in range(2):
+            ready = next(l for l in job.lines[rank] if l.startswith("READY"))
+            assert ready.endswith("shm_links=0"), ready
+    finally:
+        job.kill_all()
 
 
 def test_stopped_peer_times_out_on_every_survivor():

@@ -242,12 +242,15 @@ NB_MODULE(_jaxring, m) {
         nb::arg("secret"), nb::arg("job_id"),
         "Opens this process's listening socket for one job (its peers must "
         "prove the same secret and job id); returns its port.");
-  m.def("tcp_set_peers", [](const std::vector<std::string>& addresses) {
+  m.def("tcp_set_peers", [](const std::vector<std::string>& addresses,
+                            const std::vector<int>& same_host, bool use_shm) {
     std::string error;
-    if (!jaxring::tcp_set_peers(addresses, &error)) {
+    if (!jaxring::tcp_set_peers(addresses, same_host, use_shm, &error)) {
       throw std::runtime_error("jaxring TCP transport: " + error);
     }
-  }, nb::arg("addresses"), "Sets every process's host:port.");
+  }, nb::arg("addresses"), nb::arg("same_host"), nb::arg("use_shm"),
+        "Sets every process's host:port, and the processes on this host "
+        "(shared-memory links with those when use_shm).");
   m.def("tcp_transport_info", [] {
     const jaxring::TcpTransportInfo i = jaxring::tcp_transport_info();
     nb::dict d;
@@ -261,6 +264,11 @@ NB_MODULE(_jaxring, m) {
     d["auth_library"] = i.auth_library;
     d["inbound"] = i.inbound;
     d["outbound"] = i.outbound;
+    d["shm_inbound"] = i.shm_inbound;
+    d["shm_outbound"] = i.shm_outbound;
+    d["same_host"] = i.same_host;
+    d["use_shm"] = i.use_shm;
+    d["shm_unavailable"] = i.shm_unavailable;
     d["lost_processes"] = i.lost_processes;
     d["refused_connections"] = i.refused_connections;
     d["last_refusal"] = i.last_refusal;

@@ -16,6 +16,14 @@ job's id. The secret comes from ``JAXRING_JOB_SECRET`` when set (the
 launcher always sets one); otherwise process 0 makes one and shares it
 through the key-value store, which is then only as private as the
 coordinator's port. Process 0 makes the job id for every job.
+
+Processes on one host move their data through shared-memory rings
+(``xla_ffi/cpu/shm_link.h``) instead of TCP loopback. Which processes share
+a host is read from the records they publish (the kernel's boot id and the
+device of ``/dev/shm``), and then proved per connection: the receiver must
+map the segment the sender made, or the two use TCP. ``JAXRING_TRANSPORT``
+picks: ``auto`` (default) or ``tcp`` (TCP between every two processes, for
+comparison).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ _PREFIX = "jaxring/tcp/v2/"
 _ADDRESS_KEY = _PREFIX + "address/{}"
 _JOB_KEY = _PREFIX + "job"
 SECRET_ENV = "JAXRING_JOB_SECRET"
+TRANSPORT_ENV = "JAXRING_TRANSPORT"
+TRANSPORTS = ("auto", "tcp")
 _lock = threading.Lock()
 _ready = False
 # The message of a set-up that failed, raised again by every later call.
@@ -124,6 +134,35 @@ def _local_host(coordinator: str | None) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def transport_choice() -> str:
+    """JAXRING_TRANSPORT, checked: "auto" (the default) or "tcp"."""
+    choice = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
+    if choice not in TRANSPORTS:
+        raise ValueError(
+            f"jaxring: {TRANSPORT_ENV}={os.environ[TRANSPORT_ENV]!r} is not one "
+            f"of {', '.join(TRANSPORTS)} (auto: shared memory between processes "
+            f"on one host, TCP between hosts; tcp: TCP everywhere)")
+    return choice
+
+
+def host_identity() -> str:
+    """What processes that can share memory have in common: the running
+    kernel (its boot id) and the file system behind /dev/shm. Equal records
+    only make two processes try a shared-memory ring; the ring itself
+    proves that they can (a container with a /dev/shm of its own fails to
+    map the other's segment, and the two use TCP)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            kernel = f.read().strip()
+    except OSError:
+        kernel = socket.gethostname()
+    try:
+        shm = str(os.stat("/dev/shm").st_dev)
+    except OSError:
+        shm = "none"
+    return f"{kernel}/{shm}"
+
+
 def _job_secret_and_id(client, me: int, timeout_ms: int) -> tuple[bytes, bytes, str]:
     """The job's secret, its id, and where the secret came from.
 
@@ -199,14 +238,17 @@ def _set_up_tcp_transport(timeout_s: float) -> None:
     client = jax_compat.distributed_client()
     me, n, coordinator = jax_compat.distributed_state()
     timeout_ms = int(timeout_s * 1000)
+    use_shm = transport_choice() == "auto"
+    my_host = host_identity()
     secret, job_id, source = _job_secret_and_id(client, me, timeout_ms)
     host = _local_host(coordinator)
     port = _jaxring.tcp_listen(host, me, n, secret, job_id)
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
     mine = secret_fingerprint(secret, job_id)
     client.key_value_set(_ADDRESS_KEY.format(me), json.dumps(
-        {"address": address, "secret_fingerprint": mine}))
+        {"address": address, "secret_fingerprint": mine, "host": my_host}))
     addresses = []
+    same_host = []
     for q in range(n):
         try:
             record = json.loads(client.blocking_key_value_get(
@@ -222,7 +264,9 @@ def _set_up_tcp_transport(timeout_s: float) -> None:
                 f"this process ({me}); every process of a job needs the "
                 f"same one")
         addresses.append(record["address"])
-    _jaxring.tcp_set_peers(addresses)
+        if q != me and record.get("host") == my_host:
+            same_host.append(q)
+    _jaxring.tcp_set_peers(addresses, same_host, use_shm)
     _secret_source = source
     for q, a in enumerate(addresses):
         _hosts[q] = a.rsplit(":", 1)[0].strip("[]")
@@ -243,7 +287,13 @@ def transport_info() -> dict:
     ``"key-value store"``), ``inbound`` and ``outbound`` (the authenticated
     connections as ``(process, channel)`` pairs; a channel is a ring),
     ``lost_processes``, ``refused_connections`` with ``last_refusal`` (why
-    the last stranger was turned away) and ``pending_ops``.
+    the last stranger was turned away) and ``pending_ops``. The
+    shared-memory links: ``transport`` (``"auto"`` or ``"tcp"``, from
+    ``JAXRING_TRANSPORT``), ``same_host`` (the processes whose records say
+    they share this host), ``shm_inbound`` and ``shm_outbound`` (the
+    connections whose data goes through a shared-memory ring) and
+    ``shm_unavailable`` (why a ring could not be made or mapped here, if
+    one could not).
 
     Example:
         >>> jaxring.transport_info()["listening"]
@@ -273,6 +323,11 @@ def transport_info() -> dict:
         "refused_connections": raw["refused_connections"],
         "last_refusal": raw["last_refusal"] or None,
         "pending_ops": raw["pending_ops"],
+        "transport": ("auto" if raw["use_shm"] else "tcp") if raw["listening"] else None,
+        "same_host": sorted(raw["same_host"]),
+        "shm_inbound": sorted(tuple(x) for x in raw["shm_inbound"]),
+        "shm_outbound": sorted(tuple(x) for x in raw["shm_outbound"]),
+        "shm_unavailable": raw["shm_unavailable"] or None,
     }
 
 

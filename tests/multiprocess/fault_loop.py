@@ -15,12 +15,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxring
 
 timeout_s = float(sys.argv[1])
+count = int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 16
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("x",))
 f = jax.jit(jax.shard_map(
     lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s),
     mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-x = np.ones((devices.size, 1 << 16), np.float32)
+x = np.ones((devices.size, count), np.float32)
 arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
                                    lambda idx: x[idx])
 steps = 0
@@ -31,7 +32,8 @@ try:
             out.block_until_ready()
             steps += 1
             if steps == 20:
-                print(f"READY {os.getpid()}", flush=True)
+                links = len(jaxring.transport_info()["shm_outbound"])
+                print(f"READY {os.getpid()} shm_links={links}", flush=True)
 except Exception as e:  # what a training loop would see
     message = " ".join(str(e).split())
     print(f"RAISED {time.time():.3f} {type(e).__name__} "

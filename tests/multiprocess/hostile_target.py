@@ -82,5 +82,6 @@ except jaxring.JaxringError as e:
     os._exit(3)
 info = jaxring.transport_info()
 print(f"AFTER {resources()} refused={info['refused_connections']} "
-      f"pending={info['pending_ops']} lost={info['lost_processes']}", flush=True)
+      f"pending={info['pending_ops']} lost={info['lost_processes']} "
+      f"shm_links={len(info['shm_outbound'])}", flush=True)
 print(f"DONE steps={steps} wrong={wrong}", flush=True)

@@ -101,12 +101,8 @@ class Pass {
   bool run(bool* finished);
 
  private:
-  // This rank's own contribution to the reduce steps of phase j of ring r,
-  // for the element at `offset`: its input in the first phase, the copy of
-  // the previous phase's result after that.
   const char* own(int r, int j, int64_t offset) const {
-    if (j == 0) return static_cast<const char*>(me_.in) + offset * esize_;
-    return me_.own[r].get() + (offset - me_.own_offset[r]) * esize_;
+    return me_.own_contribution(r, j, offset, esize_);
   }
   void start();
   void send(int r, int j, int64_t u, const char* data, int64_t bytes);
@@ -292,8 +288,11 @@ void Pass::consume(int r, int j, int64_t u) {
     char* dst = static_cast<char*>(me_.out) + span.offset * esize_;
     auto staged = ib.staged.find({j, u});
     const char* src = staged != ib.staged.end() ? staged->second.data.get() : dst;
+    const bool reduced = ib.reduced_on_arrival.erase({j, u}) > 0;
     lock_.unlock();
-    if (plan_.is_reduce_unit(j, u)) {
+    if (reduced) {
+      // Nothing left to do here: the reader did it (see Inbox).
+    } else if (plan_.is_reduce_unit(j, u)) {
       // The neighbour's partial first, then this rank's own: the summation
       // order of the ring, whichever link brought the partial.
       reduce(op_.desc.type, op_.desc.op, dst, src, own(r, j, span.offset),

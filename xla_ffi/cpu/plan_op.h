@@ -81,6 +81,10 @@ struct Inbox {
   // result: the plan sends each once, so a second copy is refused rather
   // than counted again (a rank would then finish with a unit missing).
   std::set<std::pair<int, int64_t>> received;
+  // Reduce units whose reader already reduced them into the result as they
+  // arrived (straight out of a shared-memory ring): consuming them only
+  // hands them on.
+  std::set<std::pair<int, int64_t>> reduced_on_arrival;
 };
 
 // A rank of the operation that runs in this process.
@@ -99,6 +103,14 @@ struct LocalRank {
   // A copy of the input when it is the output buffer too: units are
   // received into the output while the input is still to be reduced.
   std::unique_ptr<char[]> input_copy;
+
+  // This rank's own contribution to the reduce steps of phase j of ring r,
+  // for the element at `offset`: its input in the first phase, the copy of
+  // the previous phase's result after that (valid once the phase began).
+  const char* own_contribution(int r, int j, int64_t offset, int64_t esize) const {
+    if (j == 0) return static_cast<const char*>(in) + offset * esize;
+    return own[r].get() + (offset - own_offset[r]) * esize;
+  }
 };
 
 struct PlanOp {

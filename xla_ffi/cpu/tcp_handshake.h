@@ -32,9 +32,11 @@
 namespace jaxring {
 
 constexpr uint32_t kWireMagic = 0x4a52494e;  // "JRIN"
-// Version 4: data frames name their call's slot (OpDesc::slot_id). 3: the
-// authenticated handshake. 2: unauthenticated hello.
-constexpr uint32_t kProtocolVersion = 4;
+// Version 5: after the handshake the connector offers a shared-memory ring
+// (shm_link.h) and the acceptor answers. 4: data frames name their call's
+// slot (OpDesc::slot_id). 3: the authenticated handshake. 2: unauthenticated
+// hello.
+constexpr uint32_t kProtocolVersion = 5;
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kMacBytes = 32;
 constexpr size_t kJobIdBytes = 16;

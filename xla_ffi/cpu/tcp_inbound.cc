@@ -176,12 +176,37 @@ void TcpTransport::read_loop(int fd) {
                         : error);
     return;
   }
-  // From here on the connection speaks for process `peer`.
+  // From here on the connection speaks for process `peer`. Its first words
+  // offer a shared-memory ring (or say there is none); a connection that
+  // breaks meanwhile goes quietly, like one whose handshake failed: the
+  // connector's end reports it.
   struct Release {
     TcpTransport* t;
     int peer, channel;
-    ~Release() { t->release_inbound(peer, channel); }
+    ~Release() {
+      t->note_inbound_ring(peer, channel, false);
+      t->release_inbound(peer, channel);
+    }
   } release{this, peer, channel};
+  std::unique_ptr<ShmRing> ring;
+  {
+    std::string declined;
+    if (!answer_offer(fd, use_shm(), identity().job_id, peer, me(), channel,
+                      after_seconds(kHandshakeTimeoutS), &ring, &declined, &error)) {
+      ::close(fd);
+      note_refusal("process " + std::to_string(peer) + ": " + error);
+      return;
+    }
+    if (use_shm() && !declined.empty()) note_shm_unavailable(declined);
+    note_inbound_ring(peer, channel, ring != nullptr);
+  }
+  // Drops the payload of a frame nobody wants.
+  auto skip_payload = [&](const FrameHeader& h, double stall_s) {
+    if (h.kind != kShmData) return drain_payload(fd, h.payload_bytes, stall_s, &error);
+    if (!ring->next(h.payload_bytes, &error)) return ReadResult::kError;
+    ring->release(h.payload_bytes);
+    return ReadResult::kOk;
+  };
   for (;;) {
     FrameHeader h{};
     ReadResult r = read_exact(fd, reinterpret_cast<char*>(&h), sizeof(h),
@@ -197,8 +222,10 @@ void TcpTransport::read_loop(int fd) {
       return;
     }
     const bool message_frame = h.kind == kAbort || h.kind == kPeerLost;
-    if ((!message_frame && h.kind != kData) || h.payload_bytes < 0 ||
-        h.payload_bytes > (message_frame ? kMaxMessageBytes : kMaxPayloadBytes)) {
+    const bool ring_frame = h.kind == kShmData;
+    if ((!message_frame && h.kind != kData && !ring_frame) || h.payload_bytes < 0 ||
+        h.payload_bytes > (message_frame ? kMaxMessageBytes : kMaxPayloadBytes) ||
+        (ring_frame && !(ring && ring->carries(h.payload_bytes)))) {
       ::close(fd);
       peer_lost(peer, "protocol error: a frame of unknown kind or size");
       return;
@@ -260,7 +287,7 @@ void TcpTransport::read_loop(int fd) {
             "the processes do not run the same allreduces";
       send_abort(peer, key_of(h), FailureKind::kResource,
                  tagged(FailureKind::kResource, me(), os.str()));
-      r = drain_payload(fd, h.payload_bytes, kConnectTimeoutS, &error);
+      r = skip_payload(h, kConnectTimeoutS);
       if (r != ReadResult::kOk) {
         ::close(fd);
         peer_lost(peer, error);
@@ -272,6 +299,11 @@ void TcpTransport::read_loop(int fd) {
     // A data frame: find where its bytes go.
     std::string mismatch;
     char* dest = nullptr;
+    // Where the unit is reduced on arrival (out of the ring): the rank's own
+    // contribution, which a worker would otherwise reduce it with.
+    const char* own = nullptr;
+    ElemType type = ElemType::kF32;
+    ReduceOp reduce_op = ReduceOp::kSum;
     double stall_s;  // read under the lock: a joining rank may set it
     bool discard = false;
     int64_t unit = h.unit;
@@ -338,6 +370,11 @@ void TcpTransport::read_loop(int fd) {
           auto local = o.locals.find(h.dst_rank);
           if (local != o.locals.end() && h.phase == ib.phase) {
             dest = static_cast<char*>(local->second.out) + span.offset * esize;
+            if (ring_frame && plan.is_reduce_unit(h.phase, unit)) {
+              own = local->second.own_contribution(h.ring, h.phase, span.offset, esize);
+              type = o.desc.type;
+              reduce_op = o.desc.op;
+            }
           } else {
             try {
               if (StagingPool::get().in_use() + h.payload_bytes > kMaxStagedFromWire) {
@@ -369,7 +406,24 @@ void TcpTransport::read_loop(int fd) {
     if (!mismatch.empty()) fail(op_ptr, mismatch, /*tell_peers=*/true);
     bool released = discard;
     if (discard) {
-      r = drain_payload(fd, h.payload_bytes, stall_s, &error);
+      r = skip_payload(h, stall_s);
+    } else if (ring_frame) {
+      // Out of the ring: reduced straight into the result where it can be,
+      // else copied to where it goes. The operation's writers count keeps
+      // a failed rank from completing meanwhile.
+      const int64_t n = h.payload_bytes;
+      const char* src = ring->next(n, &error);
+      if (!src) {
+        r = ReadResult::kError;
+      } else {
+        if (own) {
+          reduce(type, reduce_op, dest, src, own, n / elem_bytes(type));
+        } else {
+          std::memcpy(dest, src, static_cast<size_t>(n));
+        }
+        ring->release(n);
+        r = ReadResult::kOk;
+      }
     } else {
       r = receive_payload(fd, o, dest, static_cast<size_t>(h.payload_bytes),
                           stall_s, &released, &error);
@@ -381,6 +435,7 @@ void TcpTransport::read_loop(int fd) {
         --o.writers;
         if (r == ReadResult::kOk && !o.failed) {
           Inbox& ib = o.inbox(h.dst_rank, h.ring);
+          if (own) ib.reduced_on_arrival.insert({h.phase, unit});
           ib.ready[h.phase].push_back(unit);
           ++ib.arrived[h.phase];
           auto local = o.locals.find(h.dst_rank);

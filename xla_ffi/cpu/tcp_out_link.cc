@@ -11,10 +11,13 @@
 namespace jaxring {
 
 OutLink::OutLink(int process, int channel, std::string address,
-                 JobIdentity identity,
-                 std::function<void(const std::string&)> on_death)
+                 JobIdentity identity, bool offer_shm,
+                 std::function<void(const std::string&)> on_death,
+                 std::function<void(const std::string&)> on_shm_unavailable)
     : process_(process), channel_(channel), address_(std::move(address)),
-      identity_(std::move(identity)), on_death_(std::move(on_death)) {
+      identity_(std::move(identity)), offer_shm_(offer_shm),
+      on_death_(std::move(on_death)),
+      on_shm_unavailable_(std::move(on_shm_unavailable)) {
   std::thread([this] { loop(); }).detach();
 }
 
@@ -68,19 +71,52 @@ void OutLink::die(const std::string& why) {
   for (const OutFrame& f : dropped) release_send(f);
 }
 
-void OutLink::loop() {
+int OutLink::open_connection() {
   std::string error;
   const int fd = connect_to(address_, kConnectTimeoutS, &error);
   if (fd < 0) {
     die(error);
-    return;
+    return -1;
   }
-  if (!connect_handshake(fd, identity_, process_, channel_,
-                         after_seconds(kHandshakeTimeoutS), &error)) {
+  const Clock::time_point deadline = after_seconds(kHandshakeTimeoutS);
+  if (!connect_handshake(fd, identity_, process_, channel_, deadline, &error)) {
     ::close(fd);
     die(error);
-    return;
+    return -1;
   }
+  if (offer_shm_) {
+    std::string why;
+    ring_ = ShmRing::create(identity_.job_id, identity_.process, process_, channel_, &why);
+    if (!ring_) on_shm_unavailable_(why);
+  }
+  bool mapped = false;
+  if (!offer_ring(fd, ring_.get(), deadline, &mapped, &error)) {
+    ::close(fd);
+    die(error);
+    return -1;
+  }
+  if (!mapped) ring_.reset();  // the peer says why in its own log
+  shared_memory_.store(mapped);
+  return fd;
+}
+
+bool OutLink::write_through_ring(int fd, OutFrame& f, std::string* error) {
+  const ShmRing::Put put = ring_->put(
+      f.data, f.header.payload_bytes, fd, f.stall_s,
+      [&] { return !f.op->failed_flag.load(); }, error);
+  release_send(f);  // the rank's buffer is no longer read
+  if (put == ShmRing::Put::kGaveUp) return true;  // nobody waits for it
+  if (put == ShmRing::Put::kFailed) return false;
+  f.header.kind = kShmData;
+  const char* p = reinterpret_cast<const char*>(&f.header);
+  size_t n = sizeof(f.header);
+  return write_all(fd, p, n, f.stall_s, nullptr, error);
+}
+
+void OutLink::loop() {
+  std::string error;
+  const int fd = open_connection();
+  if (fd < 0) return;
   for (;;) {
     OutFrame f;
     {
@@ -91,6 +127,14 @@ void OutLink::loop() {
     }
     if (f.op && f.op->failed_flag.load()) {  // nobody waits for it any more
       release_send(f);
+      continue;
+    }
+    if (f.op && ring_ && ring_->carries(f.header.payload_bytes)) {
+      if (!write_through_ring(fd, f, &error)) {
+        ::close(fd);
+        die(error);
+        return;
+      }
       continue;
     }
     const char* p = reinterpret_cast<const char*>(&f.header);

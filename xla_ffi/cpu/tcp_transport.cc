@@ -1,6 +1,7 @@
 #include "tcp_transport.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <sstream>
 #include <system_error>
 #include <utility>
@@ -74,8 +75,10 @@ bool TcpTransport::send(int p, int channel, OutFrame f) {
     }
     if (!l) {
       try {
-        l.reset(new OutLink(p, channel, addresses_[p], identity(),
-                            [this, p](const std::string& why) { peer_lost(p, why); }));
+        l.reset(new OutLink(
+            p, channel, addresses_[p], identity(), use_shm() && same_host_.count(p) > 0,
+            [this, p](const std::string& why) { peer_lost(p, why); },
+            [this](const std::string& why) { note_shm_unavailable(why); }));
       } catch (const std::system_error& e) {
         // No thread for the link: this process's limit, not the peer's.
         dead_[p] = "this process (" + std::to_string(me()) +
@@ -137,8 +140,21 @@ int tcp_listen(const std::string& bind_host, const JobIdentity& identity,
   return TcpTransport::get().listen(bind_host, identity, error);
 }
 
-bool tcp_set_peers(const std::vector<std::string>& addresses, std::string* error) {
-  return TcpTransport::get().set_peers(addresses, error);
+bool tcp_set_peers(const std::vector<std::string>& addresses,
+                   const std::vector<int>& same_host, bool use_shm, std::string* error) {
+  return TcpTransport::get().set_peers(addresses, same_host, use_shm, error);
+}
+
+void TcpTransport::note_shm_unavailable(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(links_mu_);
+    if (!shm_unavailable_.empty()) return;
+    shm_unavailable_ = why;
+  }
+  std::fprintf(stderr,
+               "jaxring: process %d uses TCP instead of shared memory with a "
+               "process on its host: %s\n",
+               me(), why.c_str());
 }
 
 TcpTransportInfo tcp_transport_info() { return TcpTransport::get().info(); }
@@ -160,7 +176,14 @@ TcpTransportInfo TcpTransport::info() {
   i.refused_connections = refused_.load();
   std::lock_guard<std::mutex> lock(links_mu_);
   i.inbound.assign(inbound_.begin(), inbound_.end());
-  for (const auto& [where, link] : links_) i.outbound.push_back(where);
+  for (const auto& [where, link] : links_) {
+    i.outbound.push_back(where);
+    if (link->shared_memory()) i.shm_outbound.push_back(where);
+  }
+  i.shm_inbound.assign(inbound_rings_.begin(), inbound_rings_.end());
+  i.shm_unavailable = shm_unavailable_;
+  i.same_host.assign(same_host_.begin(), same_host_.end());
+  i.use_shm = use_shm();
   for (const auto& [p, why] : dead_) i.lost_processes.push_back(p);
   i.last_refusal = last_refusal_;
   return i;

@@ -49,8 +49,12 @@ int tcp_listen(const std::string& bind_host, const JobIdentity& identity,
                std::string* error);
 
 // Tells the transport where every process listens ("host:port", indexed by
-// process). Call once after tcp_listen; false with *error on a bad table.
-bool tcp_set_peers(const std::vector<std::string>& addresses, std::string* error);
+// process), and which processes run on this host: with use_shm, data to and
+// from those goes through shared-memory rings (shm_link.h) wherever both
+// ends can map them. Call once after tcp_listen; false with *error on a bad
+// table.
+bool tcp_set_peers(const std::vector<std::string>& addresses,
+                   const std::vector<int>& same_host, bool use_shm, std::string* error);
 
 // This process's index once tcp_set_peers ran, else -1.
 int tcp_process_index();
@@ -77,6 +81,13 @@ struct TcpTransportInfo {
   std::string auth_library;  // "" when built without authentication
   // Authenticated connections: (process, channel) in and out.
   std::vector<std::pair<int, int>> inbound, outbound;
+  // Those of them whose data goes through a shared-memory ring, the
+  // processes taken to share this host, whether rings are used at all,
+  // and why one could not be made or mapped here ("" if none failed).
+  std::vector<std::pair<int, int>> shm_inbound, shm_outbound;
+  std::vector<int> same_host;
+  bool use_shm = false;
+  std::string shm_unavailable;
   std::vector<int> lost_processes;
   int64_t refused_connections = 0;
   std::string last_refusal;  // why the last one was refused

@@ -55,9 +55,12 @@ class TcpTransport final : public OpHost {
   // proved `identity`'s job (tcp_handshake.h).
   int listen(const std::string& bind_host, const JobIdentity& identity,
              std::string* error);
-  // Where every process listens; false (with *error) if listen() has not
-  // run or the count differs from the job's.
-  bool set_peers(const std::vector<std::string>& addresses, std::string* error) {
+  // Where every process listens, and which processes run on this host
+  // (their connections are offered a shared-memory ring, and their offers
+  // are taken, when use_shm); false (with *error) if listen() has not run
+  // or the count differs from the job's.
+  bool set_peers(const std::vector<std::string>& addresses,
+                 const std::vector<int>& same_host, bool use_shm, std::string* error) {
     const JobIdentity id = identity();
     if (id.processes == 0) {
       *error = "tcp_set_peers before tcp_listen";
@@ -70,8 +73,26 @@ class TcpTransport final : public OpHost {
     }
     std::lock_guard<std::mutex> lock(links_mu_);
     addresses_ = addresses;
+    use_shm_.store(use_shm);
+    same_host_.clear();
+    for (int p : same_host) {
+      if (p >= 0 && p < id.processes && p != id.process) same_host_.insert(p);
+    }
     me_.store(id.process);
     return true;
+  }
+  bool use_shm() const { return use_shm_.load(); }
+  // A shared-memory ring could not be made or mapped here: said once per
+  // process (on stderr), kept for transport_info; that link uses TCP.
+  void note_shm_unavailable(const std::string& why);
+  // An accepted connection's ring is mapped (or no longer is).
+  void note_inbound_ring(int p, int channel, bool mapped) {
+    std::lock_guard<std::mutex> lock(links_mu_);
+    if (mapped) {
+      inbound_rings_.insert({p, channel});
+    } else {
+      inbound_rings_.erase({p, channel});
+    }
   }
   JobIdentity identity() {
     std::lock_guard<std::mutex> lock(identity_mu_);
@@ -201,6 +222,10 @@ class TcpTransport final : public OpHost {
   std::mutex links_mu_;  // addresses_, links_, dead_, inbound_, last_refusal_
   std::atomic<int> me_{-1};
   std::vector<std::string> addresses_;
+  std::atomic<bool> use_shm_{false};
+  std::set<int> same_host_;  // under links_mu_
+  std::set<std::pair<int, int>> inbound_rings_;  // under links_mu_
+  std::string shm_unavailable_;  // under links_mu_: the first reason
   std::map<std::pair<int, int>, std::unique_ptr<OutLink>> links_;
   std::map<int, std::string> dead_;
 };
