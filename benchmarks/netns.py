@@ -96,7 +96,10 @@ class Network:
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
     def exec_prefix(self) -> str:
-        return f"ip netns exec {self.tag}n{{rank}}"
+        # Each namespace is a host of its own: its processes must not reach
+        # the others through shared memory, past the tbf-limited links.
+        node = f"{self.tag}n{{rank}}"
+        return f"ip netns exec {node} env JAXRING_HOST_ID={node}"
 
 
 def check_rate(net: Network, seconds: float = 3.0) -> float:

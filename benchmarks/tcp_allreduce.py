@@ -1,17 +1,25 @@
-"""Allreduce across processes: jaxring's TCP transport vs JAX's Gloo.
+"""Allreduce across processes: jaxring over shared memory and over TCP vs
+JAX's Gloo, beside the in-process bound.
 
 Usage:
     python benchmarks/tcp_allreduce.py [--processes 2 4] [--min-bytes 4K]
-        [--max-bytes 256M] [--plot tcp_allreduce.png] [--json results.json]
+        [--max-bytes 256M] [--transports auto tcp] [--no-direct]
+        [--plot tcp_allreduce.png] [--json results.json]
 
-For each process count the script starts a job with `python -m
-jaxring.launch` (one CPU device per process) in which every process times
-`jaxring.allreduce` and `lax.psum` (JAX's cross-process CPU collectives,
-`jax_cpu_collectives_implementation="gloo"`) on the same arrays, in
-alternating rounds, and checks that they agree before timing. Process 0
-reports the median time per call; this script prints an nccl-tests-style
-table per process count and, with matplotlib installed, plots busbw against
-size.
+For each process count the script starts one job per transport with
+`python -m jaxring.launch` (one CPU device per process):
+JAXRING_TRANSPORT=auto (processes on this host exchange through
+shared-memory rings) and JAXRING_TRANSPORT=tcp (TCP loopback). In each,
+every process times `jaxring.allreduce` and `lax.psum` (JAX's cross-process
+CPU collectives, `jax_cpu_collectives_implementation="gloo"`) on the same
+arrays, in alternating rounds, and checks that they agree before timing;
+Gloo, timed in both jobs, is the reference that ties them together. A last
+job runs the same sizes in one process with as many virtual devices,
+`algorithm="direct"`: each byte is read and written once, in memory, which
+no link between processes can beat (the physical bound). Process 0 reports
+the median time per call; this script prints an nccl-tests-style table per
+process count with the ratios and, with matplotlib installed, plots busbw
+against size.
 
 busbw = bytes * 2(n-1)/n / time: the rate each link must sustain for a ring
 allreduce to take that long, comparable with the link's own rate.
@@ -75,7 +83,8 @@ def alternating_rounds(fns: dict, x, iters: int, rounds: int) -> dict:
 
 
 def worker(args) -> None:
-    """One process of the job: time both implementations at every size."""
+    """One process of the job: time both implementations at every size.
+    In the direct job (one process), "gloo" is XLA's in-process psum."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -91,17 +100,23 @@ def worker(args) -> None:
                                      in_specs=P("i"), out_specs=P("i"),
                                      check_vma=False))
 
-    fns = {"jaxring": program(jaxring.allreduce), "gloo": program(jax.lax.psum)}
+    if args.worker_direct:
+        fns = {"jaxring": program(lambda v, a: jaxring.allreduce(v, a, algorithm="direct")),
+               "gloo": program(jax.lax.psum)}
+    else:
+        fns = {"jaxring": program(jaxring.allreduce), "gloo": program(jax.lax.psum)}
     rows = []
     size = args.min_bytes
     while size <= args.max_bytes:
         count = size // 4
-        local = np.full((1, count), jax.process_index() + 1, np.float32)
+        local = np.stack([np.full(count, d.process_index * len(jax.local_devices()) + k + 1,
+                                  np.float32)
+                          for k, d in enumerate(jax.local_devices())])
         x = jax.make_array_from_process_local_data(
             NamedSharding(mesh, P("i")), local, (n, count))
         outs = {k: np.asarray(f(x).addressable_data(0)) for k, f in fns.items()}
         if not np.array_equal(outs["jaxring"], outs["gloo"]):
-            raise SystemExit(f"jaxring and Gloo disagree at {size} bytes")
+            raise SystemExit(f"jaxring and the reference disagree at {size} bytes")
         samples = alternating_rounds(fns, x, iterations(size), args.rounds)
         factor = 2 * (n - 1) / n
         row = {"bytes": size, "processes": n}
@@ -120,17 +135,40 @@ def worker(args) -> None:
             json.dump(rows, f)
 
 
-def table(rows: list[dict]) -> str:
-    n = rows[0]["processes"]
-    head = (f"{'bytes':>10} | {'jaxring us':>11} {'busbw GB/s':>10} | "
-            f"{'gloo us':>11} {'busbw GB/s':>10} | {'jaxring/gloo':>12}")
-    lines = [f"# {n} processes, 1 CPU device each, float32, "
-             f"median of alternating rounds", head, "-" * len(head)]
-    for r in rows:
+# Columns: (title, job, key) where job is a JAXRING_TRANSPORT value or
+# "direct" (the one-process job).
+COLUMNS = (("shm", "auto", "jaxring"), ("tcp", "tcp", "jaxring"),
+           ("gloo", "auto", "gloo"), ("gloo (tcp job)", "tcp", "gloo"),
+           ("direct", "direct", "jaxring"))
+
+
+def table(jobs: dict[str, list[dict]], n: int) -> str:
+    """busbw (GB/s) of every job beside each other, and the ratios the
+    benchmark's goals are stated in: each against a reference timed in the
+    same job where there is one (shm/gloo in the auto job, tcp/gloo in the
+    tcp job), across jobs run back to back otherwise."""
+    cols = [(t, j, k) for t, j, k in COLUMNS if j in jobs]
+    sizes = [r["bytes"] for r in next(iter(jobs.values()))]
+    busbw = {(j, k): {r["bytes"]: r[f"{k}_busbw"] for r in jobs[j]} for _, j, k in cols}
+    ratios = []
+    if "auto" in jobs:
+        ratios.append(("shm/gloo", ("auto", "jaxring"), ("auto", "gloo")))
+    if "tcp" in jobs:
+        ratios.append(("tcp/gloo", ("tcp", "jaxring"), ("tcp", "gloo")))
+    if "auto" in jobs and "tcp" in jobs:
+        ratios.append(("shm/tcp", ("auto", "jaxring"), ("tcp", "jaxring")))
+    if "auto" in jobs and "direct" in jobs:
+        ratios.append(("shm/direct", ("auto", "jaxring"), ("direct", "jaxring")))
+    head = (f"{'bytes':>10} | " + " ".join(f"{t:>14}" for t, _, _ in cols) + " | " +
+            " ".join(f"{t:>10}" for t, _, _ in ratios))
+    lines = [f"# {n} processes, 1 CPU device each, float32, busbw GB/s, "
+             f"median of alternating rounds (direct: 1 process, {n} devices)",
+             head, "-" * len(head)]
+    for size in sizes:
         lines.append(
-            f"{fmt_bytes(r['bytes']):>10} | {r['jaxring_s'] * 1e6:>11.1f} "
-            f"{r['jaxring_busbw']:>10.3f} | {r['gloo_s'] * 1e6:>11.1f} "
-            f"{r['gloo_busbw']:>10.3f} | {r['jaxring_busbw'] / r['gloo_busbw']:>11.2f}x")
+            f"{fmt_bytes(size):>10} | " +
+            " ".join(f"{busbw[(j, k)][size]:>14.3f}" for _, j, k in cols) + " | " +
+            " ".join(f"{busbw[a][size] / busbw[b][size]:>9.2f}x" for _, a, b in ratios))
     return "\n".join(lines)
 
 
@@ -141,11 +179,17 @@ def plot(results: dict[int, list[dict]], path: str, title: str) -> None:
         return
     from jaxring.bench import plot_busbw
     lines = []
-    for n, rows in sorted(results.items()):
-        sizes = [r["bytes"] for r in rows]
-        lines.append((f"jaxring, {n} processes", sizes, [r["jaxring_busbw"] for r in rows]))
-        lines.append((f"Gloo (lax.psum), {n} processes", sizes,
-                      [r["gloo_busbw"] for r in rows]))
+    names = {"auto": "jaxring, shared memory", "tcp": "jaxring, TCP",
+             "direct": "in-process direct"}
+    for n, jobs in sorted(results.items()):
+        for job, rows in jobs.items():
+            sizes = [r["bytes"] for r in rows]
+            lines.append((f"{names[job]}, {n} ranks", sizes,
+                          [r["jaxring_busbw"] for r in rows]))
+        rows = jobs.get("auto") or jobs.get("tcp")
+        if rows:
+            lines.append((f"Gloo (lax.psum), {n} processes", [r["bytes"] for r in rows],
+                          [r["gloo_busbw"] for r in rows]))
     plot_busbw(lines, path, title, xlabel="bytes per process")
     print(f"plot written to {path}")
 
@@ -171,34 +215,29 @@ def main(argv=None) -> int:
     ap.add_argument("--title", default="allreduce over loopback TCP")
     ap.add_argument("--netns-rate", default=None,
                     help="run over namespaces linked at this tbf rate (e.g. 1gbit)")
+    ap.add_argument("--transports", nargs="+", default=["auto", "tcp"],
+                    choices=["auto", "tcp"],
+                    help="JAXRING_TRANSPORT of each job across processes")
+    ap.add_argument("--no-direct", action="store_true",
+                    help="skip the one-process job (the in-process bound)")
     ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-direct", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker_json:
         worker(args)
         return 0
     results = {}
     for n in args.processes:
-        with tempfile.TemporaryDirectory() as tmp, network(args.netns_rate, n) as net:
-            out = os.path.join(tmp, "rows.json")
-            cmd = [sys.executable, "-m", "jaxring.launch", "-n", str(n),
-                   "--devices-per-process", "1"]
-            if net is not None:
-                cmd += ["--coordinator", f"{net.address(0)}:29500",
-                        "--prefix-command", net.exec_prefix()]
-                rate = netns.check_rate(net)
-                print(f"# network: {n} namespaces, tbf {args.netns_rate} per link; "
-                      f"one TCP stream measures {rate / 1e9:.3f} GB/s")
-            cmd += [os.path.abspath(__file__),
-                    "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
-                    "--rounds", str(args.rounds), "--worker-json", out]
-            os.chmod(tmp, 0o755)
-            r = subprocess.run(cmd, cwd=tmp)
-            if r.returncode != 0:
-                print(f"the {n}-process job failed with status {r.returncode}")
-                return r.returncode
-            with open(out) as f:
-                results[n] = json.load(f)
-        print(table(results[n]))
+        jobs = list(args.transports)
+        if not args.no_direct and args.netns_rate is None:
+            jobs.append("direct")
+        results[n] = {}
+        for job in jobs:
+            rows = run_job(args, n, job)
+            if rows is None:
+                return 1
+            results[n][job] = rows
+        print(table(results[n], n))
         print()
     if args.json:
         with open(args.json, "w") as f:
@@ -207,6 +246,41 @@ def main(argv=None) -> int:
         plot(results, args.plot, args.title)
     return 0
 
+
+def run_job(args, n: int, job: str) -> list[dict] | None:
+    """One job's rows: n processes under JAXRING_TRANSPORT=job, or one
+    process of n devices for "direct". None if it failed."""
+    env = dict(os.environ)
+    if job != "direct":
+        env["JAXRING_TRANSPORT"] = job
+    with tempfile.TemporaryDirectory() as tmp, \
+            network(args.netns_rate if job != "direct" else None, n) as net:
+        out = os.path.join(tmp, "rows.json")
+        if job == "direct":
+            cmd = [sys.executable, "-m", "jaxring.launch", "-n", "1",
+                   "--devices-per-process", str(n)]
+        else:
+            cmd = [sys.executable, "-m", "jaxring.launch", "-n", str(n),
+                   "--devices-per-process", "1"]
+        if net is not None:
+            cmd += ["--coordinator", f"{net.address(0)}:29500",
+                    "--prefix-command", net.exec_prefix()]
+            rate = netns.check_rate(net)
+            print(f"# network: {n} namespaces, tbf {args.netns_rate} per link; "
+                  f"one TCP stream measures {rate / 1e9:.3f} GB/s")
+        cmd += [os.path.abspath(__file__),
+                "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
+                "--rounds", str(args.rounds), "--worker-json", out]
+        if job == "direct":
+            cmd.append("--worker-direct")
+        os.chmod(tmp, 0o755)
+        print(f"# job: {n} ranks, {job}", flush=True)
+        r = subprocess.run(cmd, cwd=tmp, env=env)
+        if r.returncode != 0:
+            print(f"the {n}-rank {job} job failed with status {r.returncode}")
+            return None
+        with open(out) as f:
+            return json.load(f)
 
 if __name__ == "__main__":
     sys.exit(main())

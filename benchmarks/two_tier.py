@@ -200,7 +200,10 @@ def main(argv=None) -> int:
         out = os.path.join(tmp, "rows.json")
         # Process r runs in host r // PER_HOST's namespace.
         node = f"{net.tag}n$(({{rank}} / {PER_HOST}))"
-        prefix = "sh -c " + shlex.quote(f'exec ip netns exec {node} "$@"') + " _"
+        # The processes of a host share memory, those of different hosts
+        # only the tbf-limited links.
+        prefix = "sh -c " + shlex.quote(
+            f'exec ip netns exec {node} env JAXRING_HOST_ID={node} "$@"') + " _"
         launch = [sys.executable, "-m", "jaxring.launch", "-n", str(HOSTS * PER_HOST),
                   "--devices-per-process", "1",
                   "--coordinator", f"{net.address(0)}:29500",

@@ -9,6 +9,7 @@ run. Coordinator ports come from the OS, so parallel runs cannot collide.
 import collections
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -329,6 +330,29 @@ def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm():
     finally:
         job.kill_all()
     assert jaxring_segments() - before == set()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) to give the job a tiny /dev/shm")
+def test_a_dev_shm_too_small_falls_back_to_tcp_saying_so_once():
+    """Both processes see a /dev/shm of 1 MiB (a mount namespace of their
+    own), too small for a ring: each says once that it uses TCP, and the
+    results are still right."""
+    inner = (f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} "
+             f"-m jaxring.launch -n 2 --devices-per-process 1 "
+             f"{SCRIPTS / 'allreduce_check.py'} 0 6")
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run(["unshare", "--mount", "sh", "-c", inner],
+                           capture_output=True, text=True, timeout=240, cwd=cwd)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        assert f"[{rank}] DONE" in out, out[-3000:]
+        said = [l for l in out.splitlines()
+                if l.startswith(f"[{rank}] jaxring: process {rank} uses TCP instead "
+                                "of shared memory")]
+        assert len(said) == 1, out[-3000:]
+        assert "cannot hold" in said[0], said
 
 
 def test_jaxring_transport_tcp_keeps_processes_on_sockets():

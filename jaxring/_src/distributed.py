@@ -45,6 +45,7 @@ _JOB_KEY = _PREFIX + "job"
 SECRET_ENV = "JAXRING_JOB_SECRET"
 TRANSPORT_ENV = "JAXRING_TRANSPORT"
 TRANSPORTS = ("auto", "tcp")
+HOST_ID_ENV = "JAXRING_HOST_ID"
 _lock = threading.Lock()
 _ready = False
 # The message of a set-up that failed, raised again by every later call.
@@ -147,10 +148,12 @@ def transport_choice() -> str:
 
 def host_identity() -> str:
     """What processes that can share memory have in common: the running
-    kernel (its boot id) and the file system behind /dev/shm. Equal records
-    only make two processes try a shared-memory ring; the ring itself
-    proves that they can (a container with a /dev/shm of its own fails to
-    map the other's segment, and the two use TCP)."""
+    kernel (its boot id), the file system behind /dev/shm, and
+    JAXRING_HOST_ID where set (distinct values keep processes of one
+    machine apart, as emulated hosts must be). Equal records only make two
+    processes try a shared-memory ring; the ring itself proves that they
+    can (a container with a /dev/shm of its own fails to map the other's
+    segment, and the two use TCP)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             kernel = f.read().strip()
@@ -160,7 +163,7 @@ def host_identity() -> str:
         shm = str(os.stat("/dev/shm").st_dev)
     except OSError:
         shm = "none"
-    return f"{kernel}/{shm}"
+    return f"{kernel}/{shm}/{os.environ.get(HOST_ID_ENV, '')}"
 
 
 def _job_secret_and_id(client, me: int, timeout_ms: int) -> tuple[bytes, bytes, str]:

@@ -11,7 +11,9 @@
 // processes first, while this process has no threads yet.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -37,6 +39,7 @@
 #include "cpu/link_pacing.h"
 #include "cpu/inprocess_transport.h"
 #include "cpu/ring_transport.h"
+#include "cpu/shm_link.h"
 #include "cpu/tcp_transport.h"
 #include "cpu/wire_format.h"
 #include "plan.h"
@@ -226,7 +229,11 @@ int prove_as(int victim_port, const jaxring::JobIdentity& as, int channel,
   std::string proof = jaxring::handshake_mac(
       as, false, nonce, std::string(reply + 16, jaxring::kNonceBytes), 1, 0, channel);
   if (garble) proof[0] ^= 1;
-  CHECK(write_all(fd, proof));
+  // After the proof, the connector offers a shared-memory ring: none here.
+  jaxring::ShmOffer no_offer{};
+  no_offer.magic = jaxring::kShmOfferMagic;
+  CHECK(write_all(fd, proof + std::string(reinterpret_cast<const char*>(&no_offer),
+                                          sizeof(no_offer))));
   return fd;
 }
 
@@ -315,9 +322,11 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   if (write(port_out_fd, &port, sizeof(port)) != sizeof(port)) return 1;
   int ports[2];
   if (read(ports_in_fd, ports, sizeof(ports)) != sizeof(ports)) return 1;
+  // The two processes share this host: their data goes through
+  // shared-memory rings (the hostile peer's connections stay on TCP).
   CHECK(jaxring::tcp_set_peers({"127.0.0.1:" + std::to_string(ports[0]),
                                "127.0.0.1:" + std::to_string(ports[1])},
-                              &error));
+                              {1 - me}, /*use_shm=*/true, &error));
   struct Case {
     std::vector<int> procs;
     int rings;
@@ -618,8 +627,82 @@ void run_gang_tests() {
   }
 }
 
+// The shared-memory ring on its own: who may map it, what it carries, and
+// how a sender waits for room.
+void run_shm_ring_tests() {
+  const std::string job_id(16, 'j');
+  std::string error;
+  auto tx = jaxring::ShmRing::create(job_id, 1, 0, 3, &error);
+  CHECK(tx != nullptr);
+  if (!tx) {
+    std::fprintf(stderr, "no shared-memory ring: %s\n", error.c_str());
+    return;
+  }
+  const jaxring::ShmOffer offer = tx->offer();
+  // Only the link it was made for may map it: not the other direction,
+  // another ring, or another job.
+  CHECK(!jaxring::ShmRing::open(offer, job_id, 0, 1, 3, &error));
+  CHECK(!jaxring::ShmRing::open(offer, job_id, 1, 0, 4, &error));
+  CHECK(!jaxring::ShmRing::open(offer, std::string(16, 'k'), 1, 0, 3, &error));
+  jaxring::ShmOffer forged = offer;
+  forged.capacity *= 2;
+  CHECK(!jaxring::ShmRing::open(forged, job_id, 1, 0, 3, &error));
+  auto rx = jaxring::ShmRing::open(offer, job_id, 1, 0, 3, &error);
+  CHECK(rx != nullptr);
+  if (!rx) return;
+  tx->unlink();
+  const std::string name(offer.name, offer.name_bytes);
+  CHECK(shm_open(name.c_str(), O_RDONLY, 0) < 0 && errno == ENOENT);
+  int fds[2];  // the connection beside the ring
+  CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0);
+  const auto always = [] { return true; };
+  // Nothing written yet: the receiver refuses to read.
+  CHECK(rx->next(16, &error) == nullptr);
+  CHECK(!tx->carries(0) && !tx->carries(tx->capacity() / 2 + 1));
+  // Payloads of many sizes, wrapping the ring many times, come out whole.
+  std::mt19937 rng(7);
+  for (int i = 0; i < 300; ++i) {
+    const int64_t n = 1 + static_cast<int64_t>(rng() % (tx->capacity() / 2));
+    std::vector<char> data(static_cast<size_t>(n), static_cast<char>(i));
+    data[0] = 'a';
+    data[n - 1] = 'z';
+    CHECK(tx->put(data.data(), n, fds[0], 1.0, always, &error) ==
+          jaxring::ShmRing::Put::kDone);
+    const char* got = rx->next(n, &error);
+    CHECK(got != nullptr && std::memcmp(got, data.data(), static_cast<size_t>(n)) == 0);
+    rx->release(n);
+  }
+  // A full ring: the sender gives up when its operation is gone, and fails
+  // when the peer's connection closes, without writing.
+  const int64_t half = tx->capacity() / 2;
+  std::vector<char> big(static_cast<size_t>(half), 1);
+  int done = 0;
+  jaxring::ShmRing::Put put = jaxring::ShmRing::Put::kDone;
+  while (put == jaxring::ShmRing::Put::kDone && done < 4) {
+    put = tx->put(big.data(), half, fds[0], 1.0, [] { return false; }, &error);
+    done += put == jaxring::ShmRing::Put::kDone;
+  }
+  CHECK(put == jaxring::ShmRing::Put::kGaveUp && done >= 1 && done <= 2);
+  close(fds[1]);
+  CHECK(tx->put(big.data(), half, fds[0], 5.0, always, &error) ==
+        jaxring::ShmRing::Put::kFailed);
+  CHECK(error.find("closed") != std::string::npos);
+  close(fds[0]);
+  // The receiver frees room, and the sender goes on.
+  for (int k = 0; k < done; ++k) {
+    CHECK(rx->next(half, &error) != nullptr);
+    rx->release(half);
+  }
+  CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0);
+  CHECK(tx->put(big.data(), half, fds[0], 1.0, always, &error) ==
+        jaxring::ShmRing::Put::kDone);
+  close(fds[0]);
+  close(fds[1]);
+}
+
 int main() {
   run_tcp_test();  // first: forking is only safe before any thread exists
+  run_shm_ring_tests();
 
   for (int p = 1; p <= 9; ++p)
     for (int rings = 1; rings <= 4; ++rings)
