@@ -413,6 +413,12 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
     CHECK(info.refused_connections == 7);
     CHECK(info.last_refusal.find("second connection") != std::string::npos);
   }
+  {
+    // The job's own connections carried their data through shared memory.
+    const jaxring::TcpTransportInfo info = jaxring::tcp_transport_info();
+    CHECK(info.use_shm && !info.shm_outbound.empty() && !info.shm_inbound.empty());
+    CHECK(info.shm_unavailable.empty());
+  }
   if (kept >= 0) {
     // Leave after process 0 is done, so that the kept connection's close
     // cannot look like a lost peer while its last operation runs.
