@@ -140,9 +140,9 @@ def transport_choice() -> str:
     choice = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
     if choice not in TRANSPORTS:
         raise ValueError(
-            f"jaxring: {TRANSPORT_ENV}={os.environ[TRANSPORT_ENV]!r} is not one "
-            f"of {', '.join(TRANSPORTS)} (auto: shared memory between processes "
-            f"on one host, TCP between hosts; tcp: TCP everywhere)")
+            f"jaxring: {TRANSPORT_ENV}={os.environ[TRANSPORT_ENV]!r} "
+            "is not one of auto, tcp (auto: shared memory between processes "
+            "on one host, TCP between hosts; tcp: TCP everywhere)")
     return choice
 
 
