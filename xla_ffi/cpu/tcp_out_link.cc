@@ -104,13 +104,18 @@ bool OutLink::write_through_ring(int fd, OutFrame& f, std::string* error) {
   const ShmRing::Put put = ring_->put(
       f.data, f.header.payload_bytes, fd, f.stall_s,
       [&] { return !f.op->failed_flag.load(); }, error);
-  release_send(f);  // the rank's buffer is no longer read
-  if (put == ShmRing::Put::kGaveUp) return true;  // nobody waits for it
-  if (put == ShmRing::Put::kFailed) return false;
-  f.header.kind = kShmData;
-  const char* p = reinterpret_cast<const char*>(&f.header);
-  size_t n = sizeof(f.header);
-  return write_all(fd, p, n, f.stall_s, nullptr, error);
+  bool ok = put != ShmRing::Put::kFailed;
+  if (put == ShmRing::Put::kDone) {
+    f.header.kind = kShmData;
+    const char* p = reinterpret_cast<const char*>(&f.header);
+    size_t n = sizeof(f.header);
+    ok = write_all(fd, p, n, f.stall_s, nullptr, error);
+  }
+  // Only now: a rank whose sends are all released may complete, and its
+  // process exit, which must not happen before the header left (the data
+  // alone, in the ring, never reaches the peer).
+  release_send(f);
+  return ok;
 }
 
 void OutLink::loop() {
