@@ -28,14 +28,16 @@ pytestmark = pytest.mark.multiprocess
 
 
 def run_launcher(nproc: int, script: str, *args, devices_per_process: int = 1,
-                 timeout: float = 240) -> subprocess.CompletedProcess:
+                 timeout: float = 240, env: dict | None = None
+                 ) -> subprocess.CompletedProcess:
     # Outside the checkout, so the installed package is imported.
     with tempfile.TemporaryDirectory() as cwd:
         return subprocess.run(
             [sys.executable, "-m", "jaxring.launch", "-n", str(nproc),
              "--devices-per-process", str(devices_per_process),
              str(SCRIPTS / script), *map(str, args)],
-            capture_output=True, text=True, timeout=timeout, cwd=cwd)
+            capture_output=True, text=True, timeout=timeout, cwd=cwd,
+            env=None if env is None else {**os.environ, **env})
 
 
 def lines_by_rank(stdout: str) -> dict[int, list[str]]:
@@ -91,23 +93,28 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
                          ids=["2x2x2-over-2-processes", "2x4-over-4-processes"])
 def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
     # The same plan and inputs, once with every rank in one process (every
-    # unit moves in memory) and once split over processes (units that cross
-    # them go over TCP): the plan fixes the summation order, so the bits are
-    # the same, whichever link carried each partial sum.
+    # unit moves in memory) and twice split over processes (units that
+    # cross them go through shared-memory rings, then over TCP with
+    # JAXRING_TRANSPORT=tcp): the plan fixes the summation order, so the
+    # bits are the same, whichever link carried each partial sum.
     nproc, devices = split
     digests = {}
-    for where, (n, d) in (("memory", (1, 8)), ("tcp", (nproc, devices))):
-        r = run_launcher(n, "allreduce_check.py", 7, 24, tiers, devices_per_process=d)
+    for where, (n, d) in (("memory", (1, 8)), ("auto", (nproc, devices)),
+                          ("tcp", (nproc, devices))):
+        r = run_launcher(n, "allreduce_check.py", 7, 24, tiers, devices_per_process=d,
+                         env={"JAXRING_TRANSPORT": "tcp" if where == "tcp" else "auto"})
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         by_rank = lines_by_rank(r.stdout)
         for lines in by_rank.values():
             assert lines.count("DONE") == 1 and f"TOPOLOGY {tiers}" in lines, lines[-5:]
+            links = int(next(l for l in lines if l.startswith("SHM_LINKS")).split()[1])
+            assert (links > 0) == (where == "auto"), (where, links)
         checks = {tuple(l for l in lines if l.startswith("CHECK"))
                   for lines in by_rank.values()}
         assert len(checks) == 1  # every process got the same bits
         digests[where] = checks.pop()
         assert len(digests[where]) == 24
-    assert digests["memory"] == digests["tcp"]
+    assert digests["memory"] == digests["auto"] == digests["tcp"]
 
 
 def test_different_programs_fail_fast_on_every_rank():

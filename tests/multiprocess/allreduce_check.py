@@ -107,6 +107,9 @@ def main():
                                  f"got different bits (shard {shard.index})")
         digest = hashlib.sha256(first).hexdigest()[:16]
         print(f"CHECK {case} {op} {dtype} {count} {digest}", flush=True)
+    # How many of this process's connections carried data through shared
+    # memory (0 in one process, or with JAXRING_TRANSPORT=tcp).
+    print(f"SHM_LINKS {len(jaxring.transport_info()['shm_outbound'])}", flush=True)
     print("DONE", flush=True)
 
 
