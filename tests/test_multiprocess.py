@@ -362,6 +362,32 @@ def test_a_dev_shm_too_small_falls_back_to_tcp_saying_so_once():
         assert "cannot hold" in said[0], said
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                    reason="needs root and ip(8) for network namespaces")
+def test_processes_in_network_namespaces_share_memory_unless_told_apart():
+    """Two processes in two network namespaces of one machine (they share
+    /dev/shm) exchange through shared memory; with a JAXRING_HOST_ID per
+    namespace, as the benchmarks' emulated hosts set, they use TCP."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import netns
+    with netns.Network(2, None) as net:
+        for prefix, shared in ((f"ip netns exec {net.tag}n{{rank}}", True),
+                               (net.exec_prefix(), False)):
+            with tempfile.TemporaryDirectory() as cwd:
+                r = subprocess.run(
+                    [sys.executable, "-m", "jaxring.launch", "-n", "2",
+                     "--devices-per-process", "1",
+                     "--coordinator", f"{net.address(0)}:{launch._free_port()}",
+                     "--prefix-command", prefix,
+                     str(SCRIPTS / "allreduce_check.py"), "0", "6"],
+                    capture_output=True, text=True, timeout=240, cwd=cwd)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            for rank, lines in lines_by_rank(r.stdout).items():
+                assert "DONE" in lines, lines[-5:]
+                links = int(next(l for l in lines if l.startswith("SHM_LINKS")).split()[1])
+                assert (links > 0) == shared, (prefix, rank, links)
+
+
 def test_jaxring_transport_tcp_keeps_processes_on_sockets():
     """JAXRING_TRANSPORT=tcp: the same job, no shared-memory link."""
     os.environ["JAXRING_TRANSPORT"] = "tcp"
