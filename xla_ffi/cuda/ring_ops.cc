@@ -13,7 +13,8 @@
 #include <vector>
 
 #include "../ffi_common.h"
-#include "../plan.h"
+#include "../stream_schedule.h"
+#include "../tiered_plan.h"
 #include "device_guard.h"
 #include "reduce_kernels.h"
 #include "watchdog.h"
@@ -128,47 +129,36 @@ char* at(void* base, int64_t elem, int64_t esize) {
   return static_cast<char*>(base) + elem * esize;
 }
 
-// Enqueues ring r's share of the chunked ring allreduce for this rank on
-// c->stream: the reduce-scatter receives each chunk into scratch and
-// reduces it into the output, the all-gather receives straight into it.
-// Chunks of one ring follow each other on the ring's stream; the rings run
-// side by side.
-Status enqueue_ring(const CudaOp& op, const RingPlan& plan, int r,
+// Enqueues ring r's exchanges for this rank on c->stream, in the stream
+// order every rank shares (stream_schedule.h): a reduce exchange receives
+// into scratch and reduces into the output, a store receives straight into
+// it. The exchanges of one ring follow each other on the ring's stream; the
+// rings run side by side. The plan is flat (one phase over the whole
+// group), the one the ring's communicator serves.
+Status enqueue_ring(const CudaOp& op, const TieredPlan& plan, int r,
                     Communicator* c, void* out, void* scratch) {
   const int64_t esize = plan.elem_bytes();
-  const int pos = plan.position(r, op.rank);
-  const int next = plan.next_rank(r, op.rank);
-  const int prev = plan.prev_rank(r, op.rank);
-  for (int t = 0; t < plan.num_steps(); ++t) {
-    const bool reduce = plan.is_reduce_step(t);
-    const int send_seg = plan.send_segment(pos, t);
-    const int recv_seg = plan.recv_segment(pos, t);
-    for (int64_t ch = 0; ch < plan.num_chunks(r); ++ch) {
-      const Span send = plan.chunk(r, send_seg, ch);
-      const Span recv = plan.chunk(r, recv_seg, ch);
-      if (send.count == 0 && recv.count == 0) continue;
-      void* recv_into = reduce ? scratch : at(out, recv.offset, esize);
-      // The group is always closed, also when a call in it fails, so that
-      // this thread's next NCCL call is not left inside it.
-      JAXRING_NCCL_CHECK(ncclGroupStart());
-      ncclResult_t result = ncclSuccess;
-      if (send.count > 0) {
-        result = ncclSend(at(out, send.offset, esize), send.count * esize,
-                          ncclUint8, next, c->comm, c->stream);
-      }
-      if (recv.count > 0 && (result == ncclSuccess || result == ncclInProgress)) {
-        result = ncclRecv(recv_into, recv.count * esize, ncclUint8, prev, c->comm,
-                          c->stream);
-      }
-      const ncclResult_t end = ncclGroupEnd();
-      JAXRING_NCCL_CHECK_AS(result, "ncclSend/ncclRecv of a ring step");
-      JAXRING_NCCL_CHECK_AS(end, "ncclGroupEnd of a ring step");
-      JAXRING_RETURN_IF_FAILED(wait_ready(c, op.timeout_s, "enqueueing a ring step"));
-      if (reduce && recv.count > 0) {
-        JAXRING_CUDA_CHECK(launch_reduce(op.type, op.op,
-                                         at(out, recv.offset, esize), scratch,
-                                         recv.count, c->stream));
-      }
+  for (const StreamExchange& x : stream_exchanges(plan, r, op.rank)) {
+    void* recv_into = x.reduce ? scratch : at(out, x.recv.offset, esize);
+    // The group is always closed, also when a call in it fails, so that
+    // this thread's next NCCL call is not left inside it.
+    JAXRING_NCCL_CHECK(ncclGroupStart());
+    ncclResult_t result = ncclSuccess;
+    if (x.send.count > 0) {
+      result = ncclSend(at(out, x.send.offset, esize), x.send.count * esize,
+                        ncclUint8, x.to, c->comm, c->stream);
+    }
+    if (x.recv.count > 0 && (result == ncclSuccess || result == ncclInProgress)) {
+      result = ncclRecv(recv_into, x.recv.count * esize, ncclUint8, x.from, c->comm,
+                        c->stream);
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    JAXRING_NCCL_CHECK_AS(result, "ncclSend/ncclRecv of a ring step");
+    JAXRING_NCCL_CHECK_AS(end, "ncclGroupEnd of a ring step");
+    JAXRING_RETURN_IF_FAILED(wait_ready(c, op.timeout_s, "enqueueing a ring step"));
+    if (x.reduce && x.recv.count > 0) {
+      JAXRING_CUDA_CHECK(launch_reduce(op.type, op.op, at(out, x.recv.offset, esize),
+                                       scratch, x.recv.count, c->stream));
     }
   }
   return std::nullopt;
@@ -176,10 +166,10 @@ Status enqueue_ring(const CudaOp& op, const RingPlan& plan, int r,
 
 // NCCL's allreduce over ring r's part, chunk by chunk, on the same
 // communicator and stream as the ring would use.
-Status enqueue_nccl(const CudaOp& op, const RingPlan& plan, int r,
+Status enqueue_nccl(const CudaOp& op, const TieredPlan& plan, int r,
                     Communicator* c, const void* in, void* out) {
   const int64_t esize = plan.elem_bytes();
-  const Span part = plan.part(r);
+  const Span part = ring_part(plan, r);
   const int64_t step = plan.chunk_elems();
   JAXRING_NCCL_CHECK(ncclGroupStart());
   ncclResult_t result = ncclSuccess;
@@ -199,31 +189,19 @@ Status enqueue_nccl(const CudaOp& op, const RingPlan& plan, int r,
 }
 
 // Ring r's share of the operation on c->stream, by the chosen algorithm.
-Status enqueue_work(const CudaOp& op, const RingPlan& plan, int r,
+Status enqueue_work(const CudaOp& op, const TieredPlan& plan, int r,
                     Communicator* c, void* scratch, const void* in, void* out) {
   if (op.algorithm == CudaAlgorithm::kNccl) {
     return enqueue_nccl(op, plan, r, c, in, out);
   }
   const int64_t esize = plan.elem_bytes();
-  const Span part = plan.part(r);
+  const Span part = ring_part(plan, r);
   if (out != in && part.count > 0) {
     JAXRING_CUDA_CHECK(cudaMemcpyAsync(
         at(out, part.offset, esize), at(const_cast<void*>(in), part.offset, esize),
         part.count * esize, cudaMemcpyDeviceToDevice, c->stream));
   }
   return enqueue_ring(op, plan, r, c, out, scratch);
-}
-
-// The largest chunk any ring receives in a reduce-scatter step: a chunk,
-// or a whole segment when segments are smaller.
-int64_t scratch_elems(const RingPlan& plan) {
-  int64_t most = 0;
-  for (int r = 0; r < plan.num_rings(); ++r) {
-    const int64_t segment =
-        (plan.part(r).count + plan.world_size() - 1) / plan.world_size();
-    most = std::max(most, std::min(plan.chunk_elems(), segment));
-  }
-  return most;
 }
 
 // After a failure with rings already forked: their streams may still run
@@ -259,9 +237,12 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
   // A world of one still goes through its communicators, streams and
   // events (the ring then only copies), so one GPU exercises every part.
   if (count == 0) return std::nullopt;
-  std::optional<RingPlan> plan;
+  // One flat ring per communicator: a tiered plan would need one per tier
+  // group (cuda_attributes refuses tiers at trace time).
+  std::optional<TieredPlan> plan;
   try {
-    plan.emplace(op.world_size, op.num_rings, count, esize, op.chunk_bytes);
+    plan.emplace(std::vector<int>{op.world_size}, op.num_rings, count, esize,
+                 op.chunk_bytes);
   } catch (const std::invalid_argument& e) {
     return std::string("jaxring allreduce: ") + e.what();
   }
@@ -286,7 +267,7 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
   std::vector<void*> scratch_of(op.num_rings, nullptr);
   if (op.algorithm == CudaAlgorithm::kRing && op.world_size > 1) {
     JAXRING_RETURN_IF_FAILED(
-        how.scratch(scratch_elems(*plan) * esize, &scratch_of));
+        how.scratch(largest_reduce_receive(*plan, op.rank) * esize, &scratch_of));
   }
   // One fork for every ring, recorded before any ring is issued: recording
   // it per ring after the previous ring's join would make each ring wait
