@@ -1,5 +1,5 @@
 """The CUDA backend on a machine without a GPU: that it was built and links,
-and what its lowering puts into the HLO (custom call, device table, NCCL
+and what its lowering puts into the HLO (custom call, rank tables, NCCL
 ids), lowered for the CUDA platform from the CPU. The GPU runs themselves
 are in tests/gpu/.
 
@@ -48,8 +48,12 @@ def test_module_links_and_reports_versions():
     assert info["cuda_runtime"] >= 12000
     assert cu.device_count() >= 0
     assert "jaxring_allreduce_cuda" in cu.registrations()
-    # The values lowering takes for the "algorithm" attribute, named by C++.
-    assert set(cu.ALGORITHMS) == {"ring", "nccl"} and len(set(cu.ALGORITHMS.values())) == 2
+    # The "algorithm" attribute's values are named once, by the core module,
+    # for both backends.
+    from jaxring import _jaxring
+    assert set(_jaxring.ALGORITHMS) == {"ring", "direct", "nccl"}
+    assert len(set(_jaxring.ALGORITHMS.values())) == 3
+    assert not hasattr(cu, "ALGORITHMS")
 
 
 @needs_cuda_build
@@ -81,6 +85,17 @@ def _ints(dense: str) -> list[int]:
     return [int(v) for v in re.findall(r"-?\d+", dense.split(":")[0])]
 
 
+def _array(line: str, name: str) -> list:
+    """An array attribute's values; MLIR prints an array of one repeated
+    value as that value (a splat)."""
+    m = re.search(name + r" = dense<([^>]*)> : tensor<(\d+)x", line)
+    assert m, f"no array {name} in {line}"
+    values = [int(v) if re.fullmatch(r"-?\d+", v) else float(v)
+              for v in re.findall(r"-?[\d.]+(?:e[-+]?\d+)?", m.group(1))]
+    n = int(m.group(2))
+    return values * n if len(values) == 1 else values
+
+
 @needs_cuda_build
 def test_lowering_carries_devices_and_one_id_per_group_and_ring():
     mesh = jax.make_mesh((2, 4), ("g", "i"))
@@ -90,16 +105,26 @@ def test_lowering_carries_devices_and_one_id_per_group_and_ring():
     assert "@jaxring_allreduce_cuda" in call
     assert _attr(call, "world_size") == "4"
     assert _attr(call, "num_rings") == "3"
-    assert _attr(call, "algorithm") == "0"
-    # (process, local device) of each rank, group by group: the groups are
-    # the rows of the mesh, the ranks its columns.
-    table = np.asarray(_ints(_attr(call, "device_table"))).reshape(2, 4, 2)
+    from jaxring import _jaxring
+    assert int(_attr(call, "algorithm")) == _jaxring.ALGORITHMS["ring"]
+    # The process and the local device of each rank, group by group: the
+    # groups are the rows of the mesh, the ranks its columns.
+    processes = np.asarray(_array(call, "rank_process")).reshape(2, 4)
+    ordinals = np.asarray(_array(call, "rank_device")).reshape(2, 4)
     devices = np.asarray(mesh.devices)
     for g in range(2):
         for r in range(4):
             d = devices[g, r]
-            assert tuple(table[g, r]) == (d.process_index, d.local_hardware_id)
-    ids = np.asarray(_ints(_attr(call, "nccl_ids"))).reshape(2, 3, 16)
+            assert (processes[g, r], ordinals[g, r]) == (d.process_index,
+                                                          d.local_hardware_id)
+    # The attributes every allreduce carries on the CPU too (RingAttrs), for
+    # a flat ring of one size without emulated links.
+    for name in ("op_id", "slot_id", "reduce_op", "chunk_bytes", "timeout_s"):
+        _attr(call, name)
+    for name in ("topology", "group_sizes", "link_bytes_per_s", "link_latency_s",
+                 "link_tiers"):
+        assert _array(call, name) == [], name
+    ids = np.asarray(_array(call, "nccl_ids")).reshape(2, 3, 16)
     flat = {ids[g, r].tobytes() for g in range(2) for r in range(3)}
     assert len(flat) == 6  # every (group, ring) has its own communicator
 
@@ -111,7 +136,7 @@ def test_same_devices_reuse_their_communicator_ids():
 
     def ids_of(fn):
         (call,) = _custom_calls(_lower_for_cuda(fn, mesh, x, P("i"), P()))
-        return _ints(_attr(call, "nccl_ids"))
+        return _array(call, "nccl_ids")
 
     first = ids_of(lambda v: jaxring.allreduce(v, "i", rings=2))
     again = ids_of(lambda v: jaxring.allreduce(v * 2, "i", op="max", rings=2))
@@ -126,7 +151,8 @@ def test_nccl_algorithm_attribute():
     text = _lower_for_cuda(lambda v: jaxring.allreduce(v, "i", algorithm="nccl"),
                            mesh, jnp.arange(16.0), P("i"), P())
     (call,) = _custom_calls(text)
-    assert _attr(call, "algorithm") == "2"
+    from jaxring import _jaxring
+    assert int(_attr(call, "algorithm")) == _jaxring.ALGORITHMS["nccl"]
 
 
 @needs_cuda_build
@@ -181,7 +207,9 @@ def test_overlap_lowers_to_cuda_start_and_done_pairs():
         sorted(_attr(c, "op_id") for c in dones)
     for c in starts:
         assert _attr(c, "world_size") == "4"
-        assert len(_ints(_attr(c, "device_table"))) == 8
+        assert len(_array(c, "rank_device")) == 4
+        assert len(_array(c, "rank_process")) == 4
+        assert _ints(_attr(c, "num_deps")) and "gang" not in c
 
 
 def test_unbuilt_backend_says_why(monkeypatch):
@@ -202,13 +230,13 @@ def test_nccl_algorithm_is_refused_on_cpu():
         f(jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("i"))))
 
 
-def test_device_table_has_minus_one_for_devices_other_processes_own():
+def test_rank_devices_has_minus_one_for_devices_other_processes_own():
     """A device of another process has no readable local_hardware_id (None
     in a multi-process job); the table says -1 there and keeps this
     process's own ordinals, which are all the handler looks for."""
     class Device:
         def __init__(self, process_index, local_hardware_id):
             self.process_index, self.local_hardware_id = process_index, local_hardware_id
-    table = cuda_backend.device_table([[Device(0, 0), Device(1, None)],
+    table = cuda_backend.rank_devices([[Device(0, 0), Device(1, None)],
                                        [Device(0, 1), Device(1, None)]])
-    assert table.tolist() == [0, 0, 1, -1, 0, 1, 1, -1]
+    assert table.tolist() == [0, -1, 1, -1]

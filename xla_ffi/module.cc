@@ -309,6 +309,7 @@ NB_MODULE(_jaxring, m) {
     nb::dict d;
     d["ring"] = static_cast<int>(jaxring::Algorithm::kRing);
     d["direct"] = static_cast<int>(jaxring::Algorithm::kDirect);
+    d["nccl"] = static_cast<int>(jaxring::Algorithm::kNccl);
     return d;
   }();
   m.attr("ELEM_TYPES") = [] {

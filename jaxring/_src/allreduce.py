@@ -18,6 +18,7 @@ named mesh axes. Its rules mirror lax.psum's so that it composes the same way:
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 import operator
 from typing import Any, NamedTuple, Sequence
@@ -448,9 +449,9 @@ def link_attributes(link: tuple, world: int, uneven_groups: bool) -> dict:
                                       np.int64))
 
 
-def _cpu_algorithm_id(algorithm: str) -> np.int64:
-    """The CPU custom calls' algorithm attribute, as the C++ side names its
-    values (Algorithm in xla_ffi/cpu/operation.h)."""
+def _algorithm_id(algorithm: str) -> np.int64:
+    """The custom calls' algorithm attribute, as the C++ side names its
+    values for both backends (Algorithm in xla_ffi/algorithm.h)."""
     from jaxring import _jaxring
     return np.int64(_jaxring.ALGORITHMS[algorithm])
 
@@ -511,10 +512,26 @@ def _call_ids(ctx, label: str, mesh_description) -> dict:
     return dict(op_id=np.int64(op_id), slot_id=np.int64(slot_id))
 
 
+def _attribute_dict(ctx, label, mesh_description, *, world, rank_process,
+                    uneven_sizes, tiers, algorithm, op, rings, chunk_bytes,
+                    timeout_s, link) -> dict:
+    """The attributes every allreduce custom call carries on either backend
+    (RingAttrs in xla_ffi/ring_attrs.h), with the op id of its place in the
+    module being lowered."""
+    return dict(**_call_ids(ctx, label, mesh_description),
+                world_size=np.int64(world),
+                group_sizes=np.asarray(uneven_sizes, np.int64),
+                algorithm=_algorithm_id(algorithm),
+                topology=np.asarray(tiers, np.int64),
+                rank_process=np.asarray(rank_process, np.int64),
+                reduce_op=_reduce_op_id(op), num_rings=np.int64(rings),
+                chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s),
+                **link_attributes(link, world, bool(len(uneven_sizes))))
+
+
 def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
                     timeout_s, link, algorithm, topology) -> dict:
-    """The custom-call attributes every ring operation carries, with the op
-    id of its place in the module being lowered."""
+    """The CPU ring operation's attributes."""
     world, rank_process = ring.world, ring.rank_process
     if len(ring.group_sizes) and topology not in ("auto", "flat") \
             and _topology.normalized(tuple(topology)):
@@ -526,36 +543,57 @@ def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
              else _topology.resolve(topology, world, rank_process))
     chosen = resolve_algorithm(algorithm, link, rank_process, tiered=bool(tiers))
     mesh = (world, tuple(rank_process), tuple(ring.group_sizes))
-    return dict(**_call_ids(ctx, label, mesh),
-                world_size=np.int64(world),
-                group_sizes=np.asarray(ring.group_sizes, np.int64),
-                algorithm=_cpu_algorithm_id(chosen),
-                topology=np.asarray(tiers, np.int64),
-                rank_process=np.asarray(rank_process, np.int64),
-                reduce_op=_reduce_op_id(op), num_rings=np.int64(rings),
-                chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s),
-                **link_attributes(link, world, bool(len(ring.group_sizes))))
+    return _attribute_dict(ctx, label, mesh, world=world, rank_process=rank_process,
+                           uneven_sizes=ring.group_sizes, tiers=tiers,
+                           algorithm=chosen, op=op, rings=rings,
+                           chunk_bytes=chunk_bytes, timeout_s=timeout_s, link=link)
 
 
 SCALAR_I32 = compat.ShapedArray((), np.int32)
 
 
-def _lowering(ctx, x, *, axes, groups, op, rings, chunk_bytes, timeout_s, link,
-              algorithm, topology, invariant, unreduced):
-    del invariant, unreduced
+# ---- lowering: one path, each backend's difference in one function ----------
+
+def cpu_call(ctx, label, dtype, *, axes, groups, op, rings, chunk_bytes,
+             timeout_s, link, algorithm, topology) -> tuple[dict, list]:
+    """The CPU backend's attributes, and its rank operands: the device's
+    rank and group, looked up from its partition id (the handler has no
+    other way to know them)."""
+    del dtype
     ring = ring_coordinates(ctx, axes, groups, timeout_s, link)
+    attrs = ring_attributes(ctx, label, ring, op, rings, chunk_bytes, timeout_s,
+                            link, algorithm, topology)
+    return attrs, [ring.rank, ring.group]
+
+
+def cuda_call(ctx, label, dtype, **params) -> tuple[dict, list]:
+    """The CUDA backend's attributes; no rank operands: the handler finds
+    its device in the rank tables (rank_process, rank_device)."""
+    return cuda_attributes(ctx, label, dtype=dtype, **params), []
+
+
+BACKENDS = {"cpu": cpu_call, "cuda": cuda_call}
+
+
+def _lowering(ctx, x, *, platform, axes, groups, op, invariant, unreduced,
+              **params):
+    del invariant, unreduced
     (aval,) = ctx.avals_in
-    call = jax.ffi.ffi_lowering("jaxring_allreduce_cpu")
-    sub_ctx = ctx.replace(avals_in=[aval, SCALAR_I32, SCALAR_I32])
-    attrs = ring_attributes(ctx, allreduce_label(op, axes, groups), ring, op, rings,
-                            chunk_bytes, timeout_s, link, algorithm, topology)
-    return call(sub_ctx, x, ring.rank, ring.group, **attrs)
+    attrs, ranks = BACKENDS[platform](ctx, allreduce_label(op, axes, groups),
+                                      aval.dtype, axes=axes, groups=groups, op=op,
+                                      **params)
+    call = jax.ffi.ffi_lowering(f"jaxring_allreduce_{platform}")
+    sub_ctx = ctx.replace(avals_in=[aval] + [SCALAR_I32] * len(ranks))
+    return call(sub_ctx, x, *ranks, **attrs)
 
 
-call_sites.register_lowering(allreduce_p, _in_manual_region(_lowering), platform="cpu")
+for _platform in BACKENDS:
+    call_sites.register_lowering(
+        allreduce_p, _in_manual_region(functools.partial(_lowering, platform=_platform)),
+        platform=_platform)
 
 
-# ---- the CUDA lowering ------------------------------------------------------
+# ---- what the CUDA backend adds ---------------------------------------------
 
 # Element types NCCL's own allreduce has (the ring moves bytes and reduces
 # with jaxring's kernels, so it has every supported type).
@@ -588,10 +626,11 @@ def _ring_members(devices, rank_table: np.ndarray, group_table: np.ndarray,
     return members
 
 
-def cuda_attributes(ctx, label, axes, groups, op, rings, chunk_bytes, timeout_s,
+def cuda_attributes(ctx, label, *, axes, groups, op, rings, chunk_bytes, timeout_s,
                     link, algorithm, topology, dtype) -> dict:
-    """The attributes every CUDA ring operation carries, with its op id;
-    registers the CUDA targets first (or raises why there are none)."""
+    """The CUDA ring operation's attributes (CudaAttrs in
+    xla_ffi/ring_attrs.h); registers the CUDA targets first (or raises why
+    there are none)."""
     cuda_backend.register()
     if link:
         raise ValueError(
@@ -614,30 +653,13 @@ def cuda_attributes(ctx, label, axes, groups, op, rings, chunk_bytes, timeout_s,
             "lowering (no device assignment).")
     chosen = resolve_cuda_algorithm(algorithm, dtype)
     members = _ring_members(devices, rank_table, group_table, world)
-    # The CUDA handlers take no slot id: NCCL finds ranks by communicator.
-    ids = _call_ids(ctx, label, members)
-    return dict(op_id=ids["op_id"], world_size=np.int64(world),
-                reduce_op=_reduce_op_id(op), num_rings=np.int64(rings),
-                chunk_bytes=np.int64(chunk_bytes),
-                timeout_s=np.float64(timeout_s),
-                algorithm=np.int64(cuda_backend.require("jaxring.allreduce")
-                                   .ALGORITHMS[chosen]),
-                device_table=cuda_backend.device_table(members),
+    attrs = _attribute_dict(
+        ctx, label, members, world=world,
+        rank_process=distributed.process_table(devices, rank_table, group_table, world),
+        uneven_sizes=(), tiers=(), algorithm=chosen, op=op, rings=rings,
+        chunk_bytes=chunk_bytes, timeout_s=timeout_s, link=())
+    return dict(attrs, rank_device=cuda_backend.rank_devices(members),
                 nccl_ids=cuda_backend.unique_ids(members, rings, timeout_s))
-
-
-def _cuda_lowering(ctx, x, *, axes, groups, op, rings, chunk_bytes, timeout_s,
-                   link, algorithm, topology, invariant, unreduced):
-    del invariant, unreduced
-    (aval,) = ctx.avals_in
-    attrs = cuda_attributes(ctx, allreduce_label(op, axes, groups), axes, groups,
-                            op, rings, chunk_bytes, timeout_s, link, algorithm,
-                            topology, aval.dtype)
-    return jax.ffi.ffi_lowering("jaxring_allreduce_cuda")(ctx, x, **attrs)
-
-
-call_sites.register_lowering(allreduce_p, _in_manual_region(_cuda_lowering),
-                             platform="cuda")
 
 
 # ---- public functions -------------------------------------------------------

@@ -8,7 +8,8 @@ over the same devices reuses the same communicators. Across processes the
 process of the group's rank 0 makes the id and publishes it under a jaxring
 key of jax.distributed's key-value store; the others read it, waiting at
 most the operation's timeout. The ids travel to the C++ handler as an
-attribute of the custom call (128 bytes each, as 16 int64).
+attribute of the custom call (128 bytes each, as 16 int64), beside the
+device ordinal of each rank (rank_device).
 """
 
 from __future__ import annotations
@@ -143,12 +144,12 @@ def unique_ids(groups: Sequence[Sequence], rings: int,
     return out.astype(np.int64)
 
 
-def device_table(groups: Sequence[Sequence]) -> np.ndarray:
-    """The device_table attribute: (process, device ordinal) per rank.
+def rank_devices(groups: Sequence[Sequence]) -> np.ndarray:
+    """The rank_device attribute: the device ordinal of each rank, group by
+    group, beside rank_process (the process of each rank).
 
     A device of another process has no ordinal this process can read (its
     local_hardware_id is None); -1 stands for it. The handler only looks
-    for its own (process, ordinal) row, which is always readable."""
-    rows = [(d.process_index, -1 if d.local_hardware_id is None else d.local_hardware_id)
-            for devices in groups for d in devices]
-    return np.asarray(rows, np.int64).reshape(-1)
+    for its own (process, ordinal), which is always readable."""
+    return np.asarray([-1 if d.local_hardware_id is None else d.local_hardware_id
+                       for devices in groups for d in devices], np.int64)

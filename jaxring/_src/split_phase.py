@@ -76,19 +76,19 @@ def _start_abstract_eval(*avals, axes, groups, op, rings, chunk_bytes, timeout_s
 start_p.def_effectful_abstract_eval(_start_abstract_eval)
 
 
-def _start_lowering(ctx, *xs, axes, groups, op, rings, chunk_bytes, timeout_s,
-                    link, algorithm, topology, label, num_deps):
-    ring = _ar.ring_coordinates(ctx, axes, groups, timeout_s, link)
-    attrs = _ar.ring_attributes(ctx, label, ring, op, rings, chunk_bytes, timeout_s,
-                                link, algorithm, topology)
+def _start_lowering(ctx, *xs, platform, label, num_deps, **params):
+    # The backend's attributes and rank operands, as for jaxring.allreduce
+    # (allreduce.BACKENDS); the start adds how it starts.
+    attrs, ranks = _ar.BACKENDS[platform](ctx, label, ctx.avals_in[num_deps].dtype,
+                                          **params)
     attrs["num_deps"] = np.int64(num_deps)
-    attrs["gang"] = bool(config.cpu_gang_start)
-    call = jax.ffi.ffi_lowering("jaxring_allreduce_start_cpu")
-    sub_ctx = ctx.replace(avals_in=[_ar.SCALAR_I32, _ar.SCALAR_I32, *ctx.avals_in])
-    return call(sub_ctx, ring.rank, ring.group, *xs, **attrs)
-
-
-call_sites.register_lowering(start_p, _start_lowering, platform="cpu")
+    if platform == "cpu":
+        # Waiting for the in-process peers is the CPU backend's (CUDA's
+        # streams order the rings).
+        attrs["gang"] = bool(config.cpu_gang_start)
+    call = jax.ffi.ffi_lowering(f"jaxring_allreduce_start_{platform}")
+    sub_ctx = ctx.replace(avals_in=[_ar.SCALAR_I32] * len(ranks) + list(ctx.avals_in))
+    return call(sub_ctx, *ranks, *xs, **attrs)
 
 
 # ---- done -------------------------------------------------------------------
@@ -124,29 +124,19 @@ def _op_id_of_start(handle) -> int:
     return ir.IntegerAttr(config["op_id"]).value
 
 
-def _done_lowering(ctx, handle, *deps, out_avals,
-                   target="jaxring_allreduce_done_cpu"):
+def _done_lowering(ctx, handle, *deps, out_avals, platform):
     del out_avals
-    call = jax.ffi.ffi_lowering(target)
+    call = jax.ffi.ffi_lowering(f"jaxring_allreduce_done_{platform}")
     return call(ctx, handle, *deps, op_id=np.int64(_op_id_of_start(handle)))
 
 
-call_sites.register_lowering(done_p, _done_lowering, platform="cpu")
-
-
-def _start_cuda_lowering(ctx, *xs, axes, groups, op, rings, chunk_bytes,
-                         timeout_s, link, algorithm, topology, label, num_deps):
-    attrs = _ar.cuda_attributes(ctx, label, axes, groups, op, rings, chunk_bytes,
-                                timeout_s, link, algorithm, topology,
-                                ctx.avals_in[num_deps].dtype)
-    attrs["num_deps"] = np.int64(num_deps)
-    return jax.ffi.ffi_lowering("jaxring_allreduce_start_cuda")(ctx, *xs, **attrs)
-
-
-call_sites.register_lowering(start_p, _start_cuda_lowering, platform="cuda")
-call_sites.register_lowering(
-    done_p, functools.partial(_done_lowering, target="jaxring_allreduce_done_cuda"),
-    platform="cuda")
+for _platform in _ar.BACKENDS:
+    call_sites.register_lowering(
+        start_p, functools.partial(_start_lowering, platform=_platform),
+        platform=_platform)
+    call_sites.register_lowering(
+        done_p, functools.partial(_done_lowering, platform=_platform),
+        platform=_platform)
 
 
 # ---- helpers used by overlap ------------------------------------------------

@@ -13,7 +13,7 @@
 #include "../ffi_common.h"
 #include "../reduce.h"
 #include "inprocess_transport.h"
-#include "ring_attrs.h"
+#include "../ring_attrs.h"
 #include "ring_transport.h"
 #include "split_phase.h"
 
@@ -83,11 +83,13 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
                                  a.link_tiers, world_size, desc)) {
     return error;
   }
-  const int64_t algorithm = a.algorithm;
   const ffi::Span<const int64_t> topology = a.topology;
-  if (algorithm != static_cast<int64_t>(Algorithm::kRing) &&
-      algorithm != static_cast<int64_t>(Algorithm::kDirect)) {
+  Algorithm algorithm;
+  if (!algorithm_from_int(a.algorithm, &algorithm)) {
     return "jaxring allreduce: unknown algorithm";
+  }
+  if (algorithm == Algorithm::kNccl) {
+    return "jaxring allreduce: algorithm 'nccl' exists on the CUDA backend only";
   }
   if (rank < 0 || rank >= world_size) {
     std::ostringstream os;
@@ -101,7 +103,7 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
   desc->world_size = static_cast<int>(world_size);
   desc->num_rings = static_cast<int>(a.num_rings);
   desc->chunk_bytes = a.chunk_bytes;
-  desc->algorithm = static_cast<Algorithm>(algorithm);
+  desc->algorithm = algorithm;
   // The tiers of the plan, tightest first; none means one flat ring. The
   // TCP transport packs them into a frame header: at most 4, each < 2^16.
   desc->topology.clear();

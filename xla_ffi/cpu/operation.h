@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "../algorithm.h"
 #include "../reduce.h"
 
 namespace jaxring {
@@ -26,18 +27,6 @@ struct OpKey {
     if (op_id != o.op_id) return op_id < o.op_id;
     return group < o.group;
   }
-};
-
-// How the ranks of one process combine their buffers.
-enum class Algorithm : int {
-  // The ring plan: 2(p-1) steps of neighbour transfers. The only algorithm
-  // across processes and under link emulation.
-  kRing = 0,
-  // In one process only: rank i reduces segment i of every rank's input and
-  // writes it into every rank's output. Each byte is read once and written
-  // once per rank, against about five times for a ring over shared memory,
-  // and there are two synchronisations instead of 2(p-1).
-  kDirect = 1,
 };
 
 // One tier of the cluster that link emulation models in one process.

@@ -21,21 +21,16 @@ constexpr size_t kScratchAlignment = 16;
 
 ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
                              ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> out, int64_t op_id,
-                             int64_t world_size, int64_t reduce_op,
-                             int64_t num_rings, int64_t chunk_bytes,
-                             double timeout_s, int64_t algorithm,
-                             ffi::Span<const int64_t> device_table,
-                             ffi::Span<const int64_t> nccl_ids) {
+                             ffi::Result<ffi::AnyBuffer> out,
+                             CudaAttrs attrs) {
   if (out->element_type() != x.element_type() ||
       out->element_count() != x.element_count()) {
     return ffi::Error::InvalidArgument(
         "jaxring allreduce: the result must have the operand's type and size");
   }
   CudaOp op;
-  if (Status s = describe(x.element_type(), device, op_id, world_size, reduce_op,
-                          num_rings, chunk_bytes, timeout_s, algorithm,
-                          device_table, nccl_ids, &op)) {
+  if (Status s = describe(x.element_type(), device, attrs.ring, attrs.rank_device,
+                          attrs.nccl_ids, &op)) {
     return ffi::Error::InvalidArgument(*s);
   }
   RingIssue how;
@@ -62,7 +57,7 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
     return std::nullopt;
   };
   how.xla_stream_waits = true;
-  if (Status s = issue_allreduce(stream, device, op, nccl_ids, x.untyped_data(),
+  if (Status s = issue_allreduce(stream, device, op, attrs.nccl_ids, x.untyped_data(),
                                  out->untyped_data(),
                                  static_cast<int64_t>(x.element_count()), how)) {
     return failure_error(*s);
@@ -83,16 +78,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::ScratchAllocator>()              // per-ring chunk buffers
         .Arg<ffi::AnyBuffer>()                     // x
         .Ret<ffi::AnyBuffer>()                     // the reduced result
-        .Attr<int64_t>("op_id")
-        .Attr<int64_t>("world_size")
-        .Attr<int64_t>("reduce_op")
-        .Attr<int64_t>("num_rings")
-        .Attr<int64_t>("chunk_bytes")
-        .Attr<double>("timeout_s")
-        .Attr<int64_t>("algorithm")  // CudaAlgorithm: 0 ring, 2 nccl
-        // (process, device ordinal) of each rank, world_size ranks per group
-        .Attr<ffi::Span<const int64_t>>("device_table")
-        // NCCL unique id (128 bytes as 16 int64) per (group, ring)
-        .Attr<ffi::Span<const int64_t>>("nccl_ids"));
+        .Attrs<CudaAttrs>());                      // ring_attrs.h
 
 }  // namespace jaxring::cuda

@@ -128,16 +128,11 @@ NB_MODULE(_jaxring_cuda, m) {
     return nb::bytes(id.data(), id.size());
   }, "A fresh NCCL unique id (128 bytes); needs no GPU.");
   m.attr("UNIQUE_ID_BYTES") = NCCL_UNIQUE_ID_BYTES;
-  // The values of the custom calls' "algorithm" attribute, named once here.
-  m.attr("ALGORITHMS") = [] {
-    nb::dict d;
-    d["ring"] = static_cast<int>(jaxring::cuda::CudaAlgorithm::kRing);
-    d["nccl"] = static_cast<int>(jaxring::cuda::CudaAlgorithm::kNccl);
-    return d;
-  }();
+  // The "algorithm" attribute's values are named once, by the core module
+  // (_jaxring.ALGORITHMS); this backend runs "ring" and "nccl".
 
   m.def("set_process_index", &jaxring::cuda::set_process_index, nb::arg("index"),
-        "This process's index, to find its devices in a device table.");
+        "This process's index, to find its devices in the rank tables.");
   m.def("destroy_communicators", &jaxring::cuda::destroy_communicators,
         "Finalizes and destroys every cached NCCL communicator.");
   m.def("communicator_count", &jaxring::cuda::communicator_count,

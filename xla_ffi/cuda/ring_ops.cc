@@ -55,15 +55,16 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 }
 
 
-// Finds this device's (group, rank) in the device table: one (process,
-// device ordinal) pair per rank, world_size ranks per group.
-Status locate(ffi::Span<const int64_t> device_table, int64_t world_size,
+// Finds this device's (group, rank): the one rank whose process is this
+// one and whose device ordinal is `device`, world_size ranks per group.
+Status locate(ffi::Span<const int64_t> rank_process,
+              ffi::Span<const int64_t> rank_device, int64_t world_size,
               int device, int* group, int* rank) {
   const int me = process_index.load();
-  const int64_t rows = static_cast<int64_t>(device_table.size()) / 2;
+  const int64_t rows = static_cast<int64_t>(rank_process.size());
   int found = 0;
   for (int64_t i = 0; i < rows; ++i) {
-    if (device_table[2 * i] == me && device_table[2 * i + 1] == device) {
+    if (rank_process[i] == me && rank_device[i] == device) {
       *group = static_cast<int>(i / world_size);
       *rank = static_cast<int>(i % world_size);
       ++found;
@@ -79,39 +80,49 @@ Status locate(ffi::Span<const int64_t> device_table, int64_t world_size,
 
 }  // namespace
 
-Status describe(ffi::DataType dtype, int device, int64_t op_id, int64_t world_size,
-                int64_t reduce_op, int64_t num_rings, int64_t chunk_bytes,
-                double timeout_s, int64_t algorithm,
-                ffi::Span<const int64_t> device_table,
+Status describe(ffi::DataType dtype, int device, const RingAttrs& a,
+                ffi::Span<const int64_t> rank_device,
                 ffi::Span<const int64_t> nccl_ids, CudaOp* op) {
-  if (auto error = check_allreduce_attrs(dtype, reduce_op, world_size, num_rings,
-                                         chunk_bytes, timeout_s, &op->type,
+  const int64_t world_size = a.world_size;
+  const int64_t num_rings = a.num_rings;
+  if (auto error = check_allreduce_attrs(dtype, a.reduce_op, world_size, num_rings,
+                                         a.chunk_bytes, a.timeout_s, &op->type,
                                          &op->op)) {
     return error;
   }
-  if (algorithm != static_cast<int64_t>(CudaAlgorithm::kRing) &&
-      algorithm != static_cast<int64_t>(CudaAlgorithm::kNccl)) {
-    return "jaxring allreduce: unknown algorithm for the CUDA backend";
+  if (!algorithm_from_int(a.algorithm, &op->algorithm)) {
+    return "jaxring allreduce: unknown algorithm";
   }
-  if (device_table.size() % (2 * world_size) != 0) {
-    return "jaxring allreduce: the device table is not whole groups";
+  if (op->algorithm == Algorithm::kDirect) {
+    return "jaxring allreduce: algorithm 'direct' exists on the CPU backend only";
   }
-  const int64_t groups = device_table.size() / (2 * world_size);
+  // Python refuses these at trace time with the way out; here they only
+  // must not pass unnoticed.
+  if (a.topology.size() > 0 || a.group_sizes.size() > 0 ||
+      a.link_bytes_per_s.size() > 0) {
+    return "jaxring allreduce: the CUDA backend runs flat rings of one size, "
+           "without tiers or emulated links";
+  }
+  if (a.rank_process.size() != rank_device.size() ||
+      a.rank_process.size() % world_size != 0) {
+    return "jaxring allreduce: the rank tables are not whole groups";
+  }
+  const int64_t groups = a.rank_process.size() / world_size;
   constexpr int64_t kIdWords = NCCL_UNIQUE_ID_BYTES / sizeof(int64_t);
   if (static_cast<int64_t>(nccl_ids.size()) != groups * num_rings * kIdWords) {
     return "jaxring allreduce: expected one NCCL unique id per group and ring";
   }
-  op->algorithm = static_cast<CudaAlgorithm>(algorithm);
   op->world_size = static_cast<int>(world_size);
   op->num_rings = static_cast<int>(num_rings);
-  op->chunk_bytes = chunk_bytes;
-  op->timeout_s = timeout_s;
-  op->op_id = op_id;
-  if (op->algorithm == CudaAlgorithm::kNccl && !nccl_type(op->type)) {
+  op->chunk_bytes = a.chunk_bytes;
+  op->timeout_s = a.timeout_s;
+  op->op_id = a.op_id;
+  if (op->algorithm == Algorithm::kNccl && !nccl_type(op->type)) {
     return std::string("jaxring allreduce: algorithm 'nccl' has no ") +
            elem_type_name(op->type) + " type; use algorithm 'ring'";
   }
-  return locate(device_table, world_size, device, &op->group, &op->rank);
+  return locate(a.rank_process, rank_device, world_size, device, &op->group,
+                &op->rank);
 }
 
 namespace {
@@ -191,7 +202,7 @@ Status enqueue_nccl(const CudaOp& op, const TieredPlan& plan, int r,
 // Ring r's share of the operation on c->stream, by the chosen algorithm.
 Status enqueue_work(const CudaOp& op, const TieredPlan& plan, int r,
                     Communicator* c, void* scratch, const void* in, void* out) {
-  if (op.algorithm == CudaAlgorithm::kNccl) {
+  if (op.algorithm == Algorithm::kNccl) {
     return enqueue_nccl(op, plan, r, c, in, out);
   }
   const int64_t esize = plan.elem_bytes();
@@ -265,7 +276,7 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
   // Every ring's scratch before the first fork, so that running out of
   // memory fails before any work is enqueued.
   std::vector<void*> scratch_of(op.num_rings, nullptr);
-  if (op.algorithm == CudaAlgorithm::kRing && op.world_size > 1) {
+  if (op.algorithm == Algorithm::kRing && op.world_size > 1) {
     JAXRING_RETURN_IF_FAILED(
         how.scratch(largest_reduce_receive(*plan, op.rank) * esize, &scratch_of));
   }

@@ -10,26 +10,24 @@
 #include <functional>
 #include <vector>
 
+#include "../algorithm.h"
 #include "../reduce.h"
+#include "../ring_attrs.h"
 #include "checks.h"
 #include "communicators.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxring::cuda {
 
-// Values of the custom calls' "algorithm" attribute on the CUDA backend
-// (the CPU backend's direct algorithm, 1, does not exist here).
-enum class CudaAlgorithm : int { kRing = 0, kNccl = 2 };
-
 // This process's index in a multi-process job (jax.process_index()), which
-// the handlers look up with their device ordinal in the device table.
+// the handlers look up with their device ordinal in the rank tables.
 void set_process_index(int index);
 
 // What one call does, checked and resolved from its attributes.
 struct CudaOp {
   ElemType type;
   ReduceOp op;
-  CudaAlgorithm algorithm;
+  Algorithm algorithm;  // kRing or kNccl
   int world_size;
   int rank;
   int group;
@@ -39,11 +37,11 @@ struct CudaOp {
   int64_t op_id;
 };
 
-// Checks the attributes and finds this device's rank and group.
-Status describe(xla::ffi::DataType dtype, int device, int64_t op_id,
-                int64_t world_size, int64_t reduce_op, int64_t num_rings,
-                int64_t chunk_bytes, double timeout_s, int64_t algorithm,
-                xla::ffi::Span<const int64_t> device_table,
+// Checks a call's attributes (ring_attrs.h) and finds this device's rank
+// and group: the row of (ring.rank_process, rank_device) that is this
+// process and `device`.
+Status describe(xla::ffi::DataType dtype, int device, const RingAttrs& ring,
+                xla::ffi::Span<const int64_t> rank_device,
                 xla::ffi::Span<const int64_t> nccl_ids, CudaOp* op);
 
 struct RingIssue {

@@ -162,12 +162,9 @@ Status start(cudaStream_t stream, int device, ffi::RemainingArgs args,
 ffi::Error AllreduceStartCudaImpl(cudaStream_t stream, int32_t device,
                                   ffi::RunId run_id, ffi::RemainingArgs args,
                                   ffi::Result<ffi::Buffer<ffi::S32>> handle,
-                                  int64_t op_id, int64_t world_size,
-                                  int64_t reduce_op, int64_t num_rings,
-                                  int64_t chunk_bytes, double timeout_s,
-                                  int64_t algorithm, int64_t num_deps,
-                                  ffi::Span<const int64_t> device_table,
-                                  ffi::Span<const int64_t> nccl_ids) {
+                                  CudaStartAttrs attrs) {
+  const int64_t num_deps = attrs.num_deps;
+  const int64_t op_id = attrs.ring.op_id;
   if (num_deps < 0 || static_cast<size_t>(num_deps) >= args.size()) {
     return ffi::Error::InvalidArgument(
         "jaxring allreduce start: no operands after the dependencies");
@@ -184,16 +181,15 @@ ffi::Error AllreduceStartCudaImpl(cudaStream_t stream, int32_t device,
     }
   }
   CudaOp op;
-  if (Status e = describe(first->element_type(), device, op_id, world_size,
-                          reduce_op, num_rings, chunk_bytes, timeout_s,
-                          algorithm, device_table, nccl_ids, &op)) {
+  if (Status e = describe(first->element_type(), device, attrs.ring,
+                          attrs.rank_device, attrs.nccl_ids, &op)) {
     return ffi::Error::InvalidArgument(*e);
   }
   Started s;
   // On a failure, issue_allreduce has already made XLA's stream wait for
   // the rings it forked; after the memset, the rings have only recorded
   // their joins. Either way the buffers are freed behind every join.
-  if (Status e = start(stream, device, args, num_deps, op, nccl_ids, &s)) {
+  if (Status e = start(stream, device, args, num_deps, op, attrs.nccl_ids, &s)) {
     wait_and_release(s, device, stream);
     return failure_error(*e);
   }
@@ -283,16 +279,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::RunId>()             // one id per execution
         .RemainingArgs()               // num_deps dependencies, then operands
         .Ret<ffi::Buffer<ffi::S32>>()  // handle for done (its value unused)
-        .Attr<int64_t>("op_id")
-        .Attr<int64_t>("world_size")
-        .Attr<int64_t>("reduce_op")
-        .Attr<int64_t>("num_rings")
-        .Attr<int64_t>("chunk_bytes")
-        .Attr<double>("timeout_s")
-        .Attr<int64_t>("algorithm")
-        .Attr<int64_t>("num_deps")
-        .Attr<ffi::Span<const int64_t>>("device_table")
-        .Attr<ffi::Span<const int64_t>>("nccl_ids"));
+        .Attrs<CudaStartAttrs>());     // ring_attrs.h
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllreduceDoneCuda, AllreduceDoneCudaImpl,

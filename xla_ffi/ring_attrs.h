@@ -1,7 +1,11 @@
-// The attributes every CPU ring custom call carries, as one struct that XLA
-// FFI decodes from the call's attribute dictionary (the Python side builds
-// them in jaxring/_src/allreduce.py, ring_attributes; their values are
-// checked once, by describe_op in allreduce_handler.cc).
+// The attributes of jaxring's custom calls, one schema for both backends:
+// RingAttrs is what every allreduce carries, on the CPU and on CUDA; each
+// call's struct adds what its backend needs. XLA FFI decodes the call's
+// attribute dictionary into the struct. The Python side builds them in
+// jaxring/_src/allreduce.py (ring_attributes; cuda_attributes adds CUDA's);
+// their values are checked in C++ once per backend: describe_op in
+// cpu/allreduce_handler.cc, describe in cuda/ring_ops.cc, both starting
+// from check_allreduce_attrs (ffi_common.h).
 #pragma once
 
 #include <cstdint>
@@ -18,7 +22,7 @@ struct RingAttrs {
   int64_t num_rings;
   int64_t chunk_bytes;
   double timeout_s;
-  int64_t algorithm;   // Algorithm
+  int64_t algorithm;   // Algorithm (algorithm.h)
   // The tiered plan's tiers, tightest first; empty: one flat ring.
   xla::ffi::Span<const int64_t> topology;
   // The process of each rank, one row of world_size per group.
@@ -32,11 +36,31 @@ struct RingAttrs {
   xla::ffi::Span<const int64_t> link_tiers;
 };
 
-// The split-phase start's: a ring operation's, and how it is started.
+// The CPU split-phase start's: a ring operation's, and how it is started.
 struct StartAttrs {
   RingAttrs ring;
   int64_t num_deps;  // leading operands that are ordering dependencies only
   bool gang;         // wait for the in-process peers (gang_start.h)
+};
+
+// The CUDA backend's: a ring operation's (flat rings of one size: no
+// topology, group sizes or emulated links), and which GPU runs each rank
+// and the NCCL communicators' ids.
+struct CudaAttrs {
+  RingAttrs ring;
+  // The device ordinal of each rank (-1 for another process's), beside
+  // ring.rank_process, one row of world_size per group.
+  xla::ffi::Span<const int64_t> rank_device;
+  // One NCCL unique id per (group, ring): 128 bytes as 16 int64.
+  xla::ffi::Span<const int64_t> nccl_ids;
+};
+
+// The CUDA split-phase start's.
+struct CudaStartAttrs {
+  RingAttrs ring;
+  int64_t num_deps;  // operands that are ordering dependencies only
+  xla::ffi::Span<const int64_t> rank_device;
+  xla::ffi::Span<const int64_t> nccl_ids;
 };
 
 }  // namespace jaxring
@@ -61,3 +85,12 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxring::RingAttrs, JAXRING_RING_ATTR_MEMB
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxring::StartAttrs, JAXRING_RING_ATTR_MEMBERS,
                                       ::xla::ffi::StructMember<int64_t>("num_deps"),
                                       ::xla::ffi::StructMember<bool>("gang"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jaxring::CudaAttrs, JAXRING_RING_ATTR_MEMBERS,
+    ::xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("rank_device"),
+    ::xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("nccl_ids"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jaxring::CudaStartAttrs, JAXRING_RING_ATTR_MEMBERS,
+    ::xla::ffi::StructMember<int64_t>("num_deps"),
+    ::xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("rank_device"),
+    ::xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("nccl_ids"));

@@ -1,0 +1,41 @@
+// The "algorithm" attribute of every allreduce custom call: one enum for
+// both backends, named once for Python (_jaxring.ALGORITHMS). Each backend
+// runs some of the values and refuses the others with a clear error.
+#pragma once
+
+#include <cstdint>
+
+namespace jaxring {
+
+enum class Algorithm : int {
+  // The ring plan: 2(p-1) steps of neighbour transfers (or the tiered
+  // plan's phases). Both backends; the only one across processes and under
+  // link emulation on the CPU.
+  kRing = 0,
+  // CPU, in one process only: rank i reduces segment i of every rank's
+  // input and writes it into every rank's output. Each byte is read once
+  // and written once per rank, against about five times for a ring over
+  // shared memory, and there are two synchronisations instead of 2(p-1).
+  kDirect = 1,
+  // CUDA only: NCCL's own allreduce, chunk by chunk, on the ring's
+  // communicator (a reference to compare the ring with).
+  kNccl = 2,
+};
+
+// Sets *out and returns true for a value of the enum; false otherwise.
+inline bool algorithm_from_int(int64_t v, Algorithm* out) {
+  if (v < 0 || v > static_cast<int64_t>(Algorithm::kNccl)) return false;
+  *out = static_cast<Algorithm>(v);
+  return true;
+}
+
+inline const char* algorithm_name(Algorithm a) {
+  switch (a) {
+    case Algorithm::kRing: return "ring";
+    case Algorithm::kDirect: return "direct";
+    case Algorithm::kNccl: return "nccl";
+  }
+  return "unknown";
+}
+
+}  // namespace jaxring
