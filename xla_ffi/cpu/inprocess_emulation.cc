@@ -18,9 +18,9 @@ namespace {
 // Returns, per rank, when its last unit arrives. Arithmetic only: the data
 // moves in run_pipeline.
 std::vector<int64_t> emulated_finish_times(const Op& op) {
-  const RingPlan& plan = op.plan;
+  const TieredPlan& plan = op.plan;
   const int p = op.desc.world_size;
-  const int steps = plan.num_steps();
+  const int steps = op.steps();
   const int64_t esize = plan.elem_bytes();
   // done_ns[rank * num_units + unit]: when the unit had arrived at the rank.
   std::vector<int64_t> done_ns(static_cast<size_t>(p * op.num_units), 0);
@@ -28,20 +28,19 @@ std::vector<int64_t> emulated_finish_times(const Op& op) {
   int64_t longest = 0;
   for (int rank = 0; rank < p; ++rank) finish[rank] = op.slots[rank].joined_ns;
   for (int r = 0; r < plan.num_rings(); ++r) {
-    longest = std::max(longest, plan.num_chunks(r) * steps);
+    longest = std::max(longest, op.chunks(r) * steps);
   }
   for (int64_t cur = 0; cur < longest; ++cur) {
     const int t = static_cast<int>(cur % steps);
     for (int r = 0; r < plan.num_rings(); ++r) {
-      if (cur >= plan.num_chunks(r) * steps) continue;
+      if (cur >= op.chunks(r) * steps) continue;
       const int64_t unit = op.unit_base[r] + cur;
       for (int rank = 0; rank < p; ++rank) {
-        const int prev = plan.prev_rank(r, rank);
+        const int prev = op.prev_rank(r, rank);
         const RankSlot& from = op.slots[prev];
         const int64_t ready =
             t == 0 ? from.joined_ns : done_ns[prev * op.num_units + unit - 1];
-        const Span span = plan.chunk(
-            r, plan.recv_segment(plan.position(r, rank), t), cur / steps);
+        const Span span = plan.recv_span(r, 0, rank, cur);
         int64_t arrived =
             from.worker->book_transfer(ready, span.count * esize, op.desc);
         // A rank takes its units in order, and only once it has joined.
@@ -62,10 +61,9 @@ std::vector<int64_t> emulated_finish_times(const Op& op) {
 // of different rings or indices cover different elements, so pipelines can
 // run on different threads at once.
 void run_pipeline(Op& op, int64_t k) {
-  const RingPlan& plan = op.plan;
   int r = 0;
-  while (k >= plan.num_chunks(r)) k -= plan.num_chunks(r++);
-  const int steps = plan.num_steps();
+  while (k >= op.chunks(r)) k -= op.chunks(r++);
+  const int steps = op.steps();
   for (int t = 0; t < steps; ++t) {
     for (int rank = 0; rank < op.desc.world_size; ++rank) {
       run_unit(op, r, rank, k * steps + t);

@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "../plan.h"
+#include "../tiered_plan.h"
 #include "operation.h"
 #include "task_queue.h"
 
@@ -55,8 +55,8 @@ struct Op {
   Op(const OpKey& k, const OpDesc& d, double timeout_s)
       : key(k),
         desc(d),
-        plan(d.world_size, d.num_rings, d.count, elem_bytes(d.type),
-             d.chunk_bytes),
+        plan(std::vector<int>{d.world_size}, d.num_rings, d.count,
+             elem_bytes(d.type), d.chunk_bytes),
         slots(d.world_size),
         deadline(Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                     std::chrono::duration<double>(timeout_s))),
@@ -64,10 +64,10 @@ struct Op {
     int64_t units = 0;
     for (int r = 0; r < d.num_rings; ++r) {
       unit_base.push_back(units);
-      units += plan.num_chunks(r) * plan.num_steps();
+      units += chunks(r) * steps();
     }
     num_units = units;
-    for (int r = 0; r < d.num_rings; ++r) num_pipelines += plan.num_chunks(r);
+    for (int r = 0; r < d.num_rings; ++r) num_pipelines += chunks(r);
     // A share is worth handing to another thread only if it is a few
     // milliseconds of copying: a worker woken for less may wait longer for
     // a core than the work takes.
@@ -87,7 +87,17 @@ struct Op {
 
   const OpKey key;
   const OpDesc desc;
-  const RingPlan plan;
+  // The flat ring: the tiered plan of one tier, whose one phase (none in a
+  // world of one) is the whole 2(p-1)-step allreduce. Its units are the
+  // CPU executor's and the CUDA stream schedule's.
+  const TieredPlan plan;
+  int steps() const { return plan.num_phases() ? plan.phase(0).num_steps : 0; }
+  // Chunk slots per segment of ring r, the same at every rank.
+  int64_t chunks(int r) const {
+    return plan.num_phases() ? plan.num_chunks(r, 0, 0) : 0;
+  }
+  int prev_rank(int r, int rank) const { return plan.prev_rank(r, 0, rank); }
+  int next_rank(int r, int rank) const { return plan.next_rank(r, 0, rank); }
   std::vector<int64_t> unit_base;  // index of ring r's first unit
   int64_t num_units = 0;           // units of all rings, per rank
   std::vector<RankSlot> slots;

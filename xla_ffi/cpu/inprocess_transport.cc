@@ -69,17 +69,15 @@ void Op::wake_all() {
 }
 
 void run_unit(Op& op, int r, int rank, int64_t cur) {
-  const RingPlan& plan = op.plan;
-  const int steps = plan.num_steps();
+  const TieredPlan& plan = op.plan;
   const int64_t esize = plan.elem_bytes();
-  const int64_t c = cur / steps;
-  const int t = static_cast<int>(cur % steps);
-  const RankSlot& from = op.slots[plan.prev_rank(r, rank)];
+  const int t = static_cast<int>(cur % op.steps());
+  const RankSlot& from = op.slots[op.prev_rank(r, rank)];
   const RankSlot& me = op.slots[rank];
-  const Span span = plan.chunk(r, plan.recv_segment(plan.position(r, rank), t), c);
+  const Span span = plan.recv_span(r, 0, rank, cur);
   if (span.count <= 0) return;
   char* dst = static_cast<char*>(me.out) + span.offset * esize;
-  if (plan.is_reduce_step(t)) {
+  if (plan.is_reduce_unit(0, cur)) {
     // Step 0 starts from the neighbour's input; later steps from the partial
     // result it wrote at the step before.
     const char* src = static_cast<const char*>(t == 0 ? from.in : from.out) +
@@ -95,8 +93,7 @@ void run_unit(Op& op, int r, int rank, int64_t cur) {
 bool Worker::advance(Task& task, bool* finished) {
   Op& op = *task.op;
   RankSlot& me = op.slots[task.rank];
-  const RingPlan& plan = op.plan;
-  const int steps = plan.num_steps();
+  const int steps = op.steps();
   task.wake_ns = -1;
 
   if (op.failed.load(std::memory_order_acquire)) {
@@ -119,9 +116,9 @@ bool Worker::advance(Task& task, bool* finished) {
     progressed = run_emulated(task);
   } else if (!me.finished.load(std::memory_order_relaxed)) {
     bool all_rings_done = true;
-    for (int r = 0; r < plan.num_rings(); ++r) {
-      const int64_t total = plan.num_chunks(r) * steps;
-      RankSlot& from = op.slots[plan.prev_rank(r, task.rank)];
+    for (int r = 0; r < op.desc.num_rings; ++r) {
+      const int64_t total = op.chunks(r) * steps;
+      RankSlot& from = op.slots[op.prev_rank(r, task.rank)];
       int64_t& cur = task.cursor[r];
       while (cur < total) {
         const int64_t c = cur / steps;
@@ -136,7 +133,7 @@ bool Worker::advance(Task& task, bool* finished) {
         ++cur;
         me.progress[r].store(cur, std::memory_order_release);
         progressed = true;
-        RankSlot& to = op.slots[plan.next_rank(r, task.rank)];
+        RankSlot& to = op.slots[op.next_rank(r, task.rank)];
         if (to.joined.load(std::memory_order_acquire)) to.worker->wake();
       }
       if (cur < total) all_rings_done = false;
@@ -155,7 +152,7 @@ bool Worker::advance(Task& task, bool* finished) {
       (op.emulated() && me.finished.load(std::memory_order_acquire))) {
     if (timeline_enabled()) {
       timeline_record({device_, op.key.run_id, op.key.op_id,
-                       op.desc.count * plan.elem_bytes(), op.desc.num_rings,
+                       op.desc.count * op.plan.elem_bytes(), op.desc.num_rings,
                        me.joined_ns, now_ns()});
     }
     task.done(std::nullopt);

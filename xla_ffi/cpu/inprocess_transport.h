@@ -1,5 +1,5 @@
-// In-process transport: executes a RingPlan among the virtual CPU devices of
-// one process (--xla_force_host_platform_device_count=N).
+// In-process transport: executes the flat ring (the tiered plan of one tier)
+// among the virtual CPU devices of one process
 //
 // Why it looks the way it does:
 //  * XLA CPU runs every device program on one shared thread pool. A handler
