@@ -7,7 +7,8 @@ Each process gets the coordinator's address, the number of processes and its
 own index, initializes ``jax.distributed`` and runs the script. The processes
 share a fresh ``JAXRING_JOB_SECRET`` (or the caller's), with which jaxring's
 TCP transport authenticates them, and a coordinator on 127.0.0.1 listens on
-loopback only. Every output
+loopback only. ``--cpu-bind cores`` binds each process to its own share of
+the CPUs, as mpirun does. Every output
 line is prefixed with the process's rank. If one process exits with an
 error, the launcher stops the others and exits with that status; Ctrl-C
 stops them all. On a cluster, skip the launcher: call
@@ -37,6 +38,7 @@ _GRACE_S = 3.0
 # What the launcher tells each process it starts (read by launched.py).
 _NUM_PROCESSES_ENV = "JAXRING_NUM_PROCESSES"
 _PROCESS_ID_ENV = "JAXRING_PROCESS_ID"
+_CPUS_ENV = "JAXRING_LAUNCH_CPUS"
 
 
 def launched_process_count() -> int:
@@ -44,6 +46,19 @@ def launched_process_count() -> int:
     process was not started by it. Unlike ``jax.process_count()`` it can be
     read before JAX starts, to decide how to set up the devices."""
     return int(os.environ.get(_NUM_PROCESSES_ENV, "1"))
+
+
+def cpu_shares(nproc: int, cpus: list[int]) -> list[list[int]]:
+    """The CPUs each of nproc processes is bound to under --cpu-bind cores:
+    disjoint, contiguous, near-equal shares of `cpus` while there are at
+    least as many CPUs as processes; one CPU each, taken in turn, beyond
+    (as mpirun binds an oversubscribed job). `cpus` is this process's
+    affinity, which the kernel never leaves empty."""
+    cpus = sorted(cpus)
+    if nproc <= len(cpus):
+        return [cpus[i * len(cpus) // nproc:(i + 1) * len(cpus) // nproc]
+                for i in range(nproc)]
+    return [[cpus[i % len(cpus)]] for i in range(nproc)]
 
 
 def _free_port() -> int:
@@ -109,6 +124,11 @@ def parse_args(argv):
     ap.add_argument("--coordinator", default=None,
                     help="host:port for jax.distributed's coordinator "
                          "(default: 127.0.0.1 and a free port)")
+    ap.add_argument("--cpu-bind", choices=("none", "cores"), default="none",
+                    help="cores: bind each process to its own share of the "
+                         "CPUs this launcher may use (as mpirun does), so "
+                         "the processes of one host stop migrating between "
+                         "cores; none (default): let the kernel place them")
     ap.add_argument("--prefix-command", default=None, metavar="TEMPLATE",
                     help="run each process under this command, with {rank} "
                          "replaced, e.g. 'ip netns exec node{rank}'")
@@ -133,12 +153,17 @@ def parse_args(argv):
 
 
 # The launcher's options that take a value (so that value is not the script).
-_VALUED = {"-n", "--nproc", "--devices-per-process", "--coordinator", "--prefix-command"}
+_VALUED = {"-n", "--nproc", "--devices-per-process", "--coordinator", "--prefix-command",
+           "--cpu-bind"}
 
 
 def child_env(base: dict, rank: int, nproc: int, coordinator: str,
-              devices_per_process: int | None, job_secret: str) -> dict:
+              devices_per_process: int | None, job_secret: str,
+              cpus: list[int] | None = None) -> dict:
     env = dict(base)
+    env.pop(_CPUS_ENV, None)
+    if cpus is not None:
+        env[_CPUS_ENV] = ",".join(map(str, cpus))
     env.update(JAXRING_COORDINATOR=coordinator,
                JAXRING_JOB_SECRET=job_secret,
                PYTHONUNBUFFERED="1")
@@ -162,6 +187,8 @@ def main(argv=None) -> int:
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    shares = (cpu_shares(args.nproc, list(os.sched_getaffinity(0)))
+              if args.cpu_bind == "cores" else [None] * args.nproc)
     for rank in range(args.nproc):
         prefix = (shlex.split(args.prefix_command.format(rank=rank))
                   if args.prefix_command else [])
@@ -170,7 +197,7 @@ def main(argv=None) -> int:
              *(["-m", args.module] if args.module else [os.path.abspath(args.script)]),
              *args.args],
             env=child_env(os.environ, rank, args.nproc, coordinator,
-                          args.devices_per_process, job_secret),
+                          args.devices_per_process, job_secret, shares[rank]),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)  # its own group: stopped with its children
         procs.append(p)

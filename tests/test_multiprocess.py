@@ -200,6 +200,42 @@ def test_launcher_runs_a_module_with_its_own_arguments(tmp_path):
     assert (args.script, args.module, args.args) == (None, "mod", ["x.py"])
 
 
+def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
+    script = tmp_path / "affinity.py"
+    script.write_text(
+        "import os, threading, jax\n"
+        "seen = {}\n"
+        "t = threading.Thread(target=lambda: seen.update(t=os.sched_getaffinity(0)))\n"
+        "t.start(); t.join()\n"
+        "print('cpus', jax.process_index(), sorted(os.sched_getaffinity(0)), sorted(seen['t']))\n")
+    mine = sorted(os.sched_getaffinity(0))
+    for nproc in (2, 3):
+        r = subprocess.run(
+            [sys.executable, "-m", "jaxring.launch", "-n", str(nproc),
+             "--devices-per-process", "1", "--cpu-bind", "cores", str(script)],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        by_rank = lines_by_rank(r.stdout)
+        shares = launch.cpu_shares(nproc, mine)
+        for rank in range(nproc):
+            # The process and the threads it starts later keep its share.
+            assert f"cpus {rank} {shares[rank]} {shares[rank]}" in by_rank[rank]
+    # Without --cpu-bind the kernel places the processes: no binding.
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxring.launch", "-n", "2", "--devices-per-process", "1",
+         str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"cpus 1 {mine} {mine}" in lines_by_rank(r.stdout)[1]
+
+
+def test_cpu_shares_are_disjoint_while_there_are_cpus_enough():
+    assert launch.cpu_shares(2, [0, 1, 2, 3]) == [[0, 1], [2, 3]]
+    assert launch.cpu_shares(3, [5, 1, 3, 7]) == [[1], [3], [5, 7]]
+    assert launch.cpu_shares(1, [0, 1]) == [[0, 1]]
+    # Oversubscribed: one CPU each, in turn, as mpirun binds.
+    assert launch.cpu_shares(4, [0, 1]) == [[0], [1], [0], [1]]
+
+
 def test_launcher_rejects_bad_arguments():
     r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "0", "x.py"],
                        capture_output=True, text=True, timeout=60,
