@@ -1,13 +1,20 @@
 """Time to accuracy with gradient compression, side by side.
 
-    python benchmarks/compression.py [--rounds 2] [--target 0.95]
+    python benchmarks/compression.py [--model cnn|lm] [--rounds 2] [--target T]
                                      [--settings slow fast network] [--link auto|LINK]
                                      [--processes 4] [--rate auto|RATE]
                                      [--plot compression.png] [--json compression.json]
 
-The CNN trainer (examples/train_cnn.py, 8 virtual devices, under
-jaxring.overlap) trains on digits until its test accuracy reaches --target,
-once per configuration, the configurations alternating in each round:
+A trainer (8 virtual devices, under jaxring.overlap) trains until it
+reaches --target, once per configuration, the configurations alternating
+in each round. --model picks it:
+
+  cnn  examples/train_cnn.py on digits, to a test accuracy (default 0.95);
+  lm   examples/train_lm.py, the character-level transformer, to a
+       validation loss (default 2.0 nats per character), evaluated on a
+       fixed held-out batch.
+
+The configurations:
 
   fp32         float32 gradients
   bf16-wire    overlap(wire_dtype="bfloat16"): float32 values sent as bfloat16
@@ -29,8 +36,9 @@ in two settings:
 It prints, per setting and configuration (medians over the rounds): steps
 and training seconds to the target (compilation and evaluation left out),
 milliseconds per step, gradient bytes each rank sends per step, the final
-accuracy, and the time to target relative to fp32 and to bf16-wire in the
-same run. --plot draws test accuracy against training time.
+test accuracy or validation loss, and the time to target relative to fp32
+and to bf16-wire in the same run. --plot draws the metric against training
+time.
 """
 
 from __future__ import annotations
@@ -45,8 +53,40 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TRAINER = os.path.join(HERE, "..", "examples", "train_cnn.py")
 NETNS = os.path.join(HERE, "netns.py")
+
+
+class Model:
+    """A trainer the benchmark runs, and how it is told when to stop."""
+
+    def __init__(self, script, metric, default_target, higher_is_better,
+                 stop_flag, limit_flag, summary_key, untimed_steps):
+        self.trainer = os.path.join(HERE, "..", "examples", script)
+        self.metric = metric                  # what the trainer's eval lines give
+        self.default_target = default_target
+        self.higher_is_better = higher_is_better
+        self.stop_flag = stop_flag            # stop at the target
+        self.limit_flag = limit_flag          # most steps a run may take
+        self.summary_key = summary_key        # the final value in its summary line
+        # Steps before its clock starts (they compile): its training time
+        # covers steps - untimed_steps steps.
+        self.untimed_steps = untimed_steps
+
+    def timed_steps(self, run: dict) -> int:
+        return max(run["steps"] - self.untimed_steps, 1)
+
+    def reached(self, value: float, target: float) -> bool:
+        return value >= target if self.higher_is_better else value <= target
+
+
+MODELS = {
+    # pmap compiles the CNN's step twice (the state as given, then as it
+    # returns it); the LM's jit once.
+    "cnn": Model("train_cnn.py", "accuracy", 0.95, True, "--target-accuracy",
+                 "--max-steps", "test accuracy=", untimed_steps=2),
+    "lm": Model("train_lm.py", "loss", 2.0, False, "--target-loss", "--steps",
+                "validation loss=", untimed_steps=1),
+}
 
 CONFIGS = {
     "fp32": [],
@@ -57,15 +97,20 @@ CONFIGS = {
     "powersgd-r4": ["--compression", "powersgd", "--rank", "4"],
 }
 
-_EVAL = re.compile(r"^eval step=(\d+) seconds=([\d.]+) accuracy=([\d.]+)$")
+_EVAL = re.compile(r"^eval step=(\d+) seconds=([\d.]+) (?:accuracy|loss)=([\d.]+)$")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=list(MODELS), default="cnn")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
-    p.add_argument("--epochs", type=int, default=40, help="most epochs a run may take")
-    p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--target", type=float, default=None,
+                   help="test accuracy (cnn, default 0.95) or validation loss "
+                        "(lm, default 2.0) to reach")
+    p.add_argument("--epochs", type=int, default=40, help="cnn: most epochs a run may take")
+    p.add_argument("--max-steps", type=int, default=800, help="lm: most steps a run may take")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="steps between evaluations (default: cnn 4, lm 20)")
     p.add_argument("--settings", nargs="+", default=["slow", "fast"],
                    choices=["slow", "fast", "network"])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -79,7 +124,13 @@ def parse_args(argv=None):
                    help='the network setting\'s tbf rate, e.g. "40mbit" (default: calibrated)')
     p.add_argument("--plot", default=None, help="accuracy against time, as a PNG")
     p.add_argument("--json", default=None, help="every run's evaluations, as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.spec = MODELS[args.model]
+    if args.target is None:
+        args.target = args.spec.default_target
+    if args.eval_every is None:
+        args.eval_every = 4 if args.model == "cnn" else 20
+    return args
 
 
 def train(args, config: str, link: str | None, max_steps: int | None = None,
@@ -87,18 +138,20 @@ def train(args, config: str, link: str | None, max_steps: int | None = None,
     """One run of the trainer: its evaluations, steps, bytes per step and
     final accuracy. In the network setting it runs over namespaces (at
     rate, or unlimited) and process 0's lines are read."""
-    cmd = [sys.executable, TRAINER, "--quiet", "--mode", "overlap",
-           "--epochs", str(args.epochs), *CONFIGS[config]]
+    spec = args.spec
+    budget = (["--epochs", str(args.epochs)] if args.model == "cnn"
+              else ["--steps", str(args.max_steps)])
+    cmd = [sys.executable, spec.trainer, "--quiet", "--mode", "overlap", *budget,
+           *CONFIGS[config]]
     if network:
         cmd = [sys.executable, NETNS, "--nodes", str(args.processes),
                *(["--rate", rate] if rate else []), "--", *cmd[1:]]
     else:
         cmd += ["--devices", "8"]
     if max_steps is None:
-        cmd += ["--eval-every", str(args.eval_every),
-                "--target-accuracy", str(args.target)]
+        cmd += ["--eval-every", str(args.eval_every), spec.stop_flag, str(args.target)]
     else:
-        cmd += ["--max-steps", str(max_steps)]
+        cmd += [spec.limit_flag, str(max_steps)]
     if link:
         cmd += ["--link", link]
     with tempfile.TemporaryDirectory() as cwd:  # the installed jaxring, not the checkout
@@ -111,16 +164,17 @@ def train(args, config: str, link: str | None, max_steps: int | None = None,
     evals = [tuple(float(g) for g in m.groups()) for m in map(_EVAL.match, lines) if m]
     summary = next(l for l in lines if l.startswith("mode="))
     fields = dict(f.split("=", 1) for f in summary.split() if "=" in f)
+    final = float(summary.split(spec.summary_key)[1].split()[0])
     return {"config": config, "evals": evals, "steps": int(fields["steps"]),
             "bytes_per_step": int(fields["bytes/step"]),
-            "accuracy": float(fields["accuracy"]),
+            "final": final,
             "seconds": float(summary.split("time after compile=")[1].split()[0])}
 
 
-def to_target(run: dict, target: float) -> tuple[float, float] | None:
-    """(steps, seconds) at the first evaluation at or above target."""
-    for step, seconds, accuracy in run["evals"]:
-        if accuracy >= target:
+def to_target(run: dict, target: float, spec: Model) -> tuple[float, float] | None:
+    """(steps, seconds) at the first evaluation that reached target."""
+    for step, seconds, value in run["evals"]:
+        if spec.reached(value, target):
             return step, seconds
     return None
 
@@ -130,7 +184,7 @@ def calibrated_link(args) -> str:
     twice the compute step, measured here without emulation."""
     from jaxring.demo import calibrated_link as link_for
     probe = train(args, "fp32", None, max_steps=40)
-    step_s = probe["seconds"] / (probe["steps"] - 2)  # the first two compile
+    step_s = probe["seconds"] / args.spec.timed_steps(probe)
     return link_for(2 * step_s, probe["bytes_per_step"], 8, args.latency_us)
 
 
@@ -139,29 +193,32 @@ def calibrated_rate(args) -> str:
     the processes takes about twice their compute step, measured on
     unlimited links."""
     probe = train(args, "fp32", None, max_steps=40, network=True)
-    step_s = probe["seconds"] / (probe["steps"] - 2)
+    step_s = probe["seconds"] / args.spec.timed_steps(probe)
     n = args.processes
     per_link = 2 * (n - 1) / n * probe["bytes_per_step"] / (2 * step_s)
     return f"{max(1, round(per_link * 8 / 1e6))}mbit"
 
 
-def report(setting: str, link: str | None, runs: dict, target: float) -> dict:
+def report(setting: str, link: str | None, runs: dict, target: float,
+           spec: Model) -> dict:
+    what = "test accuracy" if spec.metric == "accuracy" else "validation loss"
     print(f"\n== {setting}: {link or 'no link emulation'}, "
-          f"target test accuracy {target:.2f}, medians over "
+          f"target {what} {target:.2f}, medians over "
           f"{len(next(iter(runs.values())))} round(s)")
+    final = "final acc" if spec.metric == "accuracy" else "val loss"
     print(f"{'config':>12} {'steps':>6} {'s to target':>12} {'ms/step':>8} "
-          f"{'bytes/step':>11} {'final acc':>9} {'vs fp32':>8} {'vs bf16':>8}")
+          f"{'bytes/step':>11} {final:>9} {'vs fp32':>8} {'vs bf16':>8}")
     rows = {}
     for config, rs in runs.items():
-        reached = [to_target(r, target) for r in rs]
+        reached = [to_target(r, target, spec) for r in rs]
         ok = [x for x in reached if x is not None]
         rows[config] = {
             "steps": statistics.median(s for s, _ in ok) if len(ok) == len(rs) else None,
             "seconds": statistics.median(t for _, t in ok) if len(ok) == len(rs) else None,
             "ms_per_step": statistics.median(
-                1e3 * r["seconds"] / max(r["steps"] - 2, 1) for r in rs),
+                1e3 * r["seconds"] / spec.timed_steps(r) for r in rs),
             "bytes_per_step": rs[0]["bytes_per_step"],
-            "accuracy": statistics.median(r["accuracy"] for r in rs)}
+            "final": statistics.median(r["final"] for r in rs)}
     for config, row in rows.items():
         def ratio(base):
             b = rows.get(base, {}).get("seconds")
@@ -169,12 +226,12 @@ def report(setting: str, link: str | None, runs: dict, target: float) -> dict:
         steps = f"{row['steps']:.0f}" if row["steps"] else "not reached"
         secs = f"{row['seconds']:.2f}" if row["seconds"] else "-"
         print(f"{config:>12} {steps:>6} {secs:>12} {row['ms_per_step']:>8.1f} "
-              f"{row['bytes_per_step']:>11,} {row['accuracy']:>9.4f} "
+              f"{row['bytes_per_step']:>11,} {row['final']:>9.4f} "
               f"{ratio('fp32'):>8} {ratio('bf16-wire'):>8}")
     return rows
 
 
-def plot(path: str, results: dict) -> None:
+def plot(path: str, results: dict, spec: Model) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -186,7 +243,7 @@ def plot(path: str, results: dict) -> None:
                     label=config, marker=".")
         ax.set_title(f"{setting}: {data['link'] or 'no link emulation'}")
         ax.set_xlabel("training seconds (round 1)")
-        ax.set_ylabel("test accuracy")
+        ax.set_ylabel("test accuracy" if spec.metric == "accuracy" else "validation loss")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -211,16 +268,17 @@ def main(argv=None) -> int:
                 r = train(args, config, link, rate=rate, network=setting == "network")
                 runs[config].append(r)
                 print(f"[{setting} round {round_ + 1}] {config}: {r['steps']} steps, "
-                      f"{r['seconds']:.2f} s, accuracy {r['accuracy']:.4f}", flush=True)
+                      f"{r['seconds']:.2f} s, {args.spec.metric} {r['final']:.4f}",
+                      flush=True)
         where = (f"emulated link {link}" if link else
                  f"{args.processes} processes, tbf {rate}" if rate else None)
         results[setting] = {"link": where, "runs": runs,
-                            "rows": report(setting, where, runs, args.target)}
+                            "rows": report(setting, where, runs, args.target, args.spec)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     if args.plot:
-        plot(args.plot, results)
+        plot(args.plot, results, args.spec)
     return 0
 
 

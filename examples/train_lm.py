@@ -6,6 +6,7 @@ jax.shard_map, with jaxring.
     python examples/train_lm.py --mode psum            # plain lax.pmean
     python examples/train_lm.py --link 1Gbit,50us --timeline trace.json
     python examples/train_lm.py --compression powersgd --rank 4
+    python examples/train_lm.py --eval-every 20 --target-loss 2.0
     python -m jaxring.launch -n 2 --devices-per-process 4 examples/train_lm.py
 
 --mode picks how the gradients are averaged:
@@ -38,6 +39,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--corpus-mb", type=float, default=2.0,
                    help="MB of standard-library source to read")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="print the validation loss every this many steps (0: at the end only)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="with --eval-every: stop once the validation loss is this low")
     p.add_argument("--timeline", default=None, help="write a Perfetto trace of the last 10 steps")
     return p.parse_args(argv)
 
@@ -77,6 +82,9 @@ def main(argv=None):
     vocab = 256
 
     rng = np.random.default_rng(args.seed)
+    # The validation batch is drawn once, from a generator of its own, so
+    # that evaluating does not change the training batches.
+    valid_rng = np.random.default_rng(args.seed + 1)
 
     def init(shape, scale):
         return jnp.asarray(rng.normal(0, scale, shape), jnp.float32)
@@ -134,11 +142,18 @@ def main(argv=None):
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
     params = jax.device_put(params, replicated)
 
-    def sample(source, count):
-        starts = rng.integers(0, len(source) - c - 1, count)
+    def sample(source, count, gen=rng):
+        starts = gen.integers(0, len(source) - c - 1, count)
         return np.stack([source[s:s + c + 1] for s in starts]).astype(np.int32)
 
-    losses, t0, first = [], None, 0
+    valid_batch = sample(valid_text, 256, valid_rng)
+    valid_loss = jax.jit(loss_of)
+    wire_bytes = common.gradient_wire_bytes(args, params, opt_state)
+
+    def validation_loss() -> float:
+        return float(valid_loss(common.on_host(params), valid_batch))
+
+    losses, t0, first, left_out, steps_done = [], None, 0, 0.0, 0
     bar = tqdm(total=args.steps, disable=args.quiet, unit="step")
     for i in range(args.steps):
         trace = (jaxring.timeline(args.timeline)
@@ -148,23 +163,33 @@ def main(argv=None):
             params, opt_state, loss = step(params, opt_state, seqs)
             loss = float(loss)
         losses.append(loss)
+        steps_done = i + 1
         if t0 is None:
             t0, first = time.perf_counter(), i + 1  # after compiling
         rate = (i + 1 - first) * args.batch * c / max(time.perf_counter() - t0, 1e-9)
         bar.set_postfix(loss=f"{loss:.4f}", chars_per_s=f"{rate:.0f}")
         bar.update()
+        if args.eval_every and steps_done % args.eval_every == 0:
+            # Evaluation time is left out of the training time.
+            paused = time.perf_counter()
+            value = validation_loss()
+            print(f"eval step={steps_done} seconds={paused - t0 - left_out:.3f} "
+                  f"loss={value:.4f}", flush=True)
+            left_out += time.perf_counter() - paused
+            if args.target_loss is not None and value <= args.target_loss:
+                break
     bar.close()
 
-    valid = jax.jit(loss_of)(common.on_host(params), sample(valid_text, 256))
-    elapsed = time.perf_counter() - t0 if t0 else 0.0
+    elapsed = time.perf_counter() - t0 - left_out if t0 else 0.0
+    valid = validation_loss()
     print(f"mode={args.mode} compression={args.compression} devices={n} "
-          f"steps={args.steps} final loss={losses[-1]:.4f} "
-          f"validation loss={float(valid):.4f} bits/char={float(valid) / np.log(2):.3f} "
-          f"time after compile={elapsed:.1f} s")
+          f"steps={steps_done} final loss={losses[-1]:.4f} "
+          f"validation loss={valid:.4f} bits/char={valid / np.log(2):.3f} "
+          f"bytes/step={wire_bytes} time after compile={elapsed:.1f} s")
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))
     if args.timeline:
         print(f"timeline of the last 10 steps: {args.timeline}")
-    return float(valid)
+    return valid
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ own index, initializes ``jax.distributed`` and runs the script. The processes
 share a fresh ``JAXRING_JOB_SECRET`` (or the caller's), with which jaxring's
 TCP transport authenticates them, and a coordinator on 127.0.0.1 listens on
 loopback only. ``--cpu-bind cores`` binds each process to its own share of
-the CPUs, as mpirun does. Every output
+the physical cores, as mpirun does. Every output
 line is prefixed with the process's rank. If one process exits with an
 error, the launcher stops the others and exits with that status; Ctrl-C
 stops them all. On a cluster, skip the launcher: call
@@ -38,7 +38,6 @@ _GRACE_S = 3.0
 # What the launcher tells each process it starts (read by launched.py).
 _NUM_PROCESSES_ENV = "JAXRING_NUM_PROCESSES"
 _PROCESS_ID_ENV = "JAXRING_PROCESS_ID"
-_CPUS_ENV = "JAXRING_LAUNCH_CPUS"
 
 
 def launched_process_count() -> int:
@@ -48,17 +47,40 @@ def launched_process_count() -> int:
     return int(os.environ.get(_NUM_PROCESSES_ENV, "1"))
 
 
-def cpu_shares(nproc: int, cpus: list[int]) -> list[list[int]]:
-    """The CPUs each of nproc processes is bound to under --cpu-bind cores:
-    disjoint, contiguous, near-equal shares of `cpus` while there are at
-    least as many CPUs as processes; one CPU each, taken in turn, beyond
-    (as mpirun binds an oversubscribed job). `cpus` is this process's
-    affinity, which the kernel never leaves empty."""
-    cpus = sorted(cpus)
-    if nproc <= len(cpus):
-        return [cpus[i * len(cpus) // nproc:(i + 1) * len(cpus) // nproc]
+def physical_cores(cpus) -> list[list[int]]:
+    """`cpus` grouped by the physical core they belong to (the hardware
+    threads of one core together), cores in order of their first CPU. A
+    CPU whose topology the kernel does not show counts as a core of its
+    own."""
+    cores: dict[tuple, list[int]] = {}
+    for cpu in sorted(cpus):
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(base + "physical_package_id") as f:
+                package = f.read().strip()
+            with open(base + "core_id") as f:
+                core = f.read().strip()
+            key = (package, core)
+        except OSError:
+            key = ("cpu", cpu)
+        cores.setdefault(key, []).append(cpu)
+    return sorted(cores.values())
+
+
+def cpu_shares(nproc: int, cores: list[list[int]]) -> list[list[int]]:
+    """The CPUs each of nproc processes is bound to under --cpu-bind cores,
+    given the physical cores it may use (physical_cores): disjoint,
+    contiguous, near-equal shares of whole cores while there are at least
+    as many cores as processes, so no two processes share a core through
+    its hardware threads; one core each, taken in turn, beyond (as mpirun
+    binds an oversubscribed job). `cores` is never empty: it comes from
+    this process's affinity."""
+    if nproc <= len(cores):
+        return [sorted(c for core in cores[i * len(cores) // nproc:
+                                          (i + 1) * len(cores) // nproc]
+                       for c in core)
                 for i in range(nproc)]
-    return [[cpus[i % len(cpus)]] for i in range(nproc)]
+    return [sorted(cores[i % len(cores)]) for i in range(nproc)]
 
 
 def _free_port() -> int:
@@ -126,7 +148,8 @@ def parse_args(argv):
                          "(default: 127.0.0.1 and a free port)")
     ap.add_argument("--cpu-bind", choices=("none", "cores"), default="none",
                     help="cores: bind each process to its own share of the "
-                         "CPUs this launcher may use (as mpirun does), so "
+                         "physical cores this launcher may use (as mpirun "
+                         "does), so "
                          "the processes of one host stop migrating between "
                          "cores; none (default): let the kernel place them")
     ap.add_argument("--prefix-command", default=None, metavar="TEMPLATE",
@@ -158,12 +181,8 @@ _VALUED = {"-n", "--nproc", "--devices-per-process", "--coordinator", "--prefix-
 
 
 def child_env(base: dict, rank: int, nproc: int, coordinator: str,
-              devices_per_process: int | None, job_secret: str,
-              cpus: list[int] | None = None) -> dict:
+              devices_per_process: int | None, job_secret: str) -> dict:
     env = dict(base)
-    env.pop(_CPUS_ENV, None)
-    if cpus is not None:
-        env[_CPUS_ENV] = ",".join(map(str, cpus))
     env.update(JAXRING_COORDINATOR=coordinator,
                JAXRING_JOB_SECRET=job_secret,
                PYTHONUNBUFFERED="1")
@@ -187,7 +206,7 @@ def main(argv=None) -> int:
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    shares = (cpu_shares(args.nproc, list(os.sched_getaffinity(0)))
+    shares = (cpu_shares(args.nproc, physical_cores(os.sched_getaffinity(0)))
               if args.cpu_bind == "cores" else [None] * args.nproc)
     for rank in range(args.nproc):
         prefix = (shlex.split(args.prefix_command.format(rank=rank))
@@ -197,10 +216,16 @@ def main(argv=None) -> int:
              *(["-m", args.module] if args.module else [os.path.abspath(args.script)]),
              *args.args],
             env=child_env(os.environ, rank, args.nproc, coordinator,
-                          args.devices_per_process, job_secret, shares[rank]),
+                          args.devices_per_process, job_secret),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)  # its own group: stopped with its children
         procs.append(p)
+        if shares[rank] is not None:
+            # Popen returns once the child has exec'd the interpreter, which
+            # starts no thread of its own before it imports numpy and JAX:
+            # the mask set now is inherited by every thread it starts (and
+            # survives a prefix command's exec, which keeps the pid).
+            os.sched_setaffinity(p.pid, shares[rank])
         t = threading.Thread(target=_pump, args=(p.stdout, rank, out, lock),
                              daemon=True)
         t.start()

@@ -216,7 +216,7 @@ def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
             capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
         by_rank = lines_by_rank(r.stdout)
-        shares = launch.cpu_shares(nproc, mine)
+        shares = launch.cpu_shares(nproc, launch.physical_cores(mine))
         for rank in range(nproc):
             # The process and the threads it starts later keep its share.
             assert f"cpus {rank} {shares[rank]} {shares[rank]}" in by_rank[rank]
@@ -228,12 +228,20 @@ def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
     assert f"cpus 1 {mine} {mine}" in lines_by_rank(r.stdout)[1]
 
 
-def test_cpu_shares_are_disjoint_while_there_are_cpus_enough():
-    assert launch.cpu_shares(2, [0, 1, 2, 3]) == [[0, 1], [2, 3]]
-    assert launch.cpu_shares(3, [5, 1, 3, 7]) == [[1], [3], [5, 7]]
-    assert launch.cpu_shares(1, [0, 1]) == [[0, 1]]
-    # Oversubscribed: one CPU each, in turn, as mpirun binds.
-    assert launch.cpu_shares(4, [0, 1]) == [[0], [1], [0], [1]]
+def test_cpu_shares_are_whole_cores_and_disjoint_while_there_are_cores_enough():
+    # Two cores with two hardware threads each, numbered as Linux usually
+    # does (core i's siblings are i and i + 2): a process gets a core.
+    ht = [[0, 2], [1, 3]]
+    assert launch.cpu_shares(2, ht) == [[0, 2], [1, 3]]
+    assert launch.cpu_shares(1, ht) == [[0, 1, 2, 3]]
+    assert launch.cpu_shares(3, [[1], [3], [5], [7]]) == [[1], [3], [5, 7]]
+    # Oversubscribed: one core each, in turn, as mpirun binds.
+    assert launch.cpu_shares(4, [[0], [1]]) == [[0], [1], [0], [1]]
+    assert launch.cpu_shares(3, ht) == [[0, 2], [1, 3], [0, 2]]
+    # This machine's CPUs, grouped by core, cover its affinity once.
+    mine = os.sched_getaffinity(0)
+    cores = launch.physical_cores(mine)
+    assert sorted(c for core in cores for c in core) == sorted(mine)
 
 
 def test_launcher_rejects_bad_arguments():

@@ -33,14 +33,6 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
-def _bind_cpus() -> None:
-    """Binds this process to the CPUs the launcher gave it (--cpu-bind),
-    before JAX starts any thread, so that every thread inherits them."""
-    cpus = os.environ.get("JAXRING_LAUNCH_CPUS")
-    if cpus:
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-
-
 def is_loopback(address: str) -> bool:
     """Whether "host:port" names this host's loopback interface."""
     host = address.rsplit(":", 1)[0].strip("[]")
@@ -55,7 +47,6 @@ def main() -> None:
     script = None if module else sys.argv[1]
     args = sys.argv[3:] if module else sys.argv[2:]
     _die_with_launcher()
-    _bind_cpus()
     import jax
 
     # JAX's own collectives across processes (lax.psum on CPU) need Gloo;

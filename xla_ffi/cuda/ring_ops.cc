@@ -274,11 +274,14 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
     if (c->aborted) return aborted_error(c);
   }
   // Every ring's scratch before the first fork, so that running out of
-  // memory fails before any work is enqueued.
+  // memory fails before any work is enqueued. At least one element: a
+  // rank of a tiny operation may have nothing to reduce, and a 0-byte
+  // allocation is not promised to succeed.
   std::vector<void*> scratch_of(op.num_rings, nullptr);
   if (op.algorithm == Algorithm::kRing && op.world_size > 1) {
     JAXRING_RETURN_IF_FAILED(
-        how.scratch(largest_reduce_receive(*plan, op.rank) * esize, &scratch_of));
+        how.scratch(std::max<int64_t>(1, largest_reduce_receive(*plan, op.rank)) * esize,
+                    &scratch_of));
   }
   // One fork for every ring, recorded before any ring is issued: recording
   // it per ring after the previous ring's join would make each ring wait
