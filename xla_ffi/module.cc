@@ -228,29 +228,30 @@ NB_MODULE(_jaxring, m) {
 
   // The TCP transport between processes (set up by jaxring._src.distributed).
   m.def("tcp_listen", [](const std::string& bind_host, int process, int processes,
-                         nb::bytes secret, nb::bytes job_id) {
+                         nb::bytes secret, nb::bytes job_id, bool use_shm) {
     jaxring::JobIdentity id;
     id.process = process;
     id.processes = processes;
     id.secret.assign(secret.c_str(), secret.size());
     id.job_id.assign(job_id.c_str(), job_id.size());
     std::string error;
-    const int port = jaxring::tcp_listen(bind_host, id, &error);
+    const int port = jaxring::tcp_listen(bind_host, id, use_shm, &error);
     if (port < 0) throw std::runtime_error("jaxring TCP transport: " + error);
     return port;
   }, nb::arg("bind_host"), nb::arg("process"), nb::arg("processes"),
-        nb::arg("secret"), nb::arg("job_id"),
+        nb::arg("secret"), nb::arg("job_id"), nb::arg("use_shm"),
         "Opens this process's listening socket for one job (its peers must "
-        "prove the same secret and job id); returns its port.");
+        "prove the same secret and job id); returns its port. use_shm: "
+        "whether shared-memory links with processes on this host are "
+        "offered and taken.");
   m.def("tcp_set_peers", [](const std::vector<std::string>& addresses,
-                            const std::vector<int>& same_host, bool use_shm) {
+                            const std::vector<int>& same_host) {
     std::string error;
-    if (!jaxring::tcp_set_peers(addresses, same_host, use_shm, &error)) {
+    if (!jaxring::tcp_set_peers(addresses, same_host, &error)) {
       throw std::runtime_error("jaxring TCP transport: " + error);
     }
-  }, nb::arg("addresses"), nb::arg("same_host"), nb::arg("use_shm"),
-        "Sets every process's host:port, and the processes on this host "
-        "(shared-memory links with those when use_shm).");
+  }, nb::arg("addresses"), nb::arg("same_host"),
+        "Sets every process's host:port, and the processes on this host.");
   m.def("tcp_transport_info", [] {
     const jaxring::TcpTransportInfo i = jaxring::tcp_transport_info();
     nb::dict d;

@@ -245,7 +245,9 @@ def _set_up_tcp_transport(timeout_s: float) -> None:
     my_host = host_identity()
     secret, job_id, source = _job_secret_and_id(client, me, timeout_ms)
     host = _local_host(coordinator)
-    port = _jaxring.tcp_listen(host, me, n, secret, job_id)
+    # The shared-memory choice goes with the listener: a peer may connect
+    # and offer a ring before this process has every address.
+    port = _jaxring.tcp_listen(host, me, n, secret, job_id, use_shm)
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
     mine = secret_fingerprint(secret, job_id)
     client.key_value_set(_ADDRESS_KEY.format(me), json.dumps(
@@ -269,7 +271,7 @@ def _set_up_tcp_transport(timeout_s: float) -> None:
         addresses.append(record["address"])
         if q != me and record.get("host") == my_host:
             same_host.append(q)
-    _jaxring.tcp_set_peers(addresses, same_host, use_shm)
+    _jaxring.tcp_set_peers(addresses, same_host)
     _secret_source = source
     for q, a in enumerate(addresses):
         _hosts[q] = a.rsplit(":", 1)[0].strip("[]")

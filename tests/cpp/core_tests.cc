@@ -29,6 +29,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -316,7 +317,7 @@ int attack(int victim_port) {
 // process_of_rank[r] == me, all operations at once from their own threads.
 int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   std::string error;
-  const int port = jaxring::tcp_listen("127.0.0.1", test_job(me), &error);
+  const int port = jaxring::tcp_listen("127.0.0.1", test_job(me), /*use_shm=*/true, &error);
   if (port < 0) {
     std::fprintf(stderr, "tcp_listen: %s\n", error.c_str());
     return 1;
@@ -324,11 +325,15 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   if (write(port_out_fd, &port, sizeof(port)) != sizeof(port)) return 1;
   int ports[2];
   if (read(ports_in_fd, ports, sizeof(ports)) != sizeof(ports)) return 1;
+  // Process 1 learns the addresses late: process 0 connects, and offers its
+  // rings, before process 1's set_peers, which must not matter (the
+  // shared-memory choice was fixed by tcp_listen).
+  if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
   // The two processes share this host: their data goes through
   // shared-memory rings (the hostile peer's connections stay on TCP).
   CHECK(jaxring::tcp_set_peers({"127.0.0.1:" + std::to_string(ports[0]),
                                "127.0.0.1:" + std::to_string(ports[1])},
-                              {1 - me}, /*use_shm=*/true, &error));
+                              {1 - me}, &error));
   struct Case {
     std::vector<int> procs;
     int rings;
@@ -420,6 +425,12 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
     const jaxring::TcpTransportInfo info = jaxring::tcp_transport_info();
     CHECK(info.use_shm && !info.shm_outbound.empty() && !info.shm_inbound.empty());
     CHECK(info.shm_unavailable.empty());
+    if (me == 1) {
+      // Every connection from process 0 maps its ring, the early ones too.
+      std::set<std::pair<int, int>> in(info.inbound.begin(), info.inbound.end());
+      std::set<std::pair<int, int>> shm(info.shm_inbound.begin(), info.shm_inbound.end());
+      CHECK(in == shm);
+    }
   }
   if (kept >= 0) {
     // Leave after process 0 is done, so that the kept connection's close

@@ -71,13 +71,17 @@ ReadResult drain_payload(int fd, int64_t n, double stall_s, std::string* error) 
 }  // namespace
 
 int TcpTransport::listen(const std::string& bind_host, const JobIdentity& identity,
-                      std::string* error) {
+                         bool use_shm, std::string* error) {
   std::lock_guard<std::mutex> lock(mu_);
   if (listen_fd_ >= 0) {
     const JobIdentity mine = this->identity();
     if (identity.process != mine.process || identity.processes != mine.processes ||
         identity.secret != mine.secret || identity.job_id != mine.job_id) {
       *error = "the TCP transport already listens for another job identity";
+      return -1;
+    }
+    if (use_shm != use_shm_.load()) {
+      *error = "the TCP transport already listens with another shared-memory choice";
       return -1;
     }
     return port_;
@@ -90,6 +94,7 @@ int TcpTransport::listen(const std::string& bind_host, const JobIdentity& identi
     std::lock_guard<std::mutex> id_lock(identity_mu_);
     identity_ = identity;
   }
+  use_shm_.store(use_shm);
   listen_host_ = bind_host;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -167,6 +172,9 @@ void TcpTransport::read_loop(int fd) {
   const bool proved = accept_handshake(fd, identity(), after_seconds(kHandshakeTimeoutS),
                                        &peer, &channel, &error);
   --handshaking_;
+  // This process's index, known since listen(); me() is only set once
+  // set_peers has run, and a peer may connect before that.
+  const int self = identity().process;
   if (!proved || !claim_inbound(peer, channel)) {
     // A stranger, another job, or a second connection for a channel already
     // open: it goes quietly, and no process of the job is blamed.
@@ -191,7 +199,7 @@ void TcpTransport::read_loop(int fd) {
   std::unique_ptr<ShmRing> ring;
   {
     std::string declined;
-    if (!answer_offer(fd, use_shm(), identity().job_id, peer, me(), channel,
+    if (!answer_offer(fd, use_shm(), identity().job_id, peer, self, channel,
                       after_seconds(kHandshakeTimeoutS), &ring, &declined, &error)) {
       ::close(fd);
       note_refusal("process " + std::to_string(peer) + ": " + error);
@@ -262,7 +270,7 @@ void TcpTransport::read_loop(int fd) {
         // itself or this one lost.
         const int lost = h.group >= 0 && h.group < identity().processes
                              ? static_cast<int>(h.group) : -1;
-        if (lost >= 0 && lost != peer && lost != me()) {
+        if (lost >= 0 && lost != peer && lost != self) {
           peer_lost(lost, os.str(), /*tell_others=*/false);
         }
       } else if (std::shared_ptr<PlanOp> target = op_for_frame(key_of(h))) {
@@ -282,11 +290,11 @@ void TcpTransport::read_loop(int fd) {
       // says why, instead of waiting out its timeout.
       std::ostringstream os;
       os << "jaxring allreduce (op " << h.op_id << ", group " << h.group << ", run "
-         << h.run_id << "): process " << me() << " holds " << kMaxFrameCreatedOps
+         << h.run_id << "): process " << self << " holds " << kMaxFrameCreatedOps
          << " operations that peers started and it did not, and refuses more: "
             "the processes do not run the same allreduces";
       send_abort(peer, key_of(h), FailureKind::kResource,
-                 tagged(FailureKind::kResource, me(), os.str()));
+                 tagged(FailureKind::kResource, self, os.str()));
       r = skip_payload(h, kConnectTimeoutS);
       if (r != ReadResult::kOk) {
         ::close(fd);

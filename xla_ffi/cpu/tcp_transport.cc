@@ -135,14 +135,14 @@ std::string TcpTransport::send_remote(const std::shared_ptr<PlanOp>& op_ptr,
   return std::string();
 }
 
-int tcp_listen(const std::string& bind_host, const JobIdentity& identity,
+int tcp_listen(const std::string& bind_host, const JobIdentity& identity, bool use_shm,
                std::string* error) {
-  return TcpTransport::get().listen(bind_host, identity, error);
+  return TcpTransport::get().listen(bind_host, identity, use_shm, error);
 }
 
 bool tcp_set_peers(const std::vector<std::string>& addresses,
-                   const std::vector<int>& same_host, bool use_shm, std::string* error) {
-  return TcpTransport::get().set_peers(addresses, same_host, use_shm, error);
+                   const std::vector<int>& same_host, std::string* error) {
+  return TcpTransport::get().set_peers(addresses, same_host, error);
 }
 
 void TcpTransport::note_shm_unavailable(const std::string& why) {
@@ -154,7 +154,7 @@ void TcpTransport::note_shm_unavailable(const std::string& why) {
   std::fprintf(stderr,
                "jaxring: process %d uses TCP instead of shared memory with a "
                "process on its host: %s\n",
-               me(), why.c_str());
+               identity().process, why.c_str());
 }
 
 TcpTransportInfo tcp_transport_info() { return TcpTransport::get().info(); }

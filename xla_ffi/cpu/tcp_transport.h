@@ -45,16 +45,19 @@ namespace jaxring {
 // job `identity` names: a connection is let in only once it proved that it
 // comes from another process of that job (tcp_handshake.h). Returns the
 // port, or -1 with *error set. Calling it again returns the same port.
-int tcp_listen(const std::string& bind_host, const JobIdentity& identity,
+// use_shm: whether this process offers and takes shared-memory rings
+// (shm_link.h) with processes on its host. It is fixed here, before the
+// first connection can arrive: a peer may connect, and offer a ring, as soon
+// as it knows the port, before this process's tcp_set_peers has run.
+int tcp_listen(const std::string& bind_host, const JobIdentity& identity, bool use_shm,
                std::string* error);
 
 // Tells the transport where every process listens ("host:port", indexed by
 // process), and which processes run on this host: with use_shm, data to and
-// from those goes through shared-memory rings (shm_link.h) wherever both
-// ends can map them. Call once after tcp_listen; false with *error on a bad
-// table.
+// from those goes through shared-memory rings wherever both ends can map
+// them. Call once after tcp_listen; false with *error on a bad table.
 bool tcp_set_peers(const std::vector<std::string>& addresses,
-                   const std::vector<int>& same_host, bool use_shm, std::string* error);
+                   const std::vector<int>& same_host, std::string* error);
 
 // This process's index once tcp_set_peers ran, else -1.
 int tcp_process_index();

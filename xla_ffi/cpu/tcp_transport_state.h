@@ -52,15 +52,16 @@ class TcpTransport final : public OpHost {
   }
 
   // Opens the listener; from then on a connection is let in only after it
-  // proved `identity`'s job (tcp_handshake.h).
-  int listen(const std::string& bind_host, const JobIdentity& identity,
+  // proved `identity`'s job (tcp_handshake.h), and its shared-memory offer
+  // is taken when use_shm.
+  int listen(const std::string& bind_host, const JobIdentity& identity, bool use_shm,
              std::string* error);
   // Where every process listens, and which processes run on this host
-  // (their connections are offered a shared-memory ring, and their offers
-  // are taken, when use_shm); false (with *error) if listen() has not run
-  // or the count differs from the job's.
+  // (their connections are offered a shared-memory ring when use_shm);
+  // false (with *error) if listen() has not run or the count differs from
+  // the job's.
   bool set_peers(const std::vector<std::string>& addresses,
-                 const std::vector<int>& same_host, bool use_shm, std::string* error) {
+                 const std::vector<int>& same_host, std::string* error) {
     const JobIdentity id = identity();
     if (id.processes == 0) {
       *error = "tcp_set_peers before tcp_listen";
@@ -73,7 +74,6 @@ class TcpTransport final : public OpHost {
     }
     std::lock_guard<std::mutex> lock(links_mu_);
     addresses_ = addresses;
-    use_shm_.store(use_shm);
     same_host_.clear();
     for (int p : same_host) {
       if (p >= 0 && p < id.processes && p != id.process) same_host_.insert(p);
