@@ -21,16 +21,14 @@ Prints, from one run:
    (1, 4, 16 MiB) against NCCL's, world 2, 16 to 256 MiB.
 
 With NCCL older than 2.30 the ranks sharing the GPU talk over loopback
-sockets (tests/gpu/gpu_worker.py, gpu_env), so busbw there measures NCCL's
-socket transport, not NVLink.
+sockets (jaxring/_src/gpu_job.py, gpu_env), so busbw there measures NCCL's
+socket transport, not NVLink. Each job runs benchmarks/gpu_bench_worker.py.
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "gpu"))
-import gpu_worker  # noqa: E402
+import gpu_bench_worker  # beside this script, on sys.path when run as one
 
 
 def kernel_bandwidth(nbytes: int, iters: int) -> None:
@@ -59,19 +57,19 @@ def main(argv=None) -> int:
     if "kernel" in args.parts:
         kernel_bandwidth(args.kernel_bytes, args.iters)
     for world in args.worlds if "busbw" in args.parts else ():
-        results = gpu_worker.launch(world, "bench", timeout=300)
+        results = gpu_bench_worker.launch(world, "bench", timeout=300)
         print(results[0][1])
         if any(code != 0 for code, _ in results):
             rc = 1
             for code, out in results[1:]:
                 print(out[-2000:])
     if "sweep" in args.parts:
-        results = gpu_worker.launch(2, "bench_sweep", timeout=300)
+        results = gpu_bench_worker.launch(2, "bench_sweep", timeout=300)
         print(results[0][1])
         if any(code != 0 for code, _ in results):
             rc = 1
     if "overlap" in args.parts:
-        results = gpu_worker.launch(2, "overlap_bench", timeout=300)
+        results = gpu_bench_worker.launch(2, "overlap_bench", timeout=300)
         print(results[0][1])
         if any(code != 0 for code, _ in results):
             rc = 1

@@ -1,152 +1,45 @@
-"""One process of a GPU allreduce job, for tests/gpu and the GPU benchmark.
+"""One process of a GPU allreduce job, for the checks in tests/gpu.
 
     python gpu_worker.py PROCESS NUM_PROCESSES PORT MODE
 
-Every process uses the one visible GPU with a memory fraction each; how
-NCCL lets several ranks share one GPU depends on its version (see gpu_env).
-MODE:
+The job itself (launch, the environment by NCCL version, Job) is
+jaxring/_src/gpu_job.py, shared with the GPU benchmark. MODE:
 
 * ``correctness``: every dtype and op, both algorithms, random sizes, ring
   and chunk counts, against numpy on the same inputs (which every process
   can make: rank r's input comes from seed r). Inputs are small integers,
   so every sum, product, minimum and maximum is exact in every dtype and
   the comparison is bit for bit.
-* ``bench``: busbw of jaxring's ring and of NCCL's allreduce on the same
-  communicators, 1 MiB to 256 MiB, in alternating rounds; prints a table.
-* ``bench_sweep``: the ring's busbw by rings and chunk size against
-  NCCL's, 16 to 256 MiB.
 * ``peer_missing``: process 1 never calls; process 0's call must fail
   after its timeout, and its next call must fail at once saying the
   communicator was aborted.
 * ``overlap``: an MLP train step under ``jaxring.overlap`` against the same
   step with ``jaxring.pmean`` at the end, over several steps, bit for bit
   (with two ranks every sum has one order).
-* ``overlap_bench``: step time of that step (larger) with and without
-  overlap, in alternating rounds.
 * ``peer_dies``: both processes complete one allreduce, then process 1
   exits; process 0's next call must raise (the watchdog aborts the
   communicator after the timeout and the abort check stops the
   computation) instead of hanging.
+* ``selftest_*`` (gpu_job): the launcher's own checks, without a GPU.
 
 Prints "OK" last on success. ``launch`` starts such a job.
-
-The ``selftest_*`` modes need no GPU and no JAX: they check ``launch``
-itself (a rank that hangs, one that prints a lot, one that dies).
 """
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-# NCCL lets several ranks share one GPU with this setting from 2.30 on.
-_MULTI_RANK_NCCL = (2, 30, 0)
-
-
-def installed_nccl_version() -> tuple | None:
-    """(major, minor, patch) of the NCCL jaxring loads, or None without the
-    CUDA backend."""
-    try:
-        from jaxring import _jaxring_cuda
-    except ImportError:
-        return None
-    code = _jaxring_cuda.nccl_version()
-    return (code // 10000, code // 100 % 100, code % 100)
-
-
-def gpu_env(processes: int, rank: int = 0, nccl: tuple | None = None) -> dict:
-    """The environment of rank `rank` of `processes` ranks sharing GPU 0.
-
-    NCCL >= 2.30 shares a GPU among ranks with NCCL_MULTI_RANK_GPU_ENABLE.
-    Older NCCL refuses two ranks with the same host hash and bus id
-    ("Duplicate GPU detected"), so there each rank gets a host id of its own
-    and talks over loopback sockets, as ranks on different hosts would.
-    """
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cuda"
-    env.pop("XLA_FLAGS", None)
-    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.8 / processes:.3f}"
-    env["PYTHONFAULTHANDLER"] = "1"
-    env.setdefault("NCCL_DEBUG", "WARN")
-    # Every rank's kernels must be resident on the GPU at once, or a ring
-    # step waits for a peer that cannot run: up to 3 rings per rank, so the
-    # blocks each communicator may use are capped to fit the 132 SMs of an
-    # H100/H200 (NCCL's notes on sharing a GPU advise NCCL_MAX_CTAS).
-    env.setdefault("NCCL_MAX_CTAS", str(max(2, 96 // (3 * processes))))
-    # Several communicators issued side by side (one per ring) need this
-    # since NCCL 2.26; the backend sets it too, unless set.
-    env.setdefault("NCCL_LAUNCH_ORDER_IMPLICIT", "1")
-    if nccl is None or nccl >= _MULTI_RANK_NCCL:
-        env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
-    else:
-        env["NCCL_HOSTID"] = f"jaxring-rank-{rank}"
-        env["NCCL_SOCKET_IFNAME"] = "lo"
-        env["NCCL_IB_DISABLE"] = "1"
-    return env
-
-
-def sharing_mode(nccl: tuple | None) -> str:
-    """How gpu_env lets ranks share the GPU with this NCCL, in words."""
-    if nccl is None or nccl >= _MULTI_RANK_NCCL:
-        return "NCCL_MULTI_RANK_GPU_ENABLE=1"
-    return "a host id per rank over loopback sockets (NCCL_HOSTID, NCCL < 2.30)"
+from jaxring._src.gpu_job import (  # noqa: F401  (gpu_env and the rest: for the checks)
+    Job, gpu_env, installed_nccl_version, mlp_inputs, mlp_step, serve, sharing_mode)
+from jaxring._src import gpu_job
 
 
 def launch(processes: int, mode: str, timeout: float = 240,
            log_dir: str | None = None) -> list[tuple[int, str]]:
-    """Runs a job of `processes` workers in `mode`; (return code, output) each.
-
-    One deadline, `timeout` seconds, covers the whole job. Each rank writes
-    to a log file of its own under `log_dir` (default $JAXRING_GPU_LOGS, else
-    a temporary folder), never to a pipe: a rank that prints a lot cannot
-    block while its peer waits for it inside NCCL. Ranks still running at
-    the deadline get SIGABRT, which makes Python's fault handler write every
-    thread's stack into the log, and SIGKILL 5 s later.
-    """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_dir = log_dir or os.environ.get("JAXRING_GPU_LOGS") or tempfile.mkdtemp(
-        prefix="jaxring-gpu-")
-    os.makedirs(log_dir, exist_ok=True)
-    nccl = installed_nccl_version() if not mode.startswith("selftest") else None
-    paths = [os.path.join(log_dir, f"{mode}-{processes}-rank{p}.log")
-             for p in range(processes)]
-    procs = []
-    for p, path in enumerate(paths):
-        with open(path, "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), str(p), str(processes),
-                 str(port), mode],
-                stdout=log, stderr=subprocess.STDOUT, env=gpu_env(processes, p, nccl)))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.1)
-    late = [p for p in procs if p.poll() is None]
-    for p in late:
-        p.send_signal(signal.SIGABRT)
-    grace = time.monotonic() + 5
-    while time.monotonic() < grace and any(p.poll() is None for p in late):
-        time.sleep(0.1)
-    for p in late:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    results = []
-    for p, path in zip(procs, paths):
-        with open(path, errors="replace") as log:
-            text = log.read()
-        if p in late:
-            text += f"\n(still running after {timeout} s: stopped with SIGABRT)"
-        results.append((p.returncode, text))
-    return results
+    """A job of this worker (gpu_job.launch)."""
+    return gpu_job.launch(__file__, processes, mode, timeout, log_dir)
 
 
 def differing_elements(got: bytes, want: bytes, name: str) -> np.ndarray:
@@ -217,72 +110,6 @@ def overlap_schedule(text: str) -> tuple[bool, str]:
     return ok, " ".join(words)
 
 
-class Job:
-    """This process's view of the job: its mesh over one GPU per process."""
-
-    def __init__(self, pid: int, nprocs: int, port: int):
-        import jaxring  # noqa: F401  (before JAX starts its backend)
-        import jax
-        jax.config.update("jax_enable_x64", True)
-        # A peer that never starts fails set-up in 30 s, not the default 300.
-        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nprocs,
-                                   process_id=pid, initialization_timeout=30)
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        self.jax, self.P = jax, P
-        self.pid, self.nprocs = pid, nprocs
-        self.mesh = jax.make_mesh((nprocs,), ("i",))
-        self.sharding = NamedSharding(self.mesh, P("i"))
-
-    def global_array(self, local: np.ndarray):
-        shard = self.jax.device_put(local, self.jax.local_devices()[0])
-        return self.jax.make_array_from_single_device_arrays(
-            (self.nprocs * local.shape[0],), self.sharding, [shard])
-
-    def allreduce_fn(self, **kw):
-        import jaxring
-        return self.jax.jit(self.jax.shard_map(
-            lambda v: jaxring.allreduce(v, "i", **kw), mesh=self.mesh,
-            in_specs=self.P("i"), out_specs=self.P("i"), check_vma=False))
-
-    @staticmethod
-    def local_result(out) -> np.ndarray:
-        return np.asarray(out.addressable_shards[0].data)
-
-    def leave(self, rc: int, wait_s: float = 60) -> None:
-        """Ends this process, rank 0 last: rank 0 hosts JAX's coordination
-        service, and its exit kills every rank still connected to it. Each
-        other rank says it is done through the key-value store and exits;
-        rank 0 waits (at most wait_s) for all of them to have said so.
-        jax.distributed's own shutdown barrier is skipped: a peer that
-        failed would hold it."""
-        sys.stdout.flush()
-        if self.pid != 0:
-            self.say_done(rc)
-        else:
-            for p in range(1, self.nprocs):
-                if self.wait_for(f"done/{p}", wait_s) is None:
-                    print(f"process {p} did not say it was done within {wait_s} s",
-                          flush=True)
-        sys.stdout.flush()
-        os._exit(rc)
-
-    def say_done(self, rc: int) -> None:
-        self.publish(f"done/{self.pid}", str(rc))
-
-    def publish(self, key: str, value: str) -> None:
-        from jaxring._src import jax_compat
-        jax_compat.distributed_client().key_value_set(f"jaxring_gpu_worker/{key}", value)
-
-    def wait_for(self, key: str, wait_s: float) -> str | None:
-        """The value another rank published under `key`, or None after wait_s."""
-        from jaxring._src import jax_compat
-        try:
-            return jax_compat.distributed_client().blocking_key_value_get(
-                f"jaxring_gpu_worker/{key}", int(wait_s * 1000))
-        except Exception:  # the client's own error types; a timeout among them
-            return None
-
-
 NUMPY_OP = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 
 
@@ -332,74 +159,6 @@ def correctness(job: Job) -> int:
     return failures
 
 
-def median_seconds(job: Job, fns: dict, args: tuple, rounds: int, iters: int) -> dict:
-    """Seconds per call of each function on `args`, the median of `rounds`
-    rounds of `iters` calls; the rounds alternate between the functions, so
-    that drift (clocks, a neighbour) hits them all alike. A first call of
-    each compiles it and sets up its communicators."""
-    for f in fns.values():
-        job.jax.block_until_ready(f(*args))
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                out = f(*args)
-            job.jax.block_until_ready(out)
-            times[k].append((time.perf_counter() - t0) / iters)
-    return {k: float(np.median(t)) for k, t in times.items()}
-
-
-def bench(job: Job) -> int:
-    sizes = [1 << s for s in range(20, 29, 2)]  # 1 MiB .. 256 MiB
-    rounds, iters = 5, 10
-    rows = []
-    for nbytes in sizes:
-        x = job.global_array(np.ones(nbytes // 4, np.float32))
-        fns = {a: job.allreduce_fn(algorithm=a, chunk_bytes=max(1 << 20, nbytes // 8))
-               for a in ("ring", "nccl")}
-        seconds = median_seconds(job, fns, (x,), rounds, iters)
-        busbw = {a: 2 * (job.nprocs - 1) / job.nprocs * nbytes / s / 1e9
-                 for a, s in seconds.items()}
-        rows.append((nbytes, busbw["ring"], busbw["nccl"]))
-    if job.pid == 0:
-        print(f"world {job.nprocs} on one GPU: busbw GB/s, float32 sum "
-              f"(median of {rounds} rounds of {iters} calls)")
-        print(f"{'bytes':>12} {'ring':>10} {'nccl':>10} {'ring/nccl':>10}")
-        for nbytes, ring, nccl in rows:
-            print(f"{nbytes:>12} {ring:>10.2f} {nccl:>10.2f} {ring / nccl:>10.3f}")
-    return 0
-
-
-def bench_sweep(job: Job) -> int:
-    """busbw of the ring by rings and chunk size against NCCL's allreduce,
-    16 to 256 MiB: which of the ring's parameters its gap to NCCL depends
-    on."""
-    rounds, iters = 3, 5
-    configs = [("nccl", 2, 1 << 22)] + [("ring", r, c) for r in (1, 2, 4)
-                                        for c in (1 << 20, 1 << 22, 1 << 24)]
-    results = {}
-    for nbytes in (1 << 24, 1 << 26, 1 << 28):
-        x = job.global_array(np.ones(nbytes // 4, np.float32))
-        fns = {cfg: job.allreduce_fn(algorithm=cfg[0], rings=cfg[1], chunk_bytes=cfg[2])
-               for cfg in configs}
-        for cfg, s in median_seconds(job, fns, (x,), rounds, iters).items():
-            results[(nbytes, cfg)] = 2 * (job.nprocs - 1) / job.nprocs * nbytes / s / 1e9
-    if job.pid == 0:
-        print(f"world {job.nprocs} on one GPU: busbw GB/s by configuration, float32 sum "
-              f"(median of {rounds} rounds of {iters} calls); ratio to nccl in brackets")
-        sizes = sorted({n for n, _ in results})
-        print(f"{'algorithm rings chunk':>24} " + " ".join(f"{n >> 20:>9} MiB" for n in sizes))
-        for cfg in configs:
-            cells = []
-            for n in sizes:
-                bw = results[(n, cfg)]
-                cells.append(f"{bw:6.2f} ({bw / results[(n, configs[0])]:.2f})")
-            print(f"{cfg[0]:>10} {cfg[1]:>5} {cfg[2] >> 10:>6}K " + " ".join(
-                f"{c:>13}" for c in cells))
-    return 0
-
-
 def peer_missing(job: Job) -> int:
     if job.pid != 0:
         # Alive, but never joins; it waits for process 0's calls to be over.
@@ -447,45 +206,9 @@ def peer_dies(job: Job) -> int:
     return 1
 
 
-def _mlp_step(job: Job, overlapped: bool, bucket_mb: float = 1.0):
-    import jax.numpy as jnp
-    import jaxring
-
-    def step(ws, x):
-        def loss(ws):
-            h = x
-            for w in ws:
-                h = jnp.tanh(h @ w)
-            return jnp.mean(h ** 2)
-        grads = jax.grad(loss)(ws)
-        if overlapped:
-            grads = job.jax.lax.pmean(grads, "i")
-        else:
-            grads = jaxring.pmean(grads, "i")
-        return [w - 0.1 * g for w, g in zip(ws, grads)]
-
-    jax = job.jax
-    if overlapped:
-        step = jaxring.overlap(axis_name="i", bucket_mb=bucket_mb,
-                               first_bucket_mb=bucket_mb / 4)(step)
-    return jax.jit(jax.shard_map(step, mesh=job.mesh, in_specs=(job.P(), job.P("i")),
-                                 out_specs=job.P(), check_vma=False))
-
-
-def _mlp_inputs(job: Job, width: int, layers: int, batch: int):
-    rng = np.random.default_rng(0)
-    ws = [(rng.normal(0, 1 / np.sqrt(width), (width, width))).astype(np.float32)
-          for _ in range(layers)]
-    x = np.random.default_rng(1 + job.pid).normal(0, 1, (batch, width)).astype(np.float32)
-    shard = job.jax.device_put(x, job.jax.local_devices()[0])
-    xs = job.jax.make_array_from_single_device_arrays(
-        (job.nprocs * batch, width), job.sharding, [shard])
-    return ws, xs
-
-
 def overlap(job: Job) -> int:
-    ws, x = _mlp_inputs(job, 256, 6, 64)
-    plain, over = _mlp_step(job, False), _mlp_step(job, True, bucket_mb=0.25)
+    ws, x = mlp_inputs(job, 256, 6, 64)
+    plain, over = mlp_step(job, False), mlp_step(job, True, bucket_mb=0.25)
     # The order XLA compiled: buckets start while the backward pass still
     # has work, and each done comes after its start.
     scheduled, order = overlap_schedule(over.lower(ws, x).compile().as_text())
@@ -503,57 +226,9 @@ def overlap(job: Job) -> int:
     return 0 if same and _jaxring_cuda.split_phase_pending() == 0 else 1
 
 
-def overlap_bench(job: Job) -> int:
-    ws, x = _mlp_inputs(job, 2048, 8, 512)
-    # Buckets of 25 MiB (PyTorch DDP's default) and of 4 MiB: every bucket
-    # is an allreduce of its own, with its own per-step costs.
-    fns = {"pmean at end": _mlp_step(job, False),
-           "overlap 25 MiB": _mlp_step(job, True, bucket_mb=25.0),
-           "overlap 4 MiB": _mlp_step(job, True, bucket_mb=4.0)}
-    med = median_seconds(job, fns, (ws, x), rounds=5, iters=5)
-    if job.pid == 0:
-        print(f"overlap on GPU, world {job.nprocs}, 8x2048^2 MLP (128 MiB of "
-              f"gradients), median of 5 rounds of 5 steps: "
-              + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items())
-              + "; overlap/plain = " + ", ".join(
-                  f"{med[k] / med['pmean at end']:.3f} ({k})" for k in med if k != "pmean at end"),
-              flush=True)
-    return 0
-
-
-def _selftest(pid: int, mode: str) -> int:
-    """The launcher's own checks: no GPU, no JAX."""
-    if mode == "selftest_hang" and pid == 1:
-        time.sleep(3600)
-    if mode == "selftest_spew":
-        line = f"rank {pid} " + "x" * 1000 + "\n"
-        for _ in range(1100):  # about 1.1 MiB, far beyond a pipe's buffer
-            sys.stdout.write(line)
-    if mode == "selftest_die" and pid == 1:
-        os._exit(3)
-    return 0
-
-
-def main() -> None:
-    pid, nprocs, port, mode = (int(sys.argv[1]), int(sys.argv[2]),
-                               int(sys.argv[3]), sys.argv[4])
-    if mode.startswith("selftest"):
-        rc = _selftest(pid, mode)
-        print("OK" if rc == 0 else f"failed: {rc}", flush=True)
-        os._exit(rc)
-    if mode == "overlap":
-        # The overlapped and the plain step are compiled apart; with GEMM
-        # autotuning each might pick another algorithm and round otherwise.
-        os.environ["XLA_FLAGS"] = "--xla_gpu_autotune_level=0"
-    job = Job(pid, nprocs, port)
-    rc = {"correctness": correctness, "bench": bench, "bench_sweep": bench_sweep,
-          "peer_missing": peer_missing,
-          "peer_dies": peer_dies, "overlap": overlap,
-          "overlap_bench": overlap_bench}[mode](job)
-    if rc == 0:
-        print("OK", flush=True)
-    job.leave(rc)
-
-
 if __name__ == "__main__":
-    main()
+    serve({"correctness": correctness, "peer_missing": peer_missing,
+           "peer_dies": peer_dies, "overlap": overlap},
+          # The overlapped and the plain step are compiled apart; with GEMM
+          # autotuning each might pick another algorithm and round otherwise.
+          xla_flags={"overlap": "--xla_gpu_autotune_level=0"})

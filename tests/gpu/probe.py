@@ -92,13 +92,12 @@ def after_build() -> int:
         print("the CUDA backend is not built:", cuda_backend.status())
         return 1
     from jaxring import _jaxring_cuda
-    sys.path.insert(0, HERE)
-    import gpu_worker
-    nccl = gpu_worker.installed_nccl_version()
+    from jaxring._src import gpu_job
+    nccl = gpu_job.installed_nccl_version()
     print("NCCL loaded by jaxring:", ".".join(map(str, nccl)),
           "; CUDA runtime", _jaxring_cuda.cuda_runtime_version(),
           "; GPUs", _jaxring_cuda.device_count())
-    print("ranks share the GPU with", gpu_worker.sharing_mode(nccl))
+    print("ranks share the GPU with", gpu_job.sharing_mode(nccl))
     # Whether libstdc++ is linked into the modules or loaded beside them,
     # and whether they export any of it (they should not).
     for module in glob.glob(os.path.join(os.path.dirname(jaxring.__file__), "_jaxring*.so")):
