@@ -154,14 +154,17 @@ def main(argv=None):
         return float(valid_loss(common.on_host(params), valid_batch))
 
     losses, t0, first, left_out, steps_done = [], None, 0, 0.0, 0
+    # The timeline spans the last 10 steps (after the compiling one): it
+    # opens before step `trace_from` and closes when the loop ends.
+    trace_from = max(1, args.steps - 10) if args.timeline else None
+    tracing = contextlib.ExitStack()
     bar = tqdm(total=args.steps, disable=args.quiet, unit="step")
     for i in range(args.steps):
-        trace = (jaxring.timeline(args.timeline)
-                 if args.timeline and i == args.steps - 10 else contextlib.nullcontext())
-        with trace:
-            seqs = jax.device_put(sample(train_text, args.batch), sharded)
-            params, opt_state, loss = step(params, opt_state, seqs)
-            loss = float(loss)
+        if i == trace_from:
+            tracing.enter_context(jaxring.timeline(args.timeline))
+        seqs = jax.device_put(sample(train_text, args.batch), sharded)
+        params, opt_state, loss = step(params, opt_state, seqs)
+        loss = float(loss)
         losses.append(loss)
         steps_done = i + 1
         if t0 is None:
@@ -178,6 +181,7 @@ def main(argv=None):
             left_out += time.perf_counter() - paused
             if args.target_loss is not None and value <= args.target_loss:
                 break
+    tracing.close()
     bar.close()
 
     elapsed = time.perf_counter() - t0 - left_out if t0 else 0.0
@@ -187,8 +191,11 @@ def main(argv=None):
           f"validation loss={valid:.4f} bits/char={valid / np.log(2):.3f} "
           f"bytes/step={wire_bytes} time after compile={elapsed:.1f} s")
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))
-    if args.timeline:
-        print(f"timeline of the last 10 steps: {args.timeline}")
+    if args.timeline and steps_done > trace_from:
+        print(f"timeline of steps {trace_from + 1} to {steps_done}: {args.timeline}")
+    elif args.timeline:
+        print(f"no timeline: training stopped at step {steps_done}, before step "
+              f"{trace_from + 1} where it would start")
     return valid
 
 

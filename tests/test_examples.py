@@ -1,5 +1,6 @@
 """The example trainers run, learn, and give the same curve in every mode."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -93,6 +94,34 @@ def test_lm_modes_give_the_same_loss_curve(mode):
     assert len(overlap) == len(other) == 5
     for a, b in zip(overlap, other):
         assert abs(a - b) <= 1e-4 * abs(b), (overlap, other)
+
+
+def test_lm_timeline_spans_its_last_ten_steps(tmp_path):
+    """--timeline records every step from max(1, steps - 10) on (the first
+    step compiles), and says so; stopping before that records nothing."""
+    common = ("--devices", "2", "--layers", "1", "--width", "64")
+
+    def spans(steps):
+        path = tmp_path / f"{steps}.json"
+        out = subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"), "--quiet",
+                              *common, "--steps", str(steps), "--timeline", str(path)],
+                             capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert f"timeline of steps {max(2, steps - 9)} to {steps}:" in out.stdout
+        trace = json.loads(path.read_text())
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        return sum(1 for e in events if e.get("ph") == "X" and e.get("tid") == 0)
+
+    # Steps 2..5 against 3..12: the same buckets per step, 4 steps against 10.
+    four, ten = spans(5), spans(12)
+    assert four > 0 and ten * 4 == four * 10, (four, ten)
+    early = subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"), "--quiet",
+                            *common, "--steps", "12", "--eval-every", "1",
+                            "--target-loss", "100", "--timeline", str(tmp_path / "no.json")],
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert early.returncode == 0, early.stderr[-3000:]
+    assert "no timeline: training stopped at step 1" in early.stdout
+    assert not (tmp_path / "no.json").exists()
 
 
 def run_launched(name, *args, timeout=600):
