@@ -4,7 +4,7 @@ JAX's Gloo, beside the in-process bound.
 Usage:
     python benchmarks/tcp_allreduce.py [--processes 2 4] [--min-bytes 4K]
         [--max-bytes 256M] [--transports auto tcp] [--no-direct]
-        [--cpu-bind none|cores]
+        [--cpu-bind none|cores] [--keep-freed-memory]
         [--plot tcp_allreduce.png] [--json results.json]
 
 For each process count the script starts one job per transport with
@@ -221,6 +221,9 @@ def main(argv=None) -> int:
                     help="JAXRING_TRANSPORT of each job across processes")
     ap.add_argument("--cpu-bind", choices=["none", "cores"], default="none",
                     help="jaxring.launch --cpu-bind for the jobs across processes")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="jaxring.launch --keep-freed-memory for every job "
+                         "(glibc keeps freed buffers: no fresh pages per call)")
     ap.add_argument("--no-direct", action="store_true",
                     help="skip the one-process job (the in-process bound)")
     ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
@@ -265,6 +268,8 @@ def run_job(args, n: int, job: str) -> list[dict] | None:
         else:
             cmd = [sys.executable, "-m", "jaxring.launch", "-n", str(n),
                    "--devices-per-process", "1", "--cpu-bind", args.cpu_bind]
+        if args.keep_freed_memory:
+            cmd.append("--keep-freed-memory")
         if net is not None:
             cmd += ["--coordinator", f"{net.address(0)}:29500",
                     "--prefix-command", net.exec_prefix()]

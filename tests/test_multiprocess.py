@@ -228,6 +228,43 @@ def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
     assert f"cpus 1 {mine} {mine}" in lines_by_rank(r.stdout)[1]
 
 
+def test_keep_freed_memory_has_glibc_reuse_a_freed_buffer(tmp_path):
+    """--keep-freed-memory: a 64 MiB buffer freed and allocated again lands
+    on the pages already touched (no page faults); without it, glibc maps
+    fresh pages each time, which fault in as they are written."""
+    script = tmp_path / "refault.py"
+    script.write_text(
+        "import ctypes, resource, jax\n"
+        "libc = ctypes.CDLL('libc.so.6')\n"
+        "libc.malloc.restype = ctypes.c_void_p\n"
+        "libc.free.argtypes = [ctypes.c_void_p]\n"
+        "libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]\n"
+        "faults = []\n"
+        "for _ in range(3):\n"
+        "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "    p = libc.malloc(64 << 20); libc.memset(p, 1, 64 << 20)\n"
+        "    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
+        "    libc.free(p)\n"
+        "print('faults', jax.process_index(), min(faults[1:]))\n")
+
+    def refaults(*flags):
+        r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "2", *flags,
+                            str(script)], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path, env={k: v for k, v in os.environ.items()
+                                              if not k.startswith("MALLOC_")})
+        assert r.returncode == 0, r.stderr
+        return [int(lines_by_rank(r.stdout)[rank][-1].split()[-1]) for rank in range(2)]
+
+    # 64 MiB is 16384 pages of 4 KiB (or 32 huge pages of 2 MiB).
+    assert all(f >= 32 for f in refaults()), refaults()
+    assert refaults("--keep-freed-memory") == [0, 0]
+    # A setting of the caller's own is left as it is.
+    env = launch.child_env({"MALLOC_TRIM_THRESHOLD_": "7"}, 0, 1, "h:1", None, "s",
+                           keep_freed_memory=True)
+    assert env["MALLOC_TRIM_THRESHOLD_"] == "7" and env["MALLOC_MMAP_THRESHOLD_"] == str(1 << 30)
+    assert "MALLOC_MMAP_THRESHOLD_" not in launch.child_env({}, 0, 1, "h:1", None, "s")
+
+
 def test_cpu_shares_are_whole_cores_and_disjoint_while_there_are_cores_enough():
     # Two cores with two hardware threads each, numbered as Linux usually
     # does (core i's siblings are i and i + 2): a process gets a core.
