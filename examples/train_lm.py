@@ -157,31 +157,30 @@ def main(argv=None):
     # The timeline spans the last 10 steps (after the compiling one): it
     # opens before step `trace_from` and closes when the loop ends.
     trace_from = max(1, args.steps - 10) if args.timeline else None
-    tracing = contextlib.ExitStack()
     bar = tqdm(total=args.steps, disable=args.quiet, unit="step")
-    for i in range(args.steps):
-        if i == trace_from:
-            tracing.enter_context(jaxring.timeline(args.timeline))
-        seqs = jax.device_put(sample(train_text, args.batch), sharded)
-        params, opt_state, loss = step(params, opt_state, seqs)
-        loss = float(loss)
-        losses.append(loss)
-        steps_done = i + 1
-        if t0 is None:
-            t0, first = time.perf_counter(), i + 1  # after compiling
-        rate = (i + 1 - first) * args.batch * c / max(time.perf_counter() - t0, 1e-9)
-        bar.set_postfix(loss=f"{loss:.4f}", chars_per_s=f"{rate:.0f}")
-        bar.update()
-        if args.eval_every and steps_done % args.eval_every == 0:
-            # Evaluation time is left out of the training time.
-            paused = time.perf_counter()
-            value = validation_loss()
-            print(f"eval step={steps_done} seconds={paused - t0 - left_out:.3f} "
-                  f"loss={value:.4f}", flush=True)
-            left_out += time.perf_counter() - paused
-            if args.target_loss is not None and value <= args.target_loss:
-                break
-    tracing.close()
+    with contextlib.ExitStack() as tracing:  # closed however the loop ends
+        for i in range(args.steps):
+            if i == trace_from:
+                tracing.enter_context(jaxring.timeline(args.timeline))
+            seqs = jax.device_put(sample(train_text, args.batch), sharded)
+            params, opt_state, loss = step(params, opt_state, seqs)
+            loss = float(loss)
+            losses.append(loss)
+            steps_done = i + 1
+            if t0 is None:
+                t0, first = time.perf_counter(), i + 1  # after compiling
+            rate = (i + 1 - first) * args.batch * c / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(loss=f"{loss:.4f}", chars_per_s=f"{rate:.0f}")
+            bar.update()
+            if args.eval_every and steps_done % args.eval_every == 0:
+                # Evaluation time is left out of the training time.
+                paused = time.perf_counter()
+                value = validation_loss()
+                print(f"eval step={steps_done} seconds={paused - t0 - left_out:.3f} "
+                      f"loss={value:.4f}", flush=True)
+                left_out += time.perf_counter() - paused
+                if args.target_loss is not None and value <= args.target_loss:
+                    break
     bar.close()
 
     elapsed = time.perf_counter() - t0 - left_out if t0 else 0.0
@@ -194,8 +193,8 @@ def main(argv=None):
     if args.timeline and steps_done > trace_from:
         print(f"timeline of steps {trace_from + 1} to {steps_done}: {args.timeline}")
     elif args.timeline:
-        print(f"no timeline: training stopped at step {steps_done}, before step "
-              f"{trace_from + 1} where it would start")
+        print(f"no timeline: the run ended at step {steps_done}, before step "
+              f"{trace_from + 1} where the trace would start")
     return valid
 
 

@@ -42,7 +42,10 @@ _GRACE_S = 3.0
 # buffer anew, so by default each allreduce's result lands on fresh pages,
 # which the kernel zeroes on first touch (a page fault per 4 KiB or 2 MiB);
 # kept, the same pages serve call after call. The cost: a process's
-# resident memory stays near its peak. Other C libraries ignore these.
+# resident memory stays near its peak. Limits: a buffer of 64 MiB or more
+# allocated by a thread other than the main one is still mapped afresh (a
+# thread's arena grows in heaps of at most 64 MiB), and glibc releases that
+# cap the threshold at 32 MiB ignore it. Other C libraries ignore both.
 _KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30),
                       "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 

@@ -314,7 +314,8 @@ def selftest_steps() -> list[Step]:
     return [
         Step("passes", _py("-c", "print('fine')"), 30),
         Step("spews", job("selftest_spew", 60), 60, needs=("passes",)),
-        Step("hangs", job("selftest_hang", 3600), 5, needs=("passes",)),
+        # 15 s: the job and its ranks import jaxring before a rank hangs.
+        Step("hangs", job("selftest_hang", 3600), 15, needs=("passes",)),
         Step("dies", job("selftest_die", 60), 60),
         Step("after_death", _py("-c", "print('never')"), 30, needs=("dies",)),
         Step("why_it_died", _py("-c", "print('a diagnosis of the death')"), 30,

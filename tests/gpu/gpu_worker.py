@@ -31,8 +31,8 @@ import time
 
 import numpy as np
 
-from jaxring._src.gpu_job import (  # noqa: F401  (gpu_env and the rest: for the checks)
-    Job, gpu_env, installed_nccl_version, mlp_inputs, mlp_step, serve, sharing_mode)
+from jaxring._src.gpu_job import (  # noqa: F401  (gpu_env, sharing_mode: for the checks)
+    Job, gpu_env, mlp_inputs, mlp_step, serve, sharing_mode)
 from jaxring._src import gpu_job
 
 

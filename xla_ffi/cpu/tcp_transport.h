@@ -53,9 +53,10 @@ int tcp_listen(const std::string& bind_host, const JobIdentity& identity, bool u
                std::string* error);
 
 // Tells the transport where every process listens ("host:port", indexed by
-// process), and which processes run on this host: with use_shm, data to and
-// from those goes through shared-memory rings wherever both ends can map
-// them. Call once after tcp_listen; false with *error on a bad table.
+// process), and which processes run on this host: with tcp_listen's use_shm,
+// data to and from those goes through shared-memory rings wherever both
+// ends can map them. Call once after tcp_listen; false with *error on a bad
+// table.
 bool tcp_set_peers(const std::vector<std::string>& addresses,
                    const std::vector<int>& same_host, std::string* error);
 

@@ -184,7 +184,7 @@ class TcpTransport final : public OpHost {
     f.header.op_id = key.op_id;
     f.header.group = key.group;
     f.header.phase = static_cast<int32_t>(kind);
-    f.header.src_rank = me();
+    f.header.src_rank = identity().process;  // me() is -1 until set_peers
     f.header.payload_bytes = static_cast<int64_t>(why.size());
     f.message = why;
     send(p, 0, std::move(f));
