@@ -143,7 +143,7 @@ COLUMNS = (("shm", "auto", "jaxring"), ("tcp", "tcp", "jaxring"),
            ("direct", "direct", "jaxring"))
 
 
-def table(jobs: dict[str, list[dict]], n: int) -> str:
+def table(jobs: dict[str, list[dict]], n: int, launcher: str = "") -> str:
     """busbw (GB/s) of every job beside each other, and the ratios the
     benchmark's goals are stated in: each against a reference timed in the
     same job where there is one (shm/gloo in the auto job, tcp/gloo in the
@@ -163,7 +163,8 @@ def table(jobs: dict[str, list[dict]], n: int) -> str:
     head = (f"{'bytes':>10} | " + " ".join(f"{t:>14}" for t, _, _ in cols) + " | " +
             " ".join(f"{t:>10}" for t, _, _ in ratios))
     lines = [f"# {n} processes, 1 CPU device each, float32, busbw GB/s, "
-             f"median of alternating rounds (direct: 1 process, {n} devices)",
+             f"median of alternating rounds (direct: 1 process, {n} devices)"
+             + (f"; jaxring.launch {launcher}" if launcher else ""),
              head, "-" * len(head)]
     for size in sizes:
         lines.append(
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
             if rows is None:
                 return 1
             results[n][job] = rows
-        print(table(results[n], n))
+        print(table(results[n], n, launcher_settings(args)))
         print()
     if args.json:
         with open(args.json, "w") as f:
@@ -251,6 +252,14 @@ def main(argv=None) -> int:
     if args.plot:
         plot(results, args.plot, args.title)
     return 0
+
+
+def launcher_settings(args) -> str:
+    """The launcher options other than the defaults, for the tables."""
+    words = [] if args.cpu_bind == "none" else [f"--cpu-bind {args.cpu_bind}"]
+    if args.keep_freed_memory:
+        words.append("--keep-freed-memory")
+    return " ".join(words)
 
 
 def run_job(args, n: int, job: str) -> list[dict] | None:
