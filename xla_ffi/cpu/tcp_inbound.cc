@@ -260,9 +260,13 @@ void TcpTransport::read_loop(int fd) {
       const FailureKind kind = h.phase >= 0 && h.phase < kNumFailureKinds
                                    ? static_cast<FailureKind>(h.phase)
                                    : FailureKind::kInternal;
-      // The process the sender's failure points at, or else the sender.
-      const int points_at =
-          h.src_rank >= 0 && h.src_rank < processes ? h.src_rank : peer;
+      // The process the sender's failure points at, or else the sender. A
+      // report that points at this process, which is running, comes from a
+      // peer that waited on it while it waited on a stopped process further
+      // up the ring: the sender cannot tell which one stopped, so it names
+      // none.
+      int points_at = h.src_rank >= 0 && h.src_rank < processes ? h.src_rank : peer;
+      if (points_at == self) points_at = -1;
       std::ostringstream os;
       os << words << " [reported by process " << peer << "]";
       if (h.kind == kPeerLost) {
