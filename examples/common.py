@@ -83,6 +83,18 @@ def start(args):
     return jaxring
 
 
+def apply_gradients(state, grads, warm_up=None, **changes):
+    """flax's TrainState.apply_gradients, passing warm_up (a Python bool,
+    or None for none) on to a compressing optimizer: PowerSGD's warm-up
+    chosen by the training loop (jaxring.compression.powersgd)."""
+    import optax
+    extra = {} if warm_up is None else {"warm_up": warm_up}
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params, **extra)
+    return state.replace(step=state.step + 1,
+                         params=optax.apply_updates(state.params, updates),
+                         opt_state=opt_state, **changes)
+
+
 def optimizer_state_on(mesh, optimizer, params):
     """(the optimizer's state placed on mesh, its shard_map specs): replicated,
     but for a compressing optimizer's per-rank rows (its error feedback),

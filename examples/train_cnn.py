@@ -5,6 +5,7 @@ upsampled to 16x16, under jax.pmap, flax-examples style, with jaxring.
     python examples/train_cnn.py --mode psum           # plain lax.pmean
     python examples/train_cnn.py --link 1Gbit,50us --timeline trace.json
     python examples/train_cnn.py --compression powersgd --rank 2
+    python examples/train_cnn.py --compression powersgd --warm-up-steps 50
     python -m jaxring.launch -n 2 --devices-per-process 4 examples/train_cnn.py
 
 The train step is the usual flax one: gradients and BatchNorm statistics are
@@ -18,7 +19,10 @@ under allreduce they stay lax.pmean. For one seed the three modes give the
 same loss curve, up to float rounding. --compression wire16|powersgd chains
 jaxring.compression's transformation before SGD: it averages the local
 gradients itself, in fewer bytes. The train state is replicated per device,
-flax-style, so each device keeps its own error feedback.
+flax-style, so each device keeps its own error feedback. With
+--warm-up-steps K, PowerSGD's first K steps average uncompressed: the loop
+switches between two compiled steps (powersgd's warm_up argument), each
+with one path, so overlap holds through the warm-up too.
 """
 
 from __future__ import annotations
@@ -41,7 +45,14 @@ def parse_args(argv=None):
                         "left out of the training time)")
     p.add_argument("--target-accuracy", type=float, default=None,
                    help="with --eval-every: stop once the test accuracy reaches this")
-    return p.parse_args(argv)
+    p.add_argument("--warm-up-steps", type=int, default=0,
+                   help="with --compression powersgd: steps averaged uncompressed first")
+    args = p.parse_args(argv)
+    if args.warm_up_steps and args.compression != "powersgd":
+        p.error("--warm-up-steps is PowerSGD's warm-up: use it with --compression powersgd")
+    if args.warm_up_steps < 0:
+        p.error("--warm-up-steps must be at least 0")
+    return args
 
 
 def main(argv=None):
@@ -103,7 +114,7 @@ def main(argv=None):
     mean = {"overlap": jax.lax.pmean, "psum": jax.lax.pmean,
             "allreduce": jaxring.pmean}[args.mode]
 
-    def train_step(state, images, labels):
+    def train_step(state, images, labels, warm_up=None):
         def loss_fn(params):
             logits, updates = state.apply_fn(
                 {"params": params, "batch_stats": state.batch_stats}, images,
@@ -113,13 +124,19 @@ def main(argv=None):
         (loss, (updates, accuracy)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         if args.compression == "none":
             grads = mean(grads, "batch")  # else the optimizer averages them
-        state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+        state = common.apply_gradients(state, grads, warm_up,
+                                       batch_stats=updates["batch_stats"])
         return state, mean(loss, "batch"), mean(accuracy, "batch")
 
-    if args.mode == "overlap":
-        train_step = jaxring.overlap(train_step, axis_name="batch",
-                                     wire_dtype=args.wire_dtype)
-    step = jax.pmap(train_step, axis_name="batch")
+    def compiled_step(warm_up):
+        f = functools.partial(train_step, warm_up=warm_up)
+        if args.mode == "overlap":
+            f = jaxring.overlap(f, axis_name="batch", wire_dtype=args.wire_dtype)
+        return jax.pmap(f, axis_name="batch")
+
+    # One compiled step per phase: during the warm-up, uncompressed.
+    steps = ({w: compiled_step(w) for w in (True, False)} if args.warm_up_steps
+             else {False: compiled_step(None)})
     wire_bytes = common.gradient_wire_bytes(args, state.params, state.opt_state)
     # One copy of the state per local device (flax's replicate).
     local = jax.local_device_count()
@@ -156,6 +173,7 @@ def main(argv=None):
                 # pmap takes this process's devices' rows (all of them in one process).
                 xb = x_train[idx].reshape(n, -1, 16, 16, 1)[mine]
                 yb = y_train[idx].reshape(n, -1)[mine]
+                step = steps[bool(args.warm_up_steps) and n_done < args.warm_up_steps]
                 state, loss, acc = step(state, xb, yb)
                 loss = float(loss[0])
                 losses.append(loss)

@@ -407,6 +407,74 @@ def test_overlap_buckets_the_compressed_allreduces():
                                    rtol=1e-4, atol=1e-5)
 
 
+def test_powersgd_warm_up_chosen_by_the_trainer_keeps_one_overlapped_path():
+    # warm_up=True/False, a static argument of the step that optax.chain
+    # passes on: each compiled step holds one path (no cond), whose
+    # allreduces jaxring.overlap buckets; True is the plain mean, False the
+    # same compression as without warm_up, and both count the step.
+    rng = np.random.default_rng(12)
+    params = {f"l{i}": jnp.asarray(rng.normal(0, 0.3, (32, 32)), jnp.float32)
+              for i in range(2)}
+    x = rng.normal(size=(N * 4, 32)).astype(np.float32)
+    tx = optax.chain(jc.powersgd("batch", rank=1, min_size=0), optax.sgd(1.0))
+    state = jc.for_ranks(tx.init(params), N)
+    specs = jc.state_specs(state, "batch")
+
+    def loss(p, xb):
+        h = xb
+        for i in range(2):
+            h = jnp.tanh(h @ p[f"l{i}"])
+        return jnp.sum(h ** 2)
+
+    def step(p, s, xb, warm_up=None):
+        return tx.update(jax.grad(loss)(p, xb), s, p, warm_up=warm_up)
+
+    def mean_step(p, s, xb):
+        return jax.tree_util.tree_map(
+            lambda g: -jax.lax.pmean(g, "batch"), jax.grad(loss)(p, xb)), s
+
+    run = lambda f: jax.jit(jax.shard_map(  # noqa: E731
+        f, mesh=mesh(), in_specs=(P(), specs, P("batch")), out_specs=(P(), specs)))
+    got = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxring.OverlapWarning)
+        for w in (True, False):
+            f = jaxring.overlap(functools.partial(step, warm_up=w), axis_name="batch")
+            text = jax.make_jaxpr(run(f))(params, state, x).pretty_print()
+            assert "cond[" not in text
+            assert "jaxring_allreduce_start" in text and "jaxring_allreduce[" not in text
+            got[w] = run(f)(params, state, x)
+    plain, _ = run(mean_step)(params, state, x)
+    compressed, _ = run(step)(params, state, x)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(got[True][0][k]), np.asarray(plain[k]),
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got[False][0][k]),
+                                   np.asarray(compressed[k]), rtol=1e-4, atol=1e-5)
+        # Rank 1 of the 32x32 mean is far from it: the two paths differ.
+        assert np.abs(np.asarray(got[False][0][k]) - np.asarray(plain[k])).max() > 1e-3
+    for w in (True, False):
+        assert int(got[w][1][0].count) == 1
+
+
+def test_powersgd_warm_up_must_be_static_and_alone():
+    grads = {"w": jnp.ones((1, 8, 8), jnp.float32)}
+    for tx, warm_up, err, match in [
+            (jc.powersgd("batch", min_size=0), jnp.array(True), TypeError,
+             "warm_up must be a Python bool"),
+            (jc.powersgd("batch", min_size=0, start_step=3), True, ValueError,
+             "warm_up and start_step=3 both choose")]:
+        params = {"w": jnp.zeros((8, 8), jnp.float32)}
+        state = jc.for_ranks(tx.init(params), N)
+        specs = jc.state_specs(state, "batch")
+        f = jax.jit(jax.shard_map(
+            lambda g, s, tx=tx, w=warm_up: tx.update(
+                jax.tree_util.tree_map(lambda v: v[0], g), s, warm_up=w),
+            mesh=mesh(), in_specs=(P("batch"), specs), out_specs=(P(), specs)))
+        with pytest.raises(err, match=match):
+            f(jax.tree_util.tree_map(lambda v: jnp.repeat(v, N, 0), grads), state)
+
+
 @pytest.mark.parametrize("make", [
     lambda: jc.powersgd("batch", rank=2, min_size=10 ** 9),   # every leaf as is
     lambda: jc.wire16("batch"),                                # float64 leaves as is

@@ -66,6 +66,31 @@ def test_cnn_reaches_95_percent_with_overlap():
 
 
 @pytest.mark.slow
+def test_cnn_powersgd_warm_up_steps_average_uncompressed_then_compress():
+    # Loss k is taken before update k: with 2 warm-up steps the first three
+    # losses are those of uncompressed training, the fourth is not; without
+    # a warm-up the second already differs.
+    curves = {name: run_example("train_cnn.py", "--devices", "4", "--max-steps", "4",
+                                *args)[1]
+              for name, args in (("none", ()),
+                                 ("warm", ("--compression", "powersgd",
+                                           "--warm-up-steps", "2")),
+                                 ("cold", ("--compression", "powersgd")))}
+    for a, b in zip(curves["warm"][:3], curves["none"][:3]):
+        assert abs(a - b) <= 1e-4 * abs(b), curves
+    assert abs(curves["warm"][3] - curves["none"][3]) > 1e-3, curves
+    assert abs(curves["cold"][1] - curves["none"][1]) > 1e-3, curves
+
+
+def test_cnn_warm_up_steps_need_powersgd():
+    with tempfile.TemporaryDirectory() as cwd:
+        res = subprocess.run([sys.executable, str(EXAMPLES / "train_cnn.py"),
+                              "--warm-up-steps", "5"],
+                             capture_output=True, text=True, timeout=120, cwd=cwd)
+    assert res.returncode == 2 and "use it with --compression powersgd" in res.stderr
+
+
+@pytest.mark.slow
 def test_cnn_modes_agree_on_the_first_steps():
     # BatchNorm and momentum amplify float rounding (the ring and XLA sum in
     # different orders) from about 1e-6 at step 2 to 1e-4 at step 3; in

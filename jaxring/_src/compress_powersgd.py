@@ -99,12 +99,32 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096
       rank: the factors' rank (capped by each matrix's shape).
       start_step: steps averaged uncompressed first (the warm-up). With
         start_step > 0 the step holds both paths under a ``lax.cond``, whose
-        allreduces jaxring.overlap leaves in place; 0 keeps one path.
+        allreduces jaxring.overlap leaves in place; 0 keeps one path. To
+        keep overlap through the warm-up, leave it 0 and pass ``warm_up``
+        to ``update`` instead (below).
       min_size: leaves with fewer elements go uncompressed.
       warm_start: reuse each Q factor from the step before (else draw anew).
       seed: the seed Q factors are drawn from; the same on every rank.
 
     Its state holds per-rank leaves (see jaxring.compression.state_specs).
+
+    The warm-up as the trainer's choice: ``update(grads, state, params,
+    warm_up=True)`` averages uncompressed, ``warm_up=False`` compresses,
+    each with one path in the program, so jaxring.overlap overlaps both.
+    ``warm_up`` must be a Python bool (a static argument of the jitted step:
+    one compiled step per value); optax.chain passes it on::
+
+        def train_step(params, opt_state, batch, warm_up):
+            grads = jax.grad(loss)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params,
+                                           warm_up=warm_up)
+            return optax.apply_updates(params, updates), opt_state
+
+        steps = {w: jax.pmap(jaxring.overlap(
+                        functools.partial(train_step, warm_up=w),
+                        axis_name="batch"), axis_name="batch")
+                 for w in (True, False)}
+        # step k runs steps[k < warm_up_steps]
     """
     where = "jaxring.compression.powersgd"
     axes = axes_of(axis_name, where)
@@ -162,11 +182,22 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096
             residuals.append((ms[i] - update).reshape((1,) + lp.shape))
         return out, tuple(qs), tuple(residuals)
 
-    def update(grads, state, params=None):
-        del params
+    def update(grads, state, params=None, *, warm_up=None, **extra_args):
+        del params, extra_args  # optax.chain passes every extra argument on
         check_bound(axes, where)
         leaves = check_structure(state.treedef, grads, where)
-        if start_step == 0:
+        if warm_up is not None:
+            if not isinstance(warm_up, (bool, np.bool_)):
+                raise TypeError(
+                    f"{where}: warm_up must be a Python bool, got "
+                    f"{type(warm_up).__name__}; make it a static argument of the "
+                    "jitted step (one compiled step per value), or use start_step")
+            if start_step:
+                raise ValueError(
+                    f"{where}: warm_up and start_step={start_step} both choose the "
+                    "warm-up steps; pass one (start_step=0 with warm_up)")
+            out, q, residual = (plain if warm_up else compressed)(leaves, state)
+        elif start_step == 0:
             out, q, residual = compressed(leaves, state)
         else:
             out, q, residual = jax.lax.cond(
@@ -174,4 +205,4 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096
         new = state.replace(count=state.count + 1, q=q, residual=residual)
         return jax.tree_util.tree_unflatten(state.treedef, out), new
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
