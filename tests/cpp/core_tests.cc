@@ -213,14 +213,15 @@ std::string hello_bytes(uint32_t version, int process, int channel,
   return out + nonce;
 }
 
-// Sends a hello as process 1 on `channel`, reads the 64-byte reply and
-// answers with the proof `as` would compute; returns the connection.
+// Sends a hello as process `from` on `channel`, reads the 64-byte reply
+// and answers with the proof `as` would compute for a connection to process
+// `to`; returns the connection.
 int prove_as(int victim_port, const jaxring::JobIdentity& as, int channel,
-             bool garble) {
+             bool garble, int from = 1, int to = 0) {
   const int fd = connect_loopback(victim_port);
   CHECK(fd >= 0);
   const std::string nonce(jaxring::kNonceBytes, 'n');
-  CHECK(write_all(fd, hello_bytes(jaxring::kProtocolVersion, 1, channel, nonce)));
+  CHECK(write_all(fd, hello_bytes(jaxring::kProtocolVersion, from, channel, nonce)));
   char reply[64];
   size_t got = 0;
   while (got < sizeof(reply)) {
@@ -230,7 +231,7 @@ int prove_as(int victim_port, const jaxring::JobIdentity& as, int channel,
     got += static_cast<size_t>(r);
   }
   std::string proof = jaxring::handshake_mac(
-      as, false, nonce, std::string(reply + 16, jaxring::kNonceBytes), 1, 0, channel);
+      as, false, nonce, std::string(reply + 16, jaxring::kNonceBytes), from, to, channel);
   if (garble) proof[0] ^= 1;
   // After the proof, the connector offers a shared-memory ring: none here.
   jaxring::ShmOffer no_offer{};
@@ -313,6 +314,36 @@ int attack(int victim_port) {
   return fd;
 }
 
+// The operation of the early bad frame (below): process 1 never runs it.
+constexpr int64_t kEarlyBadOp = 999;
+
+// Played by process 0 before process 1's set_peers: a frame on a channel of
+// its own, for an operation process 1 never runs, that does not fit its
+// plan. Process 1 fails the operation and owes process 0 an abort, though
+// it does not know yet where process 0 listens: the abort waits for its
+// set_peers. Returns the connection, to keep open until the job ends.
+int early_bad_frame(int peer_port) {
+  const int fd = prove_as(peer_port, test_job(0), 60, false, /*from=*/0, /*to=*/1);
+  WireHeader h{};
+  h.magic = jaxring::kWireMagic;
+  h.kind = jaxring::kData;
+  h.run_id = 7;
+  h.op_id = kEarlyBadOp;
+  h.dst_rank = 1;
+  h.src_rank = 0;
+  h.elem_type = static_cast<int32_t>(jaxring::ElemType::kS32);
+  h.world_size = 2;
+  h.num_rings = 1;
+  h.count = 1024;
+  h.chunk_bytes = 4096;
+  h.unit = 999;  // the plan has no such unit
+  h.payload_bytes = 64;
+  CHECK(write(fd, &h, sizeof(h)) == sizeof(h));
+  const std::vector<char> payload(64, 1);
+  CHECK(write(fd, payload.data(), payload.size()) == static_cast<ssize_t>(payload.size()));
+  return fd;
+}
+
 // One process of the TCP test: process `me` of 2 runs the ranks r with
 // process_of_rank[r] == me, all operations at once from their own threads.
 int tcp_process(int me, int port_out_fd, int ports_in_fd) {
@@ -327,7 +358,9 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   if (read(ports_in_fd, ports, sizeof(ports)) != sizeof(ports)) return 1;
   // Process 1 learns the addresses late: process 0 connects, and offers its
   // rings, before process 1's set_peers, which must not matter (the
-  // shared-memory choice was fixed by tcp_listen).
+  // shared-memory choice was fixed by tcp_listen). Process 0 also sends it
+  // a frame that fails an operation there meanwhile.
+  const int early = me == 0 ? early_bad_frame(ports[1]) : -1;
   if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
   // The two processes share this host: their data goes through
   // shared-memory rings (the hostile peer's connections stay on TCP).
@@ -401,16 +434,48 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   for (auto& t : threads) t.join();
   };
   run_cases(cases, 0);
+  if (me == 0) {
+    // Process 1's abort for the early bad frame arrived once it knew the
+    // addresses: this process's rank of that operation fails at once with
+    // process 1's reason, instead of waiting out its timeout for a process
+    // that will never run it.
+    const std::vector<int32_t> in(1024, 1);
+    std::vector<int32_t> out(1024);
+    jaxring::OpDesc desc;
+    desc.type = jaxring::ElemType::kS32;
+    desc.count = 1024;
+    desc.world_size = 2;
+    desc.num_rings = 1;
+    desc.chunk_bytes = 4096;
+    std::mutex dmu;
+    std::condition_variable cv;
+    bool finished = false;
+    std::optional<std::string> err;
+    const auto started = std::chrono::steady_clock::now();
+    jaxring::tcp_allreduce({7, kEarlyBadOp, 0}, desc, 0, 0, {0, 1}, in.data(), out.data(),
+                           20.0, [&](const std::optional<std::string>& e) {
+                             std::lock_guard<std::mutex> lock(dmu);
+                             err = e;
+                             finished = true;
+                             cv.notify_all();
+                           });
+    std::unique_lock<std::mutex> lock(dmu);
+    cv.wait(lock, [&] { return finished; });
+    CHECK(err && err->find("does not fit the plan") != std::string::npos &&
+          err->find("[reported by process 1]") != std::string::npos);
+    CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(10));
+  }
   // Process 1 plays a stranger against process 0; one more allreduce then
   // shows that process 0 survived and still reduces correctly.
   const int kept = me == 1 ? attack(ports[0]) : -1;
   run_cases({{{0, 1}, 2, 1000, 256, {}}, {{1, 0, 1, 0}, 1, 777, 64, {2, 2}}}, 100);
-  // Every operation is dropped once its ranks completed, except the one the
-  // misbehaving frame made on process 0, which failed and stays until it
-  // expires, and its echo on process 1 (process 0 tells the frame's sender).
-  // (Only at the end: a process waiting for this while its peer already
-  // started the next operation would wait for ever.)
-  while (jaxring::tcp_pending_ops() > 1) {
+  // Every operation is dropped once its ranks completed, except two failed
+  // ones on each process, which stay until they expire: the one the
+  // misbehaving frame made on process 0 and its echo on process 1 (process 0
+  // tells the frame's sender), and the early bad frame's on both. (Only at
+  // the end: a process waiting for this while its peer already started the
+  // next operation would wait for ever.)
+  while (jaxring::tcp_pending_ops() > 2) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   if (me == 0) {
@@ -428,6 +493,7 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
     if (me == 1) {
       // Every connection from process 0 maps its ring, the early ones too.
       std::set<std::pair<int, int>> in(info.inbound.begin(), info.inbound.end());
+      in.erase({0, 60});  // the early bad frame's, which offered no ring
       std::set<std::pair<int, int>> shm(info.shm_inbound.begin(), info.shm_inbound.end());
       CHECK(in == shm);
     }
@@ -438,6 +504,7 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
     std::this_thread::sleep_for(std::chrono::seconds(1));
     close(kept);
   }
+  if (early >= 0) close(early);
   return ok == expected && failures == 0 ? 0 : 1;
 }
 

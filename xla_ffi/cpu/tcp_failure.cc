@@ -22,7 +22,7 @@ bool TcpTransport::fail(const std::shared_ptr<PlanOp>& op, const std::string& wh
     workers = op->workers();
     if (tell_peers) {
       for (int p : op->process_of_rank) {
-        if (p != me()) peers.insert(p);
+        if (p != identity().process) peers.insert(p);
       }
       // Before a local rank joined, the process whose frame made it is
       // the one known to wait for it.
@@ -77,11 +77,12 @@ void TcpTransport::peer_lost(int p, const std::string& why, bool tell_others) {
   {
     std::lock_guard<std::mutex> lock(links_mu_);
     if (dead_.count(p)) return;
-    processes = static_cast<int>(addresses_.size());
+    // From listen() on (before set_peers, the notices wait in send()).
+    processes = identity().processes;
     if (tell_others) {
       std::ostringstream os;
       os << "process " << p << " ("
-         << (p < processes ? addresses_[p] : std::string("?"))
+         << (p < static_cast<int>(addresses_.size()) ? addresses_[p] : std::string("?"))
          << ") is unreachable: " << why;
       reason = os.str();
     } else {
@@ -93,7 +94,7 @@ void TcpTransport::peer_lost(int p, const std::string& why, bool tell_others) {
     // Sent before the operations' aborts on the same connections, so a
     // failed rank that waits for its aborts to leave also flushes these.
     for (int q = 0; q < processes; ++q) {
-      if (q == p || q == me()) continue;
+      if (q == p || q == identity().process) continue;
       OutFrame f;
       f.header.magic = kWireMagic;
       f.header.kind = kPeerLost;

@@ -65,6 +65,15 @@ bool TcpTransport::send(int p, int channel, OutFrame f) {
   OutLink* link;
   {
     std::lock_guard<std::mutex> lock(links_mu_);
+    if (addresses_.empty() && !f.op) {
+      const JobIdentity id = identity();
+      if (dead_.count(p) || p < 0 || p >= id.processes || p == id.process ||
+          early_messages_.size() >= kMaxEarlyMessages) {
+        return false;
+      }
+      early_messages_.push_back({p, channel, std::move(f)});
+      return true;
+    }
     if (dead_.count(p) || p < 0 || p >= static_cast<int>(addresses_.size())) {
       return false;
     }
@@ -90,6 +99,15 @@ bool TcpTransport::send(int p, int channel, OutFrame f) {
     link = l.get();
   }
   return link->enqueue(std::move(f));
+}
+
+void TcpTransport::send_early(std::vector<EarlyMessage> early) {
+  for (EarlyMessage& m : early) {
+    std::shared_ptr<PlanOp> abort_of = m.frame.abort_of;
+    if (!send(m.process, m.channel, std::move(m.frame)) && abort_of) {
+      abort_of->aborts_in_flight.fetch_sub(1);
+    }
+  }
 }
 
 // A data frame for unit u, to the process that runs rank's next rank.

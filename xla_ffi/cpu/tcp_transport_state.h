@@ -42,8 +42,18 @@ constexpr size_t kRecvSlice = 1 << 20;
 constexpr int kMaxFrameCreatedOps = 4096;
 constexpr int64_t kMaxStagedFromWire = int64_t{8} << 30;
 constexpr size_t kMaxKeptMessage = 4096;
+// Messages (aborts, peer-lost notices) held until set_peers gives the
+// addresses: at most this many, beyond which they are dropped (the
+// operations still fail here; their peers then wait out their timeouts).
+constexpr size_t kMaxEarlyMessages = 256;
 
 class TcpTransport final : public OpHost {
+  // A message to send once the addresses are known (see send()).
+  struct EarlyMessage {
+    int process, channel;
+    OutFrame frame;
+  };
+
  public:
   static TcpTransport& get() {
     // Leaked on purpose: threads may use it during interpreter shutdown.
@@ -72,13 +82,18 @@ class TcpTransport final : public OpHost {
                std::to_string(id.processes) + " processes";
       return false;
     }
-    std::lock_guard<std::mutex> lock(links_mu_);
-    addresses_ = addresses;
-    same_host_.clear();
-    for (int p : same_host) {
-      if (p >= 0 && p < id.processes && p != id.process) same_host_.insert(p);
+    std::vector<EarlyMessage> early;
+    {
+      std::lock_guard<std::mutex> lock(links_mu_);
+      addresses_ = addresses;
+      same_host_.clear();
+      for (int p : same_host) {
+        if (p >= 0 && p < id.processes && p != id.process) same_host_.insert(p);
+      }
+      me_.store(id.process);
+      early.swap(early_messages_);
     }
-    me_.store(id.process);
+    send_early(std::move(early));
     return true;
   }
   bool use_shm() const { return use_shm_.load(); }
@@ -157,7 +172,12 @@ class TcpTransport final : public OpHost {
   }
 
   // Queues a frame to process p on ring channel; false if p is unreachable.
+  // Before set_peers, a message (an abort, a peer-lost notice: a peer may
+  // connect, and its frame fail, as soon as it knows this process's port)
+  // is held until the addresses are known.
   bool send(int p, int channel, OutFrame f);
+  // set_peers: sends the held messages.
+  void send_early(std::vector<EarlyMessage> early);
 
   // Process p cannot be reached: every operation that needs it fails, and
   // (tell_others) every other process hears so, including those that never
@@ -225,6 +245,7 @@ class TcpTransport final : public OpHost {
   std::atomic<bool> use_shm_{false};
   std::set<int> same_host_;  // under links_mu_
   std::set<std::pair<int, int>> inbound_rings_;  // under links_mu_
+  std::vector<EarlyMessage> early_messages_;  // under links_mu_
   std::string shm_unavailable_;  // under links_mu_: the first reason
   std::map<std::pair<int, int>, std::unique_ptr<OutLink>> links_;
   std::map<int, std::string> dead_;
