@@ -21,6 +21,9 @@ The configurations:
   wire16       jaxring.compression.wire16, with error feedback
   powersgd-r1, powersgd-r2, powersgd-r4
                jaxring.compression.powersgd of rank 1, 2, 4
+  powersgd-r2-warm, powersgd-r4-warm (cnn, only when named in --configs)
+               the same after --warm-up-steps uncompressed steps, the
+               trainer switching between two compiled steps
 
 in two settings:
 
@@ -95,7 +98,11 @@ CONFIGS = {
     "powersgd-r1": ["--compression", "powersgd", "--rank", "1"],
     "powersgd-r2": ["--compression", "powersgd", "--rank", "2"],
     "powersgd-r4": ["--compression", "powersgd", "--rank", "4"],
+    "powersgd-r2-warm": ["--compression", "powersgd", "--rank", "2", "--warm-up-steps"],
+    "powersgd-r4-warm": ["--compression", "powersgd", "--rank", "4", "--warm-up-steps"],
 }
+# Run unless --configs names others (the warm-up ones need the CNN trainer).
+DEFAULT_CONFIGS = [c for c in CONFIGS if not c.endswith("-warm")]
 
 _EVAL = re.compile(r"^eval step=(\d+) seconds=([\d.]+) (?:accuracy|loss)=([\d.]+)$")
 
@@ -113,7 +120,9 @@ def parse_args(argv=None):
                    help="steps between evaluations (default: cnn 4, lm 20)")
     p.add_argument("--settings", nargs="+", default=["slow", "fast"],
                    choices=["slow", "fast", "network"])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
+    p.add_argument("--warm-up-steps", type=int, default=16,
+                   help="the -warm configurations' uncompressed steps")
     p.add_argument("--link", default="auto",
                    help='the slow setting\'s link, e.g. "50Mbit,50us" (default: calibrated)')
     p.add_argument("--latency-us", type=float, default=50.0,
@@ -126,6 +135,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="every run's evaluations, as JSON")
     args = p.parse_args(argv)
     args.spec = MODELS[args.model]
+    if args.model != "cnn" and any(c.endswith("-warm") for c in args.configs):
+        p.error("the -warm configurations train the CNN (--model cnn)")
     if args.target is None:
         args.target = args.spec.default_target
     if args.eval_every is None:
@@ -141,8 +152,10 @@ def train(args, config: str, link: str | None, max_steps: int | None = None,
     spec = args.spec
     budget = (["--epochs", str(args.epochs)] if args.model == "cnn"
               else ["--steps", str(args.max_steps)])
-    cmd = [sys.executable, spec.trainer, "--quiet", "--mode", "overlap", *budget,
-           *CONFIGS[config]]
+    flags = CONFIGS[config]
+    if config.endswith("-warm"):
+        flags = flags + [str(args.warm_up_steps)]
+    cmd = [sys.executable, spec.trainer, "--quiet", "--mode", "overlap", *budget, *flags]
     if network:
         cmd = [sys.executable, NETNS, "--nodes", str(args.processes),
                *(["--rate", rate] if rate else []), "--", *cmd[1:]]
@@ -206,7 +219,7 @@ def report(setting: str, link: str | None, runs: dict, target: float,
           f"target {what} {target:.2f}, medians over "
           f"{len(next(iter(runs.values())))} round(s)")
     final = "final acc" if spec.metric == "accuracy" else "val loss"
-    print(f"{'config':>12} {'steps':>6} {'s to target':>12} {'ms/step':>8} "
+    print(f"{'config':>16} {'steps':>6} {'s to target':>12} {'ms/step':>8} "
           f"{'bytes/step':>11} {final:>9} {'vs fp32':>8} {'vs bf16':>8}")
     rows = {}
     for config, rs in runs.items():
@@ -225,7 +238,7 @@ def report(setting: str, link: str | None, runs: dict, target: float,
             return f"{row['seconds'] / b:.2f}" if row["seconds"] and b else "-"
         steps = f"{row['steps']:.0f}" if row["steps"] else "not reached"
         secs = f"{row['seconds']:.2f}" if row["seconds"] else "-"
-        print(f"{config:>12} {steps:>6} {secs:>12} {row['ms_per_step']:>8.1f} "
+        print(f"{config:>16} {steps:>6} {secs:>12} {row['ms_per_step']:>8.1f} "
               f"{row['bytes_per_step']:>11,} {row['final']:>9.4f} "
               f"{ratio('fp32'):>8} {ratio('bf16-wire'):>8}")
     return rows
