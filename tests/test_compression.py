@@ -407,6 +407,44 @@ def test_overlap_buckets_the_compressed_allreduces():
                                    rtol=1e-4, atol=1e-5)
 
 
+def _overlap_starts(step, params, state, x):
+    """How many bucket allreduces jaxring.overlap makes of the step under
+    pmap (params and state replicated, flax-style; x split)."""
+    rep = lambda t: jax.tree_util.tree_map(lambda v: jnp.stack([v] * N), t)  # noqa: E731
+    f = jax.pmap(jaxring.overlap(step, axis_name="batch"), axis_name="batch")
+    text = jax.make_jaxpr(f)(rep(params), rep(state), x.reshape(N, -1, x.shape[-1]))
+    return text.pretty_print().count("jaxring_allreduce_start")
+
+
+def test_powersgd_sends_its_qs_in_one_more_bucket_than_a_plain_pmean():
+    # A Q's mean taken before the next Q exists would keep the two out of
+    # one bucket (each an allreduce of its own, on a slow link a latency
+    # each): PowerSGD makes as many buckets as a plain pmean of the same
+    # gradients for its Ps and the leaves it sends as they are, and one
+    # more for every Q, which wait for their Ps. (wire16's leaves: see
+    # test_examples.py, where the CNN shows the same for it.)
+    which = "powersgd"
+    rng = np.random.default_rng(13)
+    shapes = [(32, 64), (64,), (64, 64), (64,), (64, 10), (10,)]
+    params = {f"p{i}": jnp.asarray(rng.normal(0, 0.1, s), jnp.float32)
+              for i, s in enumerate(shapes)}
+    x = rng.normal(size=(N * 8, 32)).astype(np.float32)
+
+    def loss(p, xb):
+        h = xb
+        for i in range(0, 6, 2):
+            h = jnp.tanh(h @ p[f"p{i}"] + p[f"p{i + 1}"])
+        return jnp.sum(h ** 2)
+
+    tx = jc.wire16("batch") if which == "wire16" else jc.powersgd("batch", rank=2, min_size=0)
+    compressed = _overlap_starts(lambda p, s, xb: tx.update(jax.grad(loss)(p, xb), s),
+                                 params, tx.init(params), x)
+    plain = _overlap_starts(
+        lambda p, s, xb: (jax.lax.pmean(jax.grad(loss)(p, xb), "batch"), s),
+        params, {}, x)
+    assert compressed == plain + (which == "powersgd"), (compressed, plain)
+
+
 def test_powersgd_warm_up_chosen_by_the_trainer_keeps_one_overlapped_path():
     # warm_up=True/False, a static argument of the step that optax.chain
     # passes on: each compiled step holds one path (no cond), whose

@@ -105,6 +105,24 @@ def test_cnn_modes_agree_on_the_first_steps():
 
 
 @pytest.mark.slow
+def test_cnn_wire16_makes_as_many_buckets_as_the_bf16_wire(tmp_path):
+    # The same gradients in the same 16-bit format: wire16's allreduces must
+    # share buckets as overlap(wire_dtype=...)'s do (a leaf's result used
+    # before the next leaf's allreduce was issued once gave every leaf an
+    # allreduce of its own: 44 buckets a step against 17).
+    counts = {}
+    for name, args in (("bf16", ("--wire-dtype", "bfloat16")),
+                       ("wire16", ("--compression", "wire16"))):
+        trace = tmp_path / f"{name}.json"
+        run_example("train_cnn.py", "--devices", "4", "--max-steps", "3",
+                    "--timeline", str(trace), *args)
+        events = json.loads(trace.read_text())
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        counts[name] = sum(1 for e in events if e.get("ph") == "X" and e.get("tid") == 0)
+    assert counts["wire16"] == counts["bf16"] > 0, counts
+
+
+@pytest.mark.slow
 def test_lm_learns_the_standard_library_with_overlap():
     fields, losses = run_example("train_lm.py", "--mode", "overlap", "--devices", "8")
     # A uniform guess over bytes is 8 bits/char; 300 steps reach about 2.5.

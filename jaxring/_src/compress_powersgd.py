@@ -156,11 +156,13 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096
     def compressed(leaves, state):
         step_key = jax.random.fold_in(state.key, state.count)
         out, qs, residuals = [], [], []
-        # Every P first, then every Q: each allreduce of P can start as soon
-        # as its leaf's gradient exists, and jaxring.overlap buckets them so.
-        ms, ps = {}, {}
+        # Every P first, with the leaves sent as they are, then every Q: each
+        # of these allreduces can start as soon as its leaf's gradient
+        # exists, and jaxring.overlap buckets them so.
+        ms, ps, plain_means = {}, {}, {}
         for i, (lp, g, r, q) in enumerate(zip(state.plan, leaves, state.residual, state.q)):
             if lp.how != "powersgd":
+                plain_means[i] = _ar.allreduce(g, axes, op="mean")
                 continue
             ct = compute_dtype(lp.dtype)
             m = (g.astype(ct) + per_rank_row(r, axes)).reshape(lp.matrix)
@@ -168,15 +170,22 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096
                 q = _draw_q(step_key, i, lp)
             ms[i] = m
             ps[i] = _ar.allreduce(jnp.matmul(m, q, precision=_HIGHEST), axes, op="mean")
+        # Then every Q in one allreduce: each waits for its P anyway, and a
+        # Q whose mean is taken before the next one exists would cost an
+        # allreduce of its own.
+        p_hat, q_in = {}, {}
+        for i in ps:
+            p_hat[i] = orthonormalize(ps[i])
+            q_in[i] = jnp.matmul(ms[i].T, p_hat[i], precision=_HIGHEST)
+        q_means = _ar.allreduce(q_in, axes, op="mean") if q_in else {}
         for i, (lp, g) in enumerate(zip(state.plan, leaves)):
             if lp.how != "powersgd":
-                out.append(_ar.allreduce(g, axes, op="mean"))
+                out.append(plain_means[i])
                 qs.append(state.q[i])
                 residuals.append(state.residual[i])
                 continue
-            p = orthonormalize(ps[i])
-            q = _ar.allreduce(jnp.matmul(ms[i].T, p, precision=_HIGHEST), axes, op="mean")
-            update = jnp.matmul(p, q.T, precision=_HIGHEST)
+            q = q_means[i]
+            update = jnp.matmul(p_hat[i], q.T, precision=_HIGHEST)
             out.append(update.reshape(lp.shape).astype(g.dtype))
             qs.append(q)
             residuals.append((ms[i] - update).reshape((1,) + lp.shape))

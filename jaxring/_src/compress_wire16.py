@@ -81,20 +81,28 @@ def wire16(axis_name, dtype="bfloat16", error_feedback: bool = True
         check_bound(axes, where)
         leaves = check_structure(state.treedef, grads, where)
         world = world_size(axes)
-        out, residual = [], []
+        # Every value to send first, then every allreduce, then every use of
+        # their results: a leaf's result used before the next leaf's value
+        # exists would keep jaxring.overlap from putting the two in one
+        # bucket (each leaf would cost an allreduce of its own).
+        sent, residual = [], []
         for lp, g, r in zip(state.plan, leaves, state.residual):
             if lp.how == "as is":
-                out.append(_ar.allreduce(g, axes, op="mean"))
+                sent.append(g)
                 residual.append(None)
                 continue
             value = g.astype(wire_format.CARRIED)
             if r is not None:
                 value = value + per_rank_row(r, axes)
-            sent = value.astype(wire)
+            s = value.astype(wire)
+            sent.append(s)
             residual.append(None if r is None
-                            else (value - sent.astype(wire_format.CARRIED))[None])
-            total = _ar.allreduce(sent, axes, op="sum")
-            out.append((total.astype(wire_format.CARRIED) / world).astype(g.dtype))
+                            else (value - s.astype(wire_format.CARRIED))[None])
+        totals = [_ar.allreduce(s, axes, op="mean" if lp.how == "as is" else "sum")
+                  for lp, s in zip(state.plan, sent)]
+        out = [t if lp.how == "as is"
+               else (t.astype(wire_format.CARRIED) / world).astype(g.dtype)
+               for lp, g, t in zip(state.plan, leaves, totals)]
         return (jax.tree_util.tree_unflatten(state.treedef, out),
                 state.replace(residual=tuple(residual)))
 
