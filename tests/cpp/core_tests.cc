@@ -314,6 +314,28 @@ int attack(int victim_port) {
   return fd;
 }
 
+// Runs rank's part of a TCP allreduce and waits for it; its error, if any.
+std::optional<std::string> tcp_allreduce_and_wait(const jaxring::OpKey& key,
+                                                  const jaxring::OpDesc& desc, int rank,
+                                                  const std::vector<int>& procs,
+                                                  const void* in, void* out,
+                                                  double timeout_s) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  std::optional<std::string> err;
+  jaxring::tcp_allreduce(key, desc, rank, /*device=*/rank, procs, in, out, timeout_s,
+                         [&](const std::optional<std::string>& e) {
+                           std::lock_guard<std::mutex> lock(mu);
+                           err = e;
+                           finished = true;
+                           cv.notify_all();
+                         });
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return finished; });
+  return err;
+}
+
 // The operation of the early bad frame (below): process 1 never runs it.
 constexpr int64_t kEarlyBadOp = 999;
 
@@ -404,21 +426,9 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
         desc.num_rings = c.rings;
         desc.chunk_bytes = c.chunk;
         desc.topology = c.topology;
-        std::mutex dmu;
-        std::condition_variable cv;
-        bool finished = false;
-        std::optional<std::string> err;
-        jaxring::tcp_allreduce(
-            {7, first_op_id + static_cast<int64_t>(k), 0}, desc, r, /*device=*/r, c.procs,
-            in.data(), out.data(), 30.0,
-            [&](const std::optional<std::string>& e) {
-              std::lock_guard<std::mutex> lock(dmu);
-              err = e;
-              finished = true;
-              cv.notify_all();
-            });
-        std::unique_lock<std::mutex> lock(dmu);
-        cv.wait(lock, [&] { return finished; });
+        const std::optional<std::string> err = tcp_allreduce_and_wait(
+            {7, first_op_id + static_cast<int64_t>(k), 0}, desc, r, c.procs, in.data(),
+            out.data(), 30.0);
         bool good = !err;
         for (int64_t i = 0; good && i < c.count; ++i) {
           int32_t want = 0;
@@ -447,20 +457,9 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
     desc.world_size = 2;
     desc.num_rings = 1;
     desc.chunk_bytes = 4096;
-    std::mutex dmu;
-    std::condition_variable cv;
-    bool finished = false;
-    std::optional<std::string> err;
     const auto started = std::chrono::steady_clock::now();
-    jaxring::tcp_allreduce({7, kEarlyBadOp, 0}, desc, 0, 0, {0, 1}, in.data(), out.data(),
-                           20.0, [&](const std::optional<std::string>& e) {
-                             std::lock_guard<std::mutex> lock(dmu);
-                             err = e;
-                             finished = true;
-                             cv.notify_all();
-                           });
-    std::unique_lock<std::mutex> lock(dmu);
-    cv.wait(lock, [&] { return finished; });
+    const std::optional<std::string> err = tcp_allreduce_and_wait(
+        {7, kEarlyBadOp, 0}, desc, 0, {0, 1}, in.data(), out.data(), 20.0);
     CHECK(err && err->find("does not fit the plan") != std::string::npos &&
           err->find("[reported by process 1]") != std::string::npos);
     CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(10));
