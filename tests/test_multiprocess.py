@@ -565,3 +565,24 @@ def test_a_failed_tcp_setup_is_reported_again_not_retried():
     assert first and "process 1 did not publish its TCP address" in first[0], lines
     assert second and "set-up failed earlier in this process" in second[0], lines
     assert "process 1 did not publish its TCP address" in second[0], lines
+
+
+def test_a_job_with_fewer_cores_than_ranks_runs_one_ring_unless_told_otherwise():
+    # Every process of the job on one CPU: 0.5 cores per rank on any machine.
+    # The default ring count drops to one; a count that was passed or set
+    # stays, and every process lowers the same one.
+    one_cpu = {min(os.sched_getaffinity(0))}
+    with tempfile.TemporaryDirectory() as cwd:
+        r = subprocess.run(
+            [sys.executable, "-m", "jaxring.launch", "-n", "2",
+             "--devices-per-process", "1", str(SCRIPTS / "crowded_rings.py")],
+            capture_output=True, text=True, timeout=240, cwd=cwd,
+            env={k: v for k, v in os.environ.items()
+                 if k not in ("JAXRING_RINGS", "JAXRING_TUNING")},
+            preexec_fn=lambda: os.sched_setaffinity(0, one_cpu))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for rank, lines in lines_by_rank(r.stdout).items():
+        rings = dict(l.split(" ", 2)[1:] for l in lines if l.startswith("RINGS"))
+        assert rings == {"default": "[1]", "passed": "[2]", "overlap": "[1]",
+                         "set": "[2]", "overlap-set": "[2]"}, (rank, lines)
+        assert f"CORES {0.5}" in lines and "DONE" in lines, (rank, lines)

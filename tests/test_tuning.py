@@ -158,8 +158,13 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
     everything = {"rings", "chunk_bytes", "algorithm", "topology"}
     jaxring.config.update("tuning", path)
     try:
-        assert _tuned(everything, 4, 100, 2, 1 << 20, "auto", "flat") == (3, 12345, "ring", "auto")
-        assert _tuned(everything, 4, 1 << 19, 2, 1 << 20, "auto", "auto") == (1, 4096, "ring", "flat")
+        assert _tuned(everything, 4, 100, 2, 1 << 20, "auto", "flat") == (
+            3, 12345, "ring", "auto", True)
+        assert _tuned(everything, 4, 1 << 19, 2, 1 << 20, "auto", "auto") == (
+            1, 4096, "ring", "flat", True)
+        # No entry for 8 ranks: the settings stay, and say they were not tabled.
+        assert _tuned(everything, 8, 100, 2, 1 << 20, "auto", "auto") == (
+            2, 1 << 20, "auto", "auto", False)
         # A topology that was given stays.
         assert _tuned(everything - {"topology"}, 4, 100, 2, 1 << 20, "auto", (2, 2))[3] == (2, 2)
     finally:

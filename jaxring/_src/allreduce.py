@@ -129,9 +129,9 @@ def with_varying(aval, varying: frozenset):
 allreduce_p = compat.Primitive("jaxring_allreduce")
 
 
-def _abstract_eval(aval, *, axes, groups, op, rings, chunk_bytes, timeout_s,
-                   link, algorithm, topology, invariant, unreduced):
-    del op, rings, chunk_bytes, timeout_s, link, algorithm, topology
+def _abstract_eval(aval, *, axes, groups, op, rings, rings_from_default, chunk_bytes,
+                   timeout_s, link, algorithm, topology, invariant, unreduced):
+    del op, rings, rings_from_default, chunk_bytes, timeout_s, link, algorithm, topology
     _check_bound(axes)
     _check_groups_cover(axes, groups)
     if unreduced:
@@ -530,9 +530,14 @@ def _attribute_dict(ctx, label, mesh_description, *, world, rank_process,
 
 
 def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
-                    timeout_s, link, algorithm, topology) -> dict:
-    """The CPU ring operation's attributes."""
+                    timeout_s, link, algorithm, topology,
+                    rings_from_default=False) -> dict:
+    """The CPU ring operation's attributes. A ring count left to the default
+    adapts to the job's cores where the ring spans processes (crowding.py);
+    ring_coordinates has set the transport up, whose records say how many."""
     world, rank_process = ring.world, ring.rank_process
+    if rings_from_default and distributed.spans_processes(rank_process):
+        rings = distributed.default_rings_across_processes(rings)
     if len(ring.group_sizes) and topology not in ("auto", "flat") \
             and _topology.normalized(tuple(topology)):
         raise NotImplementedError(
@@ -554,15 +559,15 @@ SCALAR_I32 = compat.ShapedArray((), np.int32)
 
 # ---- lowering: one path, each backend's difference in one function ----------
 
-def cpu_call(ctx, label, dtype, *, axes, groups, op, rings, chunk_bytes,
-             timeout_s, link, algorithm, topology) -> tuple[dict, list]:
+def cpu_call(ctx, label, dtype, *, axes, groups, op, rings, rings_from_default,
+             chunk_bytes, timeout_s, link, algorithm, topology) -> tuple[dict, list]:
     """The CPU backend's attributes, and its rank operands: the device's
     rank and group, looked up from its partition id (the handler has no
     other way to know them)."""
     del dtype
     ring = ring_coordinates(ctx, axes, groups, timeout_s, link)
     attrs = ring_attributes(ctx, label, ring, op, rings, chunk_bytes, timeout_s,
-                            link, algorithm, topology)
+                            link, algorithm, topology, rings_from_default)
     return attrs, [ring.rank, ring.group]
 
 
@@ -627,10 +632,12 @@ def _ring_members(devices, rank_table: np.ndarray, group_table: np.ndarray,
 
 
 def cuda_attributes(ctx, label, *, axes, groups, op, rings, chunk_bytes, timeout_s,
-                    link, algorithm, topology, dtype) -> dict:
+                    link, algorithm, topology, dtype, rings_from_default=False) -> dict:
     """The CUDA ring operation's attributes (CudaAttrs in
     xla_ffi/ring_attrs.h); registers the CUDA targets first (or raises why
-    there are none)."""
+    there are none). The ring count is taken as it is: each ring is an NCCL
+    communicator driven from the GPU, not threads on the host's cores."""
+    del rings_from_default
     cuda_backend.register()
     if link:
         raise ValueError(
@@ -737,14 +744,15 @@ def _check_unreduced(aval, axes: tuple, groups, op: str) -> bool:
 
 
 def _reduce_leaf_group(leaves, axes, groups, op, rings, chunk_bytes, timeout_s,
-                       algorithm, topology):
+                       algorithm, topology, rings_from_default=False):
     """The allreduce of leaves of one dtype: one fused operation, and one
     more for each value typed unreduced."""
     check_vma = compat.check_vma_enabled()
     # A reduction within axis_index_groups differs from group to group, so
     # its result still varies over the axes.
     invariant = check_vma and groups is None
-    params = dict(axes=axes, groups=groups, op=op, rings=rings, chunk_bytes=chunk_bytes,
+    params = dict(axes=axes, groups=groups, op=op, rings=rings,
+                  rings_from_default=rings_from_default, chunk_bytes=chunk_bytes,
                   timeout_s=timeout_s, link=link_param(), algorithm=algorithm,
                   topology=topology, invariant=invariant, unreduced=False)
     if not check_vma:
@@ -813,7 +821,9 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
         ``axis_name`` (row-major over its axes) that together cover every
         index once; each group is reduced on its own ring. A mean divides by
         each rank's own group size.
-      rings: rings per operation (default ``jaxring.config.rings``).
+      rings: rings per operation (default ``jaxring.config.rings``; left at
+        the default, one across processes where a machine has fewer than 2
+        cores per rank: docs/multiprocess.md).
       chunk_bytes: pipelining unit (default ``jaxring.config.chunk_bytes``).
       timeout_s: seconds to wait for peers before failing
         (default ``jaxring.config.timeout_s``).
@@ -890,11 +900,12 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
              else max(len(g) for g in groups))
     for dtype, idx in by_dtype.items():
         nbytes = sum(math.prod(leaves[i].shape) for i in idx) * dtype.itemsize
-        g_rings, g_chunk, g_algorithm, g_topology = _tuned(
+        g_rings, g_chunk, g_algorithm, g_topology, tabled = _tuned(
             tunable, world, nbytes, rings, chunk_bytes, algorithm, topology)
         reduced = _reduce_leaf_group([leaves[i] for i in idx], axes, groups, ring_op,
                                      g_rings, g_chunk, timeout_s, g_algorithm,
-                                     g_topology)
+                                     g_topology,
+                                     rings_from_default="rings" in tunable and not tabled)
         for i, r in zip(idx, reduced):
             out[i] = restore[i](r)
     if op == "mean":
@@ -919,15 +930,16 @@ def _mean_divisor(axes: tuple, groups: tuple | None):
 
 
 def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
-           algorithm: str, topology: Any) -> tuple[int, int, str, Any]:
+           algorithm: str, topology: Any) -> tuple[int, int, str, Any, bool]:
     """rings, chunk_bytes, algorithm and topology, with the tuning table's
-    choice for this message size in place of those left at their defaults."""
+    choice for this message size in place of those left at their defaults;
+    and whether a table gave one."""
     if not tunable:
-        return rings, chunk_bytes, algorithm, topology
+        return rings, chunk_bytes, algorithm, topology, False
     key = _tuning.key(jax.default_backend(), world, jax.process_count())
     choice = _tuning.tuned_choice(config.tuning, key, nbytes)
     if choice is None:
-        return rings, chunk_bytes, algorithm, topology
+        return rings, chunk_bytes, algorithm, topology, False
     if "rings" in tunable:
         rings = choice.rings
     if "chunk_bytes" in tunable:
@@ -940,7 +952,7 @@ def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
         # "flat" or "auto": the table never names tiers, so it cannot ask
         # for tiers this layout does not have.
         topology = validate("topology", choice.topology, "jaxring tuning table")
-    return rings, chunk_bytes, algorithm, topology
+    return rings, chunk_bytes, algorithm, topology, True
 
 
 def pmean(x, axis_name, **kwargs):

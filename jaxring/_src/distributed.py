@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
 import secrets
@@ -38,6 +39,8 @@ import socket
 import threading
 
 import numpy as np
+
+from jaxring._src import crowding
 
 _PREFIX = "jaxring/tcp/v2/"
 _ADDRESS_KEY = _PREFIX + "address/{}"
@@ -52,6 +55,9 @@ _ready = False
 _setup_failure: str | None = None
 _hosts: dict[int, str] = {}
 _secret_source = ""
+# The fewest cores per rank over the job's machines (crowding.py), from the
+# records every process published; inf until the transport is set up.
+_cores_per_rank = math.inf
 
 
 def secret_from_env(environ=os.environ) -> bytes | None:
@@ -234,7 +240,9 @@ def ensure_tcp_transport(timeout_s: float) -> None:
 
 def _set_up_tcp_transport(timeout_s: float) -> None:
     """ensure_tcp_transport's work, under its lock."""
-    global _ready, _secret_source
+    global _ready, _secret_source, _cores_per_rank
+    import jax
+
     from jaxring import _jaxring
     from jaxring._src import jax_compat
 
@@ -251,9 +259,11 @@ def _set_up_tcp_transport(timeout_s: float) -> None:
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
     mine = secret_fingerprint(secret, job_id)
     client.key_value_set(_ADDRESS_KEY.format(me), json.dumps(
-        {"address": address, "secret_fingerprint": mine, "host": my_host}))
+        {"address": address, "secret_fingerprint": mine, "host": my_host,
+         **crowding.local_record(jax.local_device_count())}))
     addresses = []
     same_host = []
+    records = []
     for q in range(n):
         try:
             record = json.loads(client.blocking_key_value_get(
@@ -269,10 +279,12 @@ def _set_up_tcp_transport(timeout_s: float) -> None:
                 f"this process ({me}); every process of a job needs the "
                 f"same one")
         addresses.append(record["address"])
+        records.append(record)
         if q != me and record.get("host") == my_host:
             same_host.append(q)
     _jaxring.tcp_set_peers(addresses, same_host)
     _secret_source = source
+    _cores_per_rank = crowding.cores_per_rank(records)
     for q, a in enumerate(addresses):
         _hosts[q] = a.rsplit(":", 1)[0].strip("[]")
     _ready = True
@@ -298,7 +310,10 @@ def transport_info() -> dict:
     they share this host), ``shm_inbound`` and ``shm_outbound`` (the
     connections whose data goes through a shared-memory ring) and
     ``shm_unavailable`` (why a ring could not be made or mapped here, if
-    one could not).
+    one could not). ``cores_per_rank``: the fewest cores per rank over the
+    job's machines, from the records every process published (``None``
+    before the set-up); below 2, an allreduce across processes whose ring
+    count was left to the default runs one ring.
 
     Example:
         >>> jaxring.transport_info()["listening"]
@@ -309,6 +324,7 @@ def transport_info() -> dict:
     host = raw["host"]
     with _lock:
         source = _secret_source
+        cores = _cores_per_rank
     address = None
     if raw["listening"]:
         address = (f"[{host}]:{raw['port']}" if ":" in host
@@ -333,7 +349,17 @@ def transport_info() -> dict:
         "shm_inbound": sorted(tuple(x) for x in raw["shm_inbound"]),
         "shm_outbound": sorted(tuple(x) for x in raw["shm_outbound"]),
         "shm_unavailable": raw["shm_unavailable"] or None,
+        "cores_per_rank": cores if raw["listening"] and cores != math.inf else None,
     }
+
+
+def default_rings_across_processes(configured: int) -> int:
+    """The ring count of an allreduce across processes whose count was left
+    to the default `configured`: one ring on a crowded job (crowding.py).
+    Called once the transport is set up, whose records it reads."""
+    with _lock:
+        cores = _cores_per_rank
+    return crowding.rings_for(configured, cores)
 
 
 def process_hosts() -> dict[int, str]:

@@ -69,6 +69,9 @@ class OverlapOptions:
     chunk_bytes: int
     timeout_s: float
     wire_dtype: np.dtype | None = None
+    # rings is the configured default (neither passed nor set), which adapts
+    # to a crowded job across processes (crowding.py).
+    rings_from_default: bool = False
 
 
 # ---- finding the reductions -------------------------------------------------
@@ -243,7 +246,8 @@ def _options(axis_name, bucket_mb, first_bucket_mb, partition_mb,
                              where),
         timeout_s=validate("timeout_s",
                            config.timeout_s if timeout_s is None else timeout_s, where),
-        wire_dtype=wire_format.wire_dtype_of(wire_dtype, where))
+        wire_dtype=wire_format.wire_dtype_of(wire_dtype, where),
+        rings_from_default=rings is None and not config.is_explicit("rings"))
 
 
 DEFAULT_BUCKET_MB = 1.0

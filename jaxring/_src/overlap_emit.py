@@ -141,6 +141,7 @@ class Emitter:
                 list(operands), deps=waited, axes=axes, groups=index_groups,
                 op="sum",
                 label=f"bucket {b}", rings=self.opts.rings,
+                rings_from_default=self.opts.rings_from_default,
                 chunk_bytes=self.opts.chunk_bytes, timeout_s=self.opts.timeout_s)
             started.append((handle, items, avals))
         for it in bucket.items:

@@ -53,9 +53,11 @@ HANDLE_DTYPE = np.int32
 start_p = compat.Primitive("jaxring_allreduce_start")
 
 
-def _start_abstract_eval(*avals, axes, groups, op, rings, chunk_bytes, timeout_s,
-                         link, algorithm, topology, label, num_deps):
-    del op, rings, chunk_bytes, timeout_s, link, algorithm, topology, label
+def _start_abstract_eval(*avals, axes, groups, op, rings, rings_from_default,
+                         chunk_bytes, timeout_s, link, algorithm, topology, label,
+                         num_deps):
+    del op, rings, rings_from_default, chunk_bytes, timeout_s, link, algorithm
+    del topology, label
     _ar._check_bound(axes)
     _ar._check_groups_cover(axes, groups)
     avals = avals[num_deps:]
@@ -142,14 +144,16 @@ for _platform in _ar.BACKENDS:
 # ---- helpers used by overlap ------------------------------------------------
 
 def start(xs, *, deps=(), axes, groups=None, op, rings, chunk_bytes, timeout_s,
-          label):
+          label, rings_from_default=False):
     """Starts one allreduce over xs (one dtype) once deps exist, within
-    axis_index_groups `groups` when given.
+    axis_index_groups `groups` when given. rings_from_default: the ring
+    count is the configured default, which adapts to a crowded job across
+    processes (crowding.py).
 
     Returns its handle, for done(); label names its spans in the timeline."""
     deps = list(deps)
     handle = start_p.bind(*deps, *xs, axes=tuple(axes), groups=groups, op=op,
-                          rings=rings,
+                          rings=rings, rings_from_default=bool(rings_from_default),
                           chunk_bytes=chunk_bytes, timeout_s=timeout_s,
                           link=_ar.link_param(), algorithm=config.algorithm,
                           topology=config.topology,
