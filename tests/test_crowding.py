@@ -8,7 +8,16 @@ from jaxring._src import crowding
 
 
 def rec(machine, cpus, ranks=1):
-    return {"machine": machine, "cpus": list(cpus), "ranks": ranks}
+    return {"machine": machine, "cpus": crowding.cpu_ranges(cpus), "ranks": ranks}
+
+
+def test_cpu_ranges_are_short_and_read_back():
+    assert crowding.cpu_ranges(range(64)) == "0-63"
+    assert crowding.cpu_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    for cpus in ([0], [3, 9], list(range(0, 200, 2)), list(range(8192))):
+        assert crowding.parse_cpu_ranges(crowding.cpu_ranges(cpus)) == set(cpus)
+    for bad in ("", "3-1", "0-8192", "a", "1,,2", "-1", "0-3 ", 7, None, "1" * 70000):
+        assert crowding.parse_cpu_ranges(bad) is None, bad
 
 
 def test_cores_per_rank_is_the_union_of_a_machines_cpus_over_its_ranks():
@@ -27,8 +36,8 @@ def test_cores_per_rank_is_the_union_of_a_machines_cpus_over_its_ranks():
 def test_records_without_the_fields_count_as_machines_with_cores_to_spare():
     assert crowding.cores_per_rank([]) == math.inf
     assert crowding.cores_per_rank([rec("a", [0]), {"address": "h:1"}]) == math.inf
-    for bad in ({"cpus": "0-3"}, {"ranks": 0}, {"ranks": True}, {"machine": 7},
-                {"cpus": [0, "1"]}):
+    for bad in ({"cpus": [0, 1]}, {"cpus": "0-99999"}, {"ranks": 0}, {"ranks": True},
+                {"machine": 7}):
         assert crowding.cores_per_rank([{**rec("a", [0]), **bad}]) == math.inf, bad
 
 
@@ -43,5 +52,5 @@ def test_the_local_record_names_this_machine_its_cpus_and_its_ranks():
     import os
     r = crowding.local_record(3)
     assert r["machine"] == crowding.machine_identity() and r["ranks"] == 3
-    assert set(r["cpus"]) == os.sched_getaffinity(0)
+    assert crowding.parse_cpu_ranges(r["cpus"]) == os.sched_getaffinity(0)
     assert crowding.cores_per_rank([r]) == len(os.sched_getaffinity(0)) / 3

@@ -22,10 +22,15 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 from typing import Iterable
 
 CROWDED_BELOW = 2.0
+# Linux's own limit on CPU numbers (NR_CPUS) is at most 8192: a record that
+# names more is not one a process wrote.
+MAX_CPUS = 8192
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
 
 def machine_identity() -> str:
@@ -39,14 +44,50 @@ def machine_identity() -> str:
         return socket.gethostname()
 
 
+def cpu_ranges(cpus: Iterable[int]) -> str:
+    """CPU numbers as taskset writes them ("0-3,8"): a record stays short
+    however many cores the machine has (every process reads every record)."""
+    out: list[str] = []
+    run: list[int] = []
+    for c in sorted(set(cpus)):
+        if run and c == run[-1] + 1:
+            run[-1] = c
+            continue
+        if run:
+            out.append(str(run[0]) if run[0] == run[1] else f"{run[0]}-{run[1]}")
+        run = [c, c]
+    if run:
+        out.append(str(run[0]) if run[0] == run[1] else f"{run[0]}-{run[1]}")
+    return ",".join(out)
+
+
+def parse_cpu_ranges(text) -> set | None:
+    """The CPUs cpu_ranges wrote, or None for anything else (numbers past
+    MAX_CPUS, reversed ranges, other characters)."""
+    if not isinstance(text, str) or not text or len(text) > 8 * MAX_CPUS:
+        return None
+    cpus: set = set()
+    for part in text.split(","):
+        m = _RANGE.fullmatch(part)
+        if not m:
+            return None
+        lo = int(m.group(1))
+        hi = lo if m.group(2) is None else int(m.group(2))
+        if not lo <= hi < MAX_CPUS:
+            return None
+        cpus.update(range(lo, hi + 1))
+    return cpus
+
+
 def local_record(local_ranks: int) -> dict:
     """This process's part of the table: its machine, the CPUs it may run on,
     and how many ranks (devices) it runs."""
     try:
-        cpus = sorted(os.sched_getaffinity(0))
+        cpus = os.sched_getaffinity(0)
     except (AttributeError, OSError):
-        cpus = list(range(os.cpu_count() or 1))
-    return {"machine": machine_identity(), "cpus": cpus, "ranks": int(local_ranks)}
+        cpus = range(os.cpu_count() or 1)
+    return {"machine": machine_identity(), "cpus": cpu_ranges(cpus),
+            "ranks": int(local_ranks)}
 
 
 def cores_per_rank(records: Iterable[dict]) -> float:
@@ -57,10 +98,9 @@ def cores_per_rank(records: Iterable[dict]) -> float:
     ranks: dict[str, int] = {}
     for record in records:
         machine = record.get("machine")
-        mine = record.get("cpus")
+        mine = parse_cpu_ranges(record.get("cpus"))
         n = record.get("ranks")
-        if (not isinstance(machine, str) or not isinstance(mine, list)
-                or not all(isinstance(c, int) for c in mine)
+        if (not isinstance(machine, str) or mine is None
                 or not isinstance(n, int) or isinstance(n, bool) or n < 1):
             return math.inf
         cpus.setdefault(machine, set()).update(mine)
