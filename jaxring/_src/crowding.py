@@ -1,9 +1,9 @@
 """How many cores each rank of a job has, and the ring count that follows.
 
 A ring's transfers are work for the cores of the processes at its ends:
-copying into the link, reducing what arrives, in threads of their own. Where
-every rank has at least a couple of cores, a second ring runs beside the first
-and keeps both directions of each link busy. Where ranks share cores (more
+copying into the link, reducing what arrives, in threads of their own. The
+default of two rings runs a second beside the first, the other way round, so
+that both directions of each link carry data. Where ranks share cores (more
 processes on a machine than it has cores to give them, as on a laptop or a
 small CI machine), a second ring's threads only take turns with the first's
 on the same cores, and every turn costs a switch and the caches: on a 2-core
