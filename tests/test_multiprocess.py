@@ -571,15 +571,19 @@ def test_a_job_with_fewer_cores_than_ranks_runs_one_ring_unless_told_otherwise()
     # Every process of the job on one CPU: 0.5 cores per rank on any machine.
     # The default ring count drops to one; a count that was passed or set
     # stays, and every process lowers the same one.
-    one_cpu = {min(os.sched_getaffinity(0))}
+    # The launcher starts pinned (its processes inherit the mask); a small
+    # Python pins itself and execs it, since a preexec_fn would fork this
+    # multithreaded process.
+    pin_and_launch = (
+        "import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
     with tempfile.TemporaryDirectory() as cwd:
         r = subprocess.run(
-            [sys.executable, "-m", "jaxring.launch", "-n", "2",
+            [sys.executable, "-c", pin_and_launch, "-m", "jaxring.launch", "-n", "2",
              "--devices-per-process", "1", str(SCRIPTS / "crowded_rings.py")],
             capture_output=True, text=True, timeout=240, cwd=cwd,
             env={k: v for k, v in os.environ.items()
-                 if k not in ("JAXRING_RINGS", "JAXRING_TUNING")},
-            preexec_fn=lambda: os.sched_setaffinity(0, one_cpu))
+                 if k not in ("JAXRING_RINGS", "JAXRING_TUNING")})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for rank, lines in lines_by_rank(r.stdout).items():
         rings = dict(l.split(" ", 2)[1:] for l in lines if l.startswith("RINGS"))
