@@ -3,7 +3,12 @@ default, not where glibc keeps freed buffers (MALLOC_MMAP_THRESHOLD_ set, as
 jaxring.launch --keep-freed-memory does), JAXRING_HUGE_PAGES deciding over
 both. Checked on the result's own mapping: the kernel lists advised ranges
 with the VmFlags "hg" in /proc/self/smaps. The advice is read once per
-process, so each case runs in a process of its own."""
+process, so each case runs in a process of its own.
+
+NumPy advises its own large arrays too (NUMPY_MADVISE_HUGEPAGE). Where glibc
+keeps freed buffers, a freed NumPy array's advised range stays in the heap and
+XLA may place the result there, so the probe turns NumPy's advice off: what is
+checked is jaxring's advice alone."""
 
 import os
 import subprocess
@@ -47,7 +52,7 @@ def advised(env: dict) -> bool:
     base = {k: v for k, v in os.environ.items()
             if k not in ("JAXRING_HUGE_PAGES", "MALLOC_MMAP_THRESHOLD_", "XLA_FLAGS")}
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                       timeout=120, env={**base, **env}, cwd="/")
+                       timeout=120, env={**base, "NUMPY_MADVISE_HUGEPAGE": "0", **env}, cwd="/")
     assert r.returncode == 0, r.stderr[-3000:]
     return {"ADVISED True": True, "ADVISED False": False}[r.stdout.strip().splitlines()[-1]]
 
