@@ -141,7 +141,12 @@ void Pass::send(int r, int j, int64_t u, const char* data, int64_t bytes) {
   const int next = plan_.next_rank(r, j, task_.rank);
   const int me = op_.host->process();
   if (op_.process_of_rank[next] != me) {
+    // Unlocked: the frame may be copied out on this thread. The rank's
+    // buffer stays valid, as the rank runs here and completes after its
+    // sends are released.
+    lock_.unlock();
     error_ = op_.host->send_remote(task_.op, task_.rank, r, j, u, data, bytes);
+    lock_.lock();
     return;
   }
   // The memory link. The ranks of one process share the operation's lock,

@@ -42,8 +42,8 @@ class OpHost {
   virtual int process() const = 0;
   // Queues unit u of (ring, phase), `bytes` at `data` (which stays valid
   // until the send is released), from `rank` to its next rank, which runs in
-  // another process. Requires op.mu. Returns a tagged error if it cannot be
-  // sent, else "".
+  // another process. Requires op.mu not held: the frame may be written on
+  // the calling thread. Returns a tagged error if it cannot be sent, else "".
   virtual std::string send_remote(const std::shared_ptr<PlanOp>& op, int rank,
                                   int ring, int phase, int64_t u,
                                   const char* data, int64_t bytes) = 0;

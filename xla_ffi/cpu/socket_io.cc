@@ -81,6 +81,22 @@ bool write_all(int fd, const char*& data, size_t& n, double stall_s,
   return true;
 }
 
+bool write_now(int fd, const char*& data, size_t& n, std::string* error) {
+  while (n > 0) {
+    const ssize_t w = send_some(fd, data, n);
+    if (w > 0) {
+      data += w;
+      n -= static_cast<size_t>(w);
+      continue;
+    }
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (w < 0 && errno == EINTR) continue;
+    *error = std::string("send failed: ") + std::strerror(errno);
+    return false;
+  }
+  return true;
+}
+
 ReadResult read_exact(int fd, char* data, size_t n, bool idle_ok,
                       double stall_s, std::string* error) {
   auto stall_deadline = after_seconds(stall_s);

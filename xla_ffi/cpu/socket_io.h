@@ -24,6 +24,10 @@ int poll_once(int fd, short events);
 bool write_all(int fd, const char*& data, size_t& n, double stall_s,
                const std::function<void()>& on_slice, std::string* error);
 
+// Writes what the socket takes now, without waiting, advancing data and n.
+// False with *error only if the connection is broken.
+bool write_now(int fd, const char*& data, size_t& n, std::string* error);
+
 enum class ReadResult { kOk, kClosed, kError, kStalled };
 
 // Reads exactly n bytes. idle_ok: waiting for the first byte has no limit

@@ -3,6 +3,14 @@
 // writes its queue of frames in order. To a process on the same host the
 // payload of data frames goes through a shared-memory ring (shm_link.h)
 // instead, when the peer maps it; the headers stay on the connection.
+//
+// A data frame for the ring is written by the thread that sends it (the
+// device's worker) when nothing is queued before it and the ring has room:
+// on a machine with fewer cores than threads, each handoff to the sender
+// thread is a wake-up that waits for a core, on every hop of every ring.
+// Whatever would wait (a full ring, a socket that takes only part of the
+// header, a broken connection) goes to the sender thread instead, so the
+// calling thread never blocks on the peer.
 #pragma once
 
 #include <atomic>
@@ -36,6 +44,10 @@ struct OutFrame {
   int rank = -1;               // whose outstanding_sends this holds
   std::string message;         // an abort frame's payload
   double stall_s = kAbortSendTimeoutS;
+  // The rest of a header whose payload is already in the ring: written as
+  // is, before anything else, even if the operation failed (the stream must
+  // stay whole).
+  bool header_rest = false;
 };
 
 // The frame no longer reads the rank's buffer (written, or dropped): the
@@ -53,6 +65,12 @@ class OutLink {
           std::function<void(const std::string&)> on_shm_unavailable);
   // Returns false if the link is already dead (the frame is not taken).
   bool enqueue(OutFrame f);
+  // A data frame: written on the calling thread if it can be without
+  // waiting (kWritten: the frame no longer reads the rank's buffer and
+  // release_send is not called for it), else queued (kQueued) as enqueue
+  // does. The caller may hold its operation's lock.
+  enum class Sent { kWritten, kQueued, kDead };
+  Sent send_data(OutFrame f);
   // Takes op's data frames out of the queue. A frame being written stays
   // (the stream must stay whole); the loop finishes it from a copy.
   std::vector<OutFrame> take_frames_of(const PlanOp* op);
@@ -64,6 +82,9 @@ class OutLink {
   // Opens and proves the connection and settles the ring; -1 on failure
   // (the link died).
   int open_connection();
+  // Writes one frame of the queue (and releases it); false with *error if
+  // the link must die.
+  bool write_frame(int fd, OutFrame& f, std::string* error);
   // Writes one data frame whose payload fits the ring; false with *error
   // if the link must die.
   bool write_through_ring(int fd, OutFrame& f, std::string* error);
@@ -76,12 +97,20 @@ class OutLink {
   const bool offer_shm_;
   const std::function<void(const std::string&)> on_death_;
   const std::function<void(const std::string&)> on_shm_unavailable_;
-  std::unique_ptr<ShmRing> ring_;  // the link's thread only
+  // Written by whichever thread holds `writing_`; set before fd_.
+  std::unique_ptr<ShmRing> ring_;
   std::atomic<bool> shared_memory_{false};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<OutFrame> queue_;
   bool dead_ = false;
+  // Guarded by mu_: the open connection (-1 before), whether a thread is
+  // writing to it (one at a time, so frames keep their order), and why a
+  // write on a sending thread broke it (the link's thread closes it: the
+  // death's handlers take operation locks the sender may hold).
+  int fd_ = -1;
+  bool writing_ = false;
+  std::string broken_;
 };
 
 }  // namespace jaxring

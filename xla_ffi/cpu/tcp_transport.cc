@@ -61,7 +61,7 @@ void TcpTransport::collect_garbage() {
   }
 }
 
-bool TcpTransport::send(int p, int channel, OutFrame f) {
+bool TcpTransport::send(int p, int channel, OutFrame f, bool* written_here) {
   OutLink* link;
   {
     std::lock_guard<std::mutex> lock(links_mu_);
@@ -98,7 +98,10 @@ bool TcpTransport::send(int p, int channel, OutFrame f) {
     }
     link = l.get();
   }
-  return link->enqueue(std::move(f));
+  if (!written_here) return link->enqueue(std::move(f));
+  const OutLink::Sent sent = link->send_data(std::move(f));
+  *written_here = sent == OutLink::Sent::kWritten;
+  return sent != OutLink::Sent::kDead;
 }
 
 void TcpTransport::send_early(std::vector<EarlyMessage> early) {
@@ -142,9 +145,17 @@ std::string TcpTransport::send_remote(const std::shared_ptr<PlanOp>& op_ptr,
   f.op = op_ptr;
   f.rank = rank;
   f.stall_s = op.timeout_s;
-  ++op.locals[rank].outstanding_sends;
-  if (!send(proc, ring, std::move(f))) {
+  {
+    std::lock_guard<std::mutex> lock(op.mu);
+    ++op.locals[rank].outstanding_sends;
+  }
+  bool written_here = false;
+  const bool sent = send(proc, ring, std::move(f), &written_here);
+  if (!sent || written_here) {
+    std::lock_guard<std::mutex> lock(op.mu);
     --op.locals[rank].outstanding_sends;
+  }
+  if (!sent) {
     std::ostringstream os;
     os << op.name() << ": cannot send to rank " << next << " (process " << proc
        << "): " << dead_reason(proc);

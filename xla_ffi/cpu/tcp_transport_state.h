@@ -175,7 +175,9 @@ class TcpTransport final : public OpHost {
   // Before set_peers, a message (an abort, a peer-lost notice: a peer may
   // connect, and its frame fail, as soon as it knows this process's port)
   // is held until the addresses are known.
-  bool send(int p, int channel, OutFrame f);
+  // A data frame may be written on the calling thread (OutLink::send_data):
+  // *written_here then says so.
+  bool send(int p, int channel, OutFrame f, bool* written_here = nullptr);
   // set_peers: sends the held messages.
   void send_early(std::vector<EarlyMessage> early);
 
