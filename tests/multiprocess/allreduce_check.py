@@ -107,9 +107,27 @@ def main():
                                  f"got different bits (shard {shard.index})")
         digest = hashlib.sha256(first).hexdigest()[:16]
         print(f"CHECK {case} {op} {dtype} {count} {digest}", flush=True)
+    # Large chunks: a shared-memory ring (8 MiB) holds two of 4 MiB, so a
+    # sender may find it full and hand frames to the connection's sender
+    # thread, behind those it wrote itself.
+    big = inputs(rng, world, 3 << 20, np.float32)
+    f = jax.jit(jax.shard_map(
+        lambda v: jaxring.allreduce(v, "x", rings=1, chunk_bytes=4 << 20),
+        mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    out = f(jax.make_array_from_callback(big.shape, NamedSharding(mesh, P("x")),
+                                         lambda idx: big[idx]))
+    want = big.astype(np.float64).sum(axis=0)
+    for shard in out.addressable_shards:
+        got = np.asarray(shard.data)[0].astype(np.float64)
+        if not np.all(np.abs(got - want) <= 1e-6 * (world + 2) * np.abs(want)):
+            raise SystemExit("MISMATCH in the 12 MiB allreduce")
     # How many of this process's connections carried data through shared
-    # memory (0 in one process, or with JAXRING_TRANSPORT=tcp).
-    print(f"SHM_LINKS {len(jaxring.transport_info()['shm_outbound'])}", flush=True)
+    # memory (0 in one process, or with JAXRING_TRANSPORT=tcp), and which
+    # threads wrote the frames.
+    info = jaxring.transport_info()
+    print(f"SHM_FRAMES {info['shm_frames']['device_thread']} "
+          f"{info['shm_frames']['sender_thread']}", flush=True)
+    print(f"SHM_LINKS {len(info['shm_outbound'])}", flush=True)
     print("DONE", flush=True)
 
 

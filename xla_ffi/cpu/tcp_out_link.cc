@@ -60,6 +60,7 @@ OutLink::Sent OutLink::send_data(OutFrame f) {
   const char* p = reinterpret_cast<const char*>(&f.header);
   size_t n = sizeof(f.header);
   if (put == ShmRing::Put::kDone) {
+    ring_frames_by_caller_.fetch_add(1, std::memory_order_relaxed);
     f.header.kind = kShmData;
     ok = write_now(fd, p, n, &error);
   }
@@ -160,6 +161,7 @@ bool OutLink::write_through_ring(int fd, OutFrame& f, std::string* error) {
       [&] { return !f.op->failed_flag.load(); }, error);
   bool ok = put != ShmRing::Put::kFailed;
   if (put == ShmRing::Put::kDone) {
+    ring_frames_by_link_thread_.fetch_add(1, std::memory_order_relaxed);
     f.header.kind = kShmData;
     const char* p = reinterpret_cast<const char*>(&f.header);
     size_t n = sizeof(f.header);

@@ -76,6 +76,10 @@ class OutLink {
   std::vector<OutFrame> take_frames_of(const PlanOp* op);
   // Whether data goes through a shared-memory ring the peer mapped.
   bool shared_memory() const { return shared_memory_.load(); }
+  // Data frames put into the ring so far by send_data's caller, and by
+  // the link's thread.
+  int64_t ring_frames_by_caller() const { return ring_frames_by_caller_.load(); }
+  int64_t ring_frames_by_link_thread() const { return ring_frames_by_link_thread_.load(); }
 
  private:
   void loop();
@@ -100,6 +104,8 @@ class OutLink {
   // Written by whichever thread holds `writing_`; set before fd_.
   std::unique_ptr<ShmRing> ring_;
   std::atomic<bool> shared_memory_{false};
+  std::atomic<int64_t> ring_frames_by_caller_{0};
+  std::atomic<int64_t> ring_frames_by_link_thread_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<OutFrame> queue_;
