@@ -270,8 +270,8 @@ NB_MODULE(_jaxring, m) {
     d["same_host"] = i.same_host;
     d["use_shm"] = i.use_shm;
     d["shm_unavailable"] = i.shm_unavailable;
-    d["shm_frames_by_device_thread"] = i.shm_frames_by_device_thread;
-    d["shm_frames_by_sender_thread"] = i.shm_frames_by_sender_thread;
+    d["data_frames_by_device_thread"] = i.data_frames_by_device_thread;
+    d["data_frames_by_sender_thread"] = i.data_frames_by_sender_thread;
     d["lost_processes"] = i.lost_processes;
     d["refused_connections"] = i.refused_connections;
     d["last_refusal"] = i.last_refusal;

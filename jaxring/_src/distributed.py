@@ -304,17 +304,18 @@ def transport_info() -> dict:
     ``"key-value store"``), ``inbound`` and ``outbound`` (the authenticated
     connections as ``(process, channel)`` pairs; a channel is a ring),
     ``lost_processes``, ``refused_connections`` with ``last_refusal`` (why
-    the last stranger was turned away) and ``pending_ops``. The
+    the last stranger was turned away), ``pending_ops``, and
+    ``data_frames``: how many data frames this process has sent, by the
+    thread that wrote them, ``{"device_thread": n, "sender_thread": m}`` (a
+    device's own thread writes a frame when nothing is queued before it on
+    its connection and the socket, or the shared-memory ring, takes it at
+    once; a connection's sender thread writes the rest). The
     shared-memory links: ``transport`` (``"auto"`` or ``"tcp"``, from
     ``JAXRING_TRANSPORT``), ``same_host`` (the processes whose records say
     they share this host), ``shm_inbound`` and ``shm_outbound`` (the
     connections whose data goes through a shared-memory ring) and
     ``shm_unavailable`` (why a ring could not be made or mapped here, if
-    one could not); ``shm_frames``: how many data frames this process has
-    put into those rings, ``{"device_thread": n, "sender_thread": m}`` (a
-    device's own thread writes a frame when nothing is queued before it
-    and the ring has room; a connection's sender thread writes the rest).
-    ``cores_per_rank``: the fewest cores per rank over the
+    one could not). ``cores_per_rank``: the fewest cores per rank over the
     job's machines, from the records every process published (``None``
     before the set-up); below 2, an allreduce across processes whose ring
     count was left to the default runs one ring.
@@ -353,8 +354,8 @@ def transport_info() -> dict:
         "shm_inbound": sorted(tuple(x) for x in raw["shm_inbound"]),
         "shm_outbound": sorted(tuple(x) for x in raw["shm_outbound"]),
         "shm_unavailable": raw["shm_unavailable"] or None,
-        "shm_frames": {"device_thread": raw["shm_frames_by_device_thread"],
-                       "sender_thread": raw["shm_frames_by_sender_thread"]},
+        "data_frames": {"device_thread": raw["data_frames_by_device_thread"],
+                        "sender_thread": raw["data_frames_by_sender_thread"]},
         "cores_per_rank": cores if raw["listening"] and cores != math.inf else None,
     }
 

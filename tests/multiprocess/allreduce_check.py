@@ -121,12 +121,12 @@ def main():
         got = np.asarray(shard.data)[0].astype(np.float64)
         if not np.all(np.abs(got - want) <= 1e-6 * (world + 2) * np.abs(want)):
             raise SystemExit("MISMATCH in the 12 MiB allreduce")
-    # How many of this process's connections carried data through shared
-    # memory (0 in one process, or with JAXRING_TRANSPORT=tcp), and which
-    # threads wrote the frames.
+    # Which threads wrote the data frames, and how many of this process's
+    # connections carried data through shared memory (0 in one process, or
+    # with JAXRING_TRANSPORT=tcp).
     info = jaxring.transport_info()
-    print(f"SHM_FRAMES {info['shm_frames']['device_thread']} "
-          f"{info['shm_frames']['sender_thread']}", flush=True)
+    print(f"DATA_FRAMES {info['data_frames']['device_thread']} "
+          f"{info['data_frames']['sender_thread']}", flush=True)
     print(f"SHM_LINKS {len(info['shm_outbound'])}", flush=True)
     print("DONE", flush=True)
 

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <thread>
 #include <utility>
 
@@ -36,9 +37,7 @@ OutLink::Sent OutLink::send_data(OutFrame f) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (dead_) return Sent::kDead;
-    const bool here = fd_ >= 0 && !writing_ && queue_.empty() && broken_.empty() &&
-                      ring_ && ring_->carries(f.header.payload_bytes);
-    if (!here) {
+    if (fd_ < 0 || writing_ || !queue_.empty() || !broken_.empty()) {
       queue_.push_back(std::move(f));
       cv_.notify_one();
       return Sent::kQueued;
@@ -46,51 +45,62 @@ OutLink::Sent OutLink::send_data(OutFrame f) {
     writing_ = true;
     fd = fd_;
   }
-  if (f.op->failed_flag.load()) {  // nobody waits for it any more
-    std::lock_guard<std::mutex> lock(mu_);
-    writing_ = false;
-    if (!queue_.empty()) cv_.notify_one();
-    return Sent::kWritten;
-  }
   std::string error;
-  // Never waits: a full ring gives up at once, with nothing written.
-  const ShmRing::Put put = ring_->put(f.data, f.header.payload_bytes, fd, f.stall_s,
-                                      [] { return false; }, &error);
-  bool ok = put != ShmRing::Put::kFailed;
-  const char* p = reinterpret_cast<const char*>(&f.header);
-  size_t n = sizeof(f.header);
-  if (put == ShmRing::Put::kDone) {
-    ring_frames_by_caller_.fetch_add(1, std::memory_order_relaxed);
-    f.header.kind = kShmData;
-    ok = write_now(fd, p, n, &error);
+  bool ok = true;
+  bool taken = true;  // the frame went whole (or is not to go at all)
+  const bool dropped = f.op->failed_flag.load();  // as the link's thread would
+  if (dropped) {
+    // Nobody waits for it any more.
+  } else if (ring_ && ring_->carries(f.header.payload_bytes)) {
+    // Never waits: a full ring gives up at once, with nothing written.
+    const ShmRing::Put put = ring_->put(f.data, f.header.payload_bytes, fd, f.stall_s,
+                                        [] { return false; }, &error);
+    ok = put != ShmRing::Put::kFailed;
+    taken = false;
+    if (put == ShmRing::Put::kDone) {
+      f.header.kind = kShmData;  // the payload is in the ring: the header goes
+      ok = write_frame_now(fd, f, &error);
+      taken = ok && f.written == sizeof(f.header);
+    }
+  } else {
+    ok = write_frame_now(fd, f, &error);
+    taken = ok && f.written == static_cast<int64_t>(sizeof(f.header)) + f.header.payload_bytes;
   }
-  Sent sent = Sent::kWritten;
+  if (ok && taken && !dropped) frames_by_caller_.fetch_add(1, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mu_);
     writing_ = false;
     if (!ok) {
       broken_ = error.empty() ? std::string("a write to the peer failed") : error;
-    } else if (put == ShmRing::Put::kGaveUp) {
-      queue_.push_front(std::move(f));  // queued meanwhile: behind it
-      sent = Sent::kQueued;
-    } else if (n > 0) {
-      // The socket took part of the header: the link's thread writes the
-      // rest, first, and releases the frame once it has left.
-      f.header_rest = true;
-      f.message.assign(p, n);
+    } else if (!taken) {
+      // The ring was full, or the socket took only part of the frame: the
+      // link's thread writes the rest, first (whatever was queued meanwhile
+      // comes after), and releases the frame once it has left.
       queue_.push_front(std::move(f));
-      sent = Sent::kQueued;
     }
     if (!queue_.empty() || !broken_.empty()) cv_.notify_one();
   }
-  return sent;
+  return !ok || taken ? Sent::kWritten : Sent::kQueued;
+}
+
+bool OutLink::write_frame_now(int fd, OutFrame& f, std::string* error) {
+  const char* p = reinterpret_cast<const char*>(&f.header);
+  size_t n = sizeof(f.header);
+  if (!write_now(fd, p, n, error)) return false;
+  f.written = static_cast<int64_t>(sizeof(f.header) - n);
+  if (n > 0 || f.header.kind == kShmData) return true;
+  const char* data = f.data;
+  size_t left = static_cast<size_t>(f.header.payload_bytes);
+  if (!write_now(fd, data, left, error)) return false;
+  f.written += f.header.payload_bytes - static_cast<int64_t>(left);
+  return true;
 }
 
 std::vector<OutFrame> OutLink::take_frames_of(const PlanOp* op) {
   std::vector<OutFrame> taken;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = queue_.begin(); it != queue_.end();) {
-    if (it->op.get() == op && !it->header_rest) {
+    if (it->op.get() == op && it->written == 0) {
       taken.push_back(std::move(*it));
       it = queue_.erase(it);
     } else {
@@ -161,8 +171,7 @@ bool OutLink::write_through_ring(int fd, OutFrame& f, std::string* error) {
       [&] { return !f.op->failed_flag.load(); }, error);
   bool ok = put != ShmRing::Put::kFailed;
   if (put == ShmRing::Put::kDone) {
-    ring_frames_by_link_thread_.fetch_add(1, std::memory_order_relaxed);
-    f.header.kind = kShmData;
+        f.header.kind = kShmData;
     const char* p = reinterpret_cast<const char*>(&f.header);
     size_t n = sizeof(f.header);
     ok = write_all(fd, p, n, f.stall_s, nullptr, error);
@@ -208,28 +217,32 @@ void OutLink::loop() {
 }
 
 bool OutLink::write_frame(int fd, OutFrame& f, std::string* error) {
-  if (f.header_rest) {
-    const char* p = f.message.data();
-    size_t n = f.message.size();
-    const bool ok = write_all(fd, p, n, f.stall_s, nullptr, error);
-    release_send(f);
-    return ok;
+  // A frame begun by the thread that sent it is finished whatever happened
+  // to its operation meanwhile: the stream must stay whole.
+  if (f.written == 0 && f.op && f.op->failed_flag.load()) {
+    release_send(f);  // nobody waits for it any more
+    return true;
   }
-  if (f.op && f.op->failed_flag.load()) {  // nobody waits for it any more
+  if (f.op) frames_by_link_thread_.fetch_add(1, std::memory_order_relaxed);
+  if (f.written == 0 && f.op && ring_ && ring_->carries(f.header.payload_bytes)) {
+    return write_through_ring(fd, f, error);
+  }
+  if (f.written < static_cast<int64_t>(sizeof(f.header))) {
+    const char* p = reinterpret_cast<const char*>(&f.header) + f.written;
+    size_t n = sizeof(f.header) - static_cast<size_t>(f.written);
+    if (!write_all(fd, p, n, f.stall_s, nullptr, error)) {
+      release_send(f);
+      return false;
+    }
+  }
+  if (f.header.kind == kShmData) {  // its payload is in the ring
     release_send(f);
     return true;
   }
-  if (f.op && ring_ && ring_->carries(f.header.payload_bytes)) {
-    return write_through_ring(fd, f, error);
-  }
-  const char* p = reinterpret_cast<const char*>(&f.header);
-  size_t n = sizeof(f.header);
-  if (!write_all(fd, p, n, f.stall_s, nullptr, error)) {
-    release_send(f);
-    return false;
-  }
-  const char* data = f.op ? f.data : f.message.data();
-  size_t left = static_cast<size_t>(f.header.payload_bytes);
+  const int64_t payload_done =
+      std::max<int64_t>(0, f.written - static_cast<int64_t>(sizeof(f.header)));
+  const char* data = (f.op ? f.data : f.message.data()) + payload_done;
+  size_t left = static_cast<size_t>(f.header.payload_bytes - payload_done);
   // If the operation fails mid-frame, its rank must be free to complete:
   // finish the frame (the stream must stay whole) from a private copy.
   std::vector<char> copy;

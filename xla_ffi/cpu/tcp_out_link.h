@@ -4,13 +4,13 @@
 // payload of data frames goes through a shared-memory ring (shm_link.h)
 // instead, when the peer maps it; the headers stay on the connection.
 //
-// A data frame for the ring is written by the thread that sends it (the
-// device's worker) when nothing is queued before it and the ring has room:
-// on a machine with fewer cores than threads, each handoff to the sender
-// thread is a wake-up that waits for a core, on every hop of every ring.
-// Whatever would wait (a full ring, a socket that takes only part of the
-// header, a broken connection) goes to the sender thread instead, so the
-// calling thread never blocks on the peer.
+// A data frame is written by the thread that sends it (the device's
+// worker) when nothing is queued before it: on a machine with fewer cores
+// than threads, each handoff to the sender thread is a wake-up that waits
+// for a core, on every hop of every ring. Whatever would wait (a full ring,
+// a socket that takes only part of the frame, a broken connection) goes to
+// the sender thread instead, so the calling thread never blocks on the
+// peer.
 #pragma once
 
 #include <atomic>
@@ -44,10 +44,11 @@ struct OutFrame {
   int rank = -1;               // whose outstanding_sends this holds
   std::string message;         // an abort frame's payload
   double stall_s = kAbortSendTimeoutS;
-  // The rest of a header whose payload is already in the ring: written as
-  // is, before anything else, even if the operation failed (the stream must
-  // stay whole).
-  bool header_rest = false;
+  // Bytes of the frame (its header, then its payload unless that went
+  // through the ring) the sending thread already wrote: the link's thread
+  // writes the rest before anything else, even if the operation failed (the
+  // stream must stay whole).
+  int64_t written = 0;
 };
 
 // The frame no longer reads the rank's buffer (written, or dropped): the
@@ -76,10 +77,10 @@ class OutLink {
   std::vector<OutFrame> take_frames_of(const PlanOp* op);
   // Whether data goes through a shared-memory ring the peer mapped.
   bool shared_memory() const { return shared_memory_.load(); }
-  // Data frames put into the ring so far by send_data's caller, and by
-  // the link's thread.
-  int64_t ring_frames_by_caller() const { return ring_frames_by_caller_.load(); }
-  int64_t ring_frames_by_link_thread() const { return ring_frames_by_link_thread_.load(); }
+  // Data frames written so far by send_data's caller, and (wholly or in
+  // part) by the link's thread.
+  int64_t frames_by_caller() const { return frames_by_caller_.load(); }
+  int64_t frames_by_link_thread() const { return frames_by_link_thread_.load(); }
 
  private:
   void loop();
@@ -89,6 +90,10 @@ class OutLink {
   // Writes one frame of the queue (and releases it); false with *error if
   // the link must die.
   bool write_frame(int fd, OutFrame& f, std::string* error);
+  // Writes what the socket takes now of a data frame (its header only if
+  // its payload is in the ring), counting it in f.written; false with
+  // *error if the connection broke.
+  bool write_frame_now(int fd, OutFrame& f, std::string* error);
   // Writes one data frame whose payload fits the ring; false with *error
   // if the link must die.
   bool write_through_ring(int fd, OutFrame& f, std::string* error);
@@ -104,8 +109,8 @@ class OutLink {
   // Written by whichever thread holds `writing_`; set before fd_.
   std::unique_ptr<ShmRing> ring_;
   std::atomic<bool> shared_memory_{false};
-  std::atomic<int64_t> ring_frames_by_caller_{0};
-  std::atomic<int64_t> ring_frames_by_link_thread_{0};
+  std::atomic<int64_t> frames_by_caller_{0};
+  std::atomic<int64_t> frames_by_link_thread_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<OutFrame> queue_;

@@ -208,8 +208,8 @@ TcpTransportInfo TcpTransport::info() {
   for (const auto& [where, link] : links_) {
     i.outbound.push_back(where);
     if (link->shared_memory()) i.shm_outbound.push_back(where);
-    i.shm_frames_by_device_thread += link->ring_frames_by_caller();
-    i.shm_frames_by_sender_thread += link->ring_frames_by_link_thread();
+    i.data_frames_by_device_thread += link->frames_by_caller();
+    i.data_frames_by_sender_thread += link->frames_by_link_thread();
   }
   i.shm_inbound.assign(inbound_rings_.begin(), inbound_rings_.end());
   i.shm_unavailable = shm_unavailable_;

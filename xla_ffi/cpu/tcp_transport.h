@@ -92,11 +92,11 @@ struct TcpTransportInfo {
   std::vector<int> same_host;
   bool use_shm = false;
   std::string shm_unavailable;
-  // Data frames put into shared-memory rings so far, by the thread that
-  // sent them (a device's worker) and by the connections' sender threads
-  // (OutLink::send_data says which writes which).
-  int64_t shm_frames_by_device_thread = 0;
-  int64_t shm_frames_by_sender_thread = 0;
+  // Data frames sent so far, written by the thread that sent them (a
+  // device's worker) and (wholly or in part) by the connections' sender
+  // threads (OutLink::send_data says which writes which).
+  int64_t data_frames_by_device_thread = 0;
+  int64_t data_frames_by_sender_thread = 0;
   std::vector<int> lost_processes;
   int64_t refused_connections = 0;
   std::string last_refusal;  // why the last one was refused
