@@ -60,7 +60,7 @@ OutLink::Sent OutLink::send_data(OutFrame f) {
     if (put == ShmRing::Put::kDone) {
       f.header.kind = kShmData;  // the payload is in the ring: the header goes
       ok = write_frame_now(fd, f, &error);
-      taken = ok && f.written == sizeof(f.header);
+      taken = ok && f.written == static_cast<int64_t>(sizeof(f.header));
     }
   } else {
     ok = write_frame_now(fd, f, &error);
@@ -100,7 +100,7 @@ std::vector<OutFrame> OutLink::take_frames_of(const PlanOp* op) {
   std::vector<OutFrame> taken;
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = queue_.begin(); it != queue_.end();) {
-    if (it->op.get() == op && it->written == 0) {
+    if (it->op.get() == op && !it->begun()) {
       taken.push_back(std::move(*it));
       it = queue_.erase(it);
     } else {
@@ -219,12 +219,12 @@ void OutLink::loop() {
 bool OutLink::write_frame(int fd, OutFrame& f, std::string* error) {
   // A frame begun by the thread that sent it is finished whatever happened
   // to its operation meanwhile: the stream must stay whole.
-  if (f.written == 0 && f.op && f.op->failed_flag.load()) {
+  if (!f.begun() && f.op && f.op->failed_flag.load()) {
     release_send(f);  // nobody waits for it any more
     return true;
   }
   if (f.op) frames_by_link_thread_.fetch_add(1, std::memory_order_relaxed);
-  if (f.written == 0 && f.op && ring_ && ring_->carries(f.header.payload_bytes)) {
+  if (!f.begun() && f.op && ring_ && ring_->carries(f.header.payload_bytes)) {
     return write_through_ring(fd, f, error);
   }
   if (f.written < static_cast<int64_t>(sizeof(f.header))) {

@@ -49,6 +49,10 @@ struct OutFrame {
   // writes the rest before anything else, even if the operation failed (the
   // stream must stay whole).
   int64_t written = 0;
+
+  // Whether part of the frame has gone: some bytes on the socket, or its
+  // payload into the ring (then its header must follow).
+  bool begun() const { return written > 0 || header.kind == kShmData; }
 };
 
 // The frame no longer reads the rank's buffer (written, or dropped): the
