@@ -171,7 +171,7 @@ bool OutLink::write_through_ring(int fd, OutFrame& f, std::string* error) {
       [&] { return !f.op->failed_flag.load(); }, error);
   bool ok = put != ShmRing::Put::kFailed;
   if (put == ShmRing::Put::kDone) {
-        f.header.kind = kShmData;
+    f.header.kind = kShmData;
     const char* p = reinterpret_cast<const char*>(&f.header);
     size_t n = sizeof(f.header);
     ok = write_all(fd, p, n, f.stall_s, nullptr, error);

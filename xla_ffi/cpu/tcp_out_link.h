@@ -73,11 +73,12 @@ class OutLink {
   // A data frame: written on the calling thread if it can be without
   // waiting (kWritten: the frame no longer reads the rank's buffer and
   // release_send is not called for it), else queued (kQueued) as enqueue
-  // does. The caller may hold its operation's lock.
+  // does. Takes no operation's lock.
   enum class Sent { kWritten, kQueued, kDead };
   Sent send_data(OutFrame f);
   // Takes op's data frames out of the queue. A frame being written stays
-  // (the stream must stay whole); the loop finishes it from a copy.
+  // (the stream must stay whole), and so does one its sender began; the
+  // loop finishes them from a copy.
   std::vector<OutFrame> take_frames_of(const PlanOp* op);
   // Whether data goes through a shared-memory ring the peer mapped.
   bool shared_memory() const { return shared_memory_.load(); }
@@ -121,8 +122,8 @@ class OutLink {
   bool dead_ = false;
   // Guarded by mu_: the open connection (-1 before), whether a thread is
   // writing to it (one at a time, so frames keep their order), and why a
-  // write on a sending thread broke it (the link's thread closes it: the
-  // death's handlers take operation locks the sender may hold).
+  // write on a sending thread broke it (the link's thread closes it and
+  // runs the death's handlers, which are no work for a device's thread).
   int fd_ = -1;
   bool writing_ = false;
   std::string broken_;
