@@ -9,7 +9,10 @@ jaxring/_src/gpu_job.py, shared with the GPU benchmark. MODE:
   and chunk counts, against numpy on the same inputs (which every process
   can make: rank r's input comes from seed r). Inputs are small integers,
   so every sum, product, minimum and maximum is exact in every dtype and
-  the comparison is bit for bit.
+  the comparison is bit for bit. Then float32 sums with each 16-bit
+  ``wire_dtype``, both algorithms, on random (inexact) values: each result
+  within the documented bound of the float64 sum and bit for bit that of
+  the allreduce of the operand cast to the wire format.
 * ``peer_missing``: process 1 never calls; process 0's call must fail
   after its timeout, and its next call must fail at once saying the
   communicator was aborted.
@@ -155,8 +158,44 @@ def correctness(job: Job) -> int:
                     print(f"  MISMATCH: {got[:8]} vs {expected[:8]}", flush=True)
                 else:
                     print("  ok", flush=True)
+    wire_cases, wire_failures = wire_formats(job, rng)
+    cases += wire_cases
+    failures += wire_failures
     print(f"process {job.pid}: {cases} cases, {failures} mismatches", flush=True)
     return failures
+
+
+def wire_formats(job: Job, rng, algorithms=("ring", "nccl")) -> tuple[int, int]:
+    """float32 sums that travel in a 16-bit wire format: (cases, failures)."""
+    import jax.numpy as jnp
+    from jaxring._src import wire_format
+    cases = failures = 0
+    for wire in ("bfloat16", "float16"):
+        for algorithm in algorithms:
+            n = int(rng.integers(1, 300_000))
+            xs = [np.random.default_rng(500 + r).normal(0, 1, n).astype(np.float32)
+                  for r in range(job.nprocs)]
+            exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+            bound = wire_format.error_bound(np.dtype(jnp.dtype(wire)), job.nprocs,
+                                            np.sum([np.abs(x.astype(np.float64)) for x in xs],
+                                                   axis=0))
+            print(f"case float32 sum {algorithm} wire_dtype={wire} n={n}", flush=True)
+            kw = dict(op="sum", algorithm=algorithm, rings=2, chunk_bytes=65536,
+                      timeout_s=60.0)
+            got = job.local_result(job.allreduce_fn(wire_dtype=wire, **kw)(
+                job.global_array(xs[job.pid])))
+            cast = job.local_result(job.allreduce_fn(**kw)(
+                job.global_array(xs[job.pid].astype(jnp.dtype(wire))))).astype(np.float32)
+            cases += 1
+            over = np.abs(got.astype(np.float64) - exact) > bound
+            if got.dtype != np.float32 or over.any() or got.tobytes() != cast.tobytes():
+                failures += 1
+                print(f"  MISMATCH: dtype {got.dtype}, {int(over.sum())} beyond the bound, "
+                      f"equal to the cast operand's allreduce: "
+                      f"{got.tobytes() == cast.tobytes()}", flush=True)
+            else:
+                print("  ok", flush=True)
+    return cases, failures
 
 
 def peer_missing(job: Job) -> int:
