@@ -85,7 +85,7 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
         assert lowered == [f"TOPOLOGY {tiers}"], lowered
         digests[rank] = [l for l in lines if l.startswith("CHECK")]
         assert len(digests[rank]) == 48
-        by_device, by_sender = map(int, next(
+        by_device, by_sender, _ = map(int, next(
             l for l in lines if l.startswith("DATA_FRAMES")).split()[1:])
         # Once a connection is open, the devices' threads write the frames
         # that find it free.
@@ -120,6 +120,40 @@ def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
         digests[where] = checks.pop()
         assert len(digests[where]) == 24
     assert digests["memory"] == digests["auto"] == digests["tcp"]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_frames_a_small_socket_buffer_takes_in_parts_arrive_whole(transport):
+    # With 4 KiB socket buffers the socket takes a 1 MiB frame in many
+    # parts: the device's thread writes the first, the connection's sender
+    # thread the rest (and, over shared memory, the headers it finds no room
+    # for). The bits must be those of a run with the kernel's buffers.
+    digests = {}
+    for buffer in ("", "4096"):
+        r = run_launcher(3, "allreduce_check.py", 11, 12, "flat",
+                         env={"JAXRING_TRANSPORT": transport,
+                              "JAXRING_TCP_SOCKET_BUFFER": buffer})
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        by_rank = lines_by_rank(r.stdout)
+        split = 0
+        for lines in by_rank.values():
+            assert "DONE" in lines, lines[-5:]
+            split += int(next(l for l in lines if l.startswith("DATA_FRAMES")).split()[3])
+        if buffer:
+            assert split > 0, "no frame was finished by a sender thread"
+        checks = {tuple(l for l in lines if l.startswith("CHECK"))
+                  for lines in by_rank.values()}
+        assert len(checks) == 1
+        digests[buffer] = checks.pop()
+    assert digests[""] == digests["4096"]
+
+
+def test_a_socket_buffer_outside_its_range_is_refused():
+    r = run_launcher(2, "allreduce_check.py", 0, 1, "flat",
+                     env={"JAXRING_TCP_SOCKET_BUFFER": "12"})
+    assert r.returncode != 0
+    assert "JAXRING_TCP_SOCKET_BUFFER='12' is not a whole number of bytes" in (
+        r.stdout + r.stderr), r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_different_programs_fail_fast_on_every_rank():

@@ -13,6 +13,7 @@
 #include "cpu/gang_start.h"
 #include "cpu/inprocess_plan_host.h"
 #include "cpu/inprocess_transport.h"
+#include "cpu/socket_io.h"
 #include "cpu/split_phase.h"
 #include "cpu/tcp_transport.h"
 #include "cpu/timeline.h"
@@ -244,6 +245,12 @@ NB_MODULE(_jaxring, m) {
         "prove the same secret and job id); returns its port. use_shm: "
         "whether shared-memory links with processes on this host are "
         "offered and taken.");
+  m.def("tcp_set_socket_buffer", [](int bytes) {
+    if (bytes < 0) throw std::invalid_argument("a socket buffer of 0 or more bytes");
+    jaxring::set_socket_buffer_bytes(bytes);
+  }, nb::arg("bytes"),
+        "SO_SNDBUF and SO_RCVBUF of every TCP transport socket opened from now "
+        "on, in bytes; 0: the kernel's autotuning.");
   m.def("tcp_set_peers", [](const std::vector<std::string>& addresses,
                             const std::vector<int>& same_host) {
     std::string error;
@@ -272,6 +279,8 @@ NB_MODULE(_jaxring, m) {
     d["shm_unavailable"] = i.shm_unavailable;
     d["data_frames_by_device_thread"] = i.data_frames_by_device_thread;
     d["data_frames_by_sender_thread"] = i.data_frames_by_sender_thread;
+    d["data_frames_finished_by_sender_thread"] = i.data_frames_finished_by_sender_thread;
+    d["socket_buffer"] = jaxring::socket_buffer_bytes();
     d["lost_processes"] = i.lost_processes;
     d["refused_connections"] = i.refused_connections;
     d["last_refusal"] = i.last_refusal;

@@ -49,6 +49,10 @@ SECRET_ENV = "JAXRING_JOB_SECRET"
 TRANSPORT_ENV = "JAXRING_TRANSPORT"
 TRANSPORTS = ("auto", "tcp")
 HOST_ID_ENV = "JAXRING_HOST_ID"
+SOCKET_BUFFER_ENV = "JAXRING_TCP_SOCKET_BUFFER"
+# Linux doubles what it is given and keeps at least about 4.5 KiB; above
+# 1 GiB is a typo, not a tuning.
+_SOCKET_BUFFER_RANGE = (4096, 1 << 30)
 _lock = threading.Lock()
 _ready = False
 # The message of a set-up that failed, raised again by every later call.
@@ -152,6 +156,25 @@ def transport_choice() -> str:
     return choice
 
 
+def socket_buffer_choice() -> int:
+    """JAXRING_TCP_SOCKET_BUFFER, checked: the SO_SNDBUF and SO_RCVBUF of
+    every connection in bytes, or 0 (unset: the kernel's autotuning)."""
+    raw = os.environ.get(SOCKET_BUFFER_ENV, "").strip()
+    if not raw:
+        return 0
+    low, high = _SOCKET_BUFFER_RANGE
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not low <= value <= high:
+        raise ValueError(
+            f"jaxring: {SOCKET_BUFFER_ENV}={raw!r} is not a whole number of "
+            f"bytes from {low} to {high} (unset it to leave the buffers to "
+            f"the kernel)")
+    return value
+
+
 def host_identity() -> str:
     """What processes that can share memory have in common: the running
     kernel (its boot id), the file system behind /dev/shm, and
@@ -250,6 +273,7 @@ def _set_up_tcp_transport(timeout_s: float) -> None:
     me, n, coordinator = jax_compat.distributed_state()
     timeout_ms = int(timeout_s * 1000)
     use_shm = transport_choice() == "auto"
+    _jaxring.tcp_set_socket_buffer(socket_buffer_choice())
     my_host = host_identity()
     secret, job_id, source = _job_secret_and_id(client, me, timeout_ms)
     host = _local_host(coordinator)
@@ -309,7 +333,12 @@ def transport_info() -> dict:
     thread that wrote them, ``{"device_thread": n, "sender_thread": m}`` (a
     device's own thread writes a frame when nothing is queued before it on
     its connection and the socket, or the shared-memory ring, takes it at
-    once; a connection's sender thread writes the rest). The
+    once; a connection's sender thread writes the rest), and
+    ``"finished_by_sender_thread"``: the frames a device's thread began
+    and the sender thread finished (the socket took part of one, or a
+    ring's payload went in but not all of its header). ``socket_buffer``:
+    the socket buffer size ``JAXRING_TCP_SOCKET_BUFFER`` set (``None``: the
+    kernel's autotuning). The
     shared-memory links: ``transport`` (``"auto"`` or ``"tcp"``, from
     ``JAXRING_TRANSPORT``), ``same_host`` (the processes whose records say
     they share this host), ``shm_inbound`` and ``shm_outbound`` (the
@@ -355,7 +384,10 @@ def transport_info() -> dict:
         "shm_outbound": sorted(tuple(x) for x in raw["shm_outbound"]),
         "shm_unavailable": raw["shm_unavailable"] or None,
         "data_frames": {"device_thread": raw["data_frames_by_device_thread"],
-                        "sender_thread": raw["data_frames_by_sender_thread"]},
+                        "sender_thread": raw["data_frames_by_sender_thread"],
+                        "finished_by_sender_thread":
+                            raw["data_frames_finished_by_sender_thread"]},
+        "socket_buffer": (raw["socket_buffer"] or None) if raw["listening"] else None,
         "cores_per_rank": cores if raw["listening"] and cores != math.inf else None,
     }
 

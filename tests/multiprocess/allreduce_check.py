@@ -125,8 +125,9 @@ def main():
     # connections carried data through shared memory (0 in one process, or
     # with JAXRING_TRANSPORT=tcp).
     info = jaxring.transport_info()
-    print(f"DATA_FRAMES {info['data_frames']['device_thread']} "
-          f"{info['data_frames']['sender_thread']}", flush=True)
+    frames = info["data_frames"]
+    print(f"DATA_FRAMES {frames['device_thread']} {frames['sender_thread']} "
+          f"{frames['finished_by_sender_thread']}", flush=True)
     print(f"SHM_LINKS {len(info['shm_outbound'])}", flush=True)
     print("DONE", flush=True)
 

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <sstream>
@@ -155,10 +156,22 @@ ReadResult read_exact_by(int fd, char* data, size_t n,
   return ReadResult::kOk;
 }
 
+namespace {
+std::atomic<int> g_socket_buffer_bytes{0};
+}  // namespace
+
+void set_socket_buffer_bytes(int bytes) { g_socket_buffer_bytes.store(bytes); }
+int socket_buffer_bytes() { return g_socket_buffer_bytes.load(); }
+
 void tune_socket(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  const int bytes = g_socket_buffer_bytes.load();
+  if (bytes > 0) {
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
+  }
 }
 
 bool split_address(const std::string& addr, std::string* host,
@@ -199,9 +212,9 @@ int connect_to(const std::string& addr, double timeout_s, std::string* error) {
           }
           continue;
         }
+        tune_socket(fd);  // before connecting: the buffers size the window
         if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
           ::freeaddrinfo(res);
-          tune_socket(fd);
           return fd;
         }
         *error = std::string("connect to ") + addr + ": " + std::strerror(errno);

@@ -40,8 +40,15 @@ ReadResult read_exact(int fd, char* data, size_t n, bool idle_ok,
 ReadResult read_exact_by(int fd, char* data, size_t n,
                          Clock::time_point deadline, std::string* error);
 
-// TCP_NODELAY and keep-alives.
+// TCP_NODELAY, keep-alives, and the buffer sizes set below, if any.
 void tune_socket(int fd);
+
+// The send and receive buffers (SO_SNDBUF, SO_RCVBUF) of every socket
+// tune_socket sees from now on, in bytes; 0, the default, leaves them to
+// the kernel's autotuning. A small buffer makes a socket take a large
+// frame in parts (which the tests use to exercise that path).
+void set_socket_buffer_bytes(int bytes);
+int socket_buffer_bytes();
 
 // Splits "host:port" or "[v6]:port".
 bool split_address(const std::string& addr, std::string* host,

@@ -113,6 +113,7 @@ int TcpTransport::listen(const std::string& bind_host, const JobIdentity& identi
     if (fd < 0) continue;
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    tune_socket(fd);  // accepted connections inherit its buffer sizes
     if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
       break;
     }

@@ -224,6 +224,7 @@ bool OutLink::write_frame(int fd, OutFrame& f, std::string* error) {
     return true;
   }
   if (f.op) frames_by_link_thread_.fetch_add(1, std::memory_order_relaxed);
+  if (f.op && f.begun()) frames_finished_for_caller_.fetch_add(1, std::memory_order_relaxed);
   if (!f.begun() && f.op && ring_ && ring_->carries(f.header.payload_bytes)) {
     return write_through_ring(fd, f, error);
   }

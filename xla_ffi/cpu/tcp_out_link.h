@@ -86,6 +86,12 @@ class OutLink {
   // part) by the link's thread.
   int64_t frames_by_caller() const { return frames_by_caller_.load(); }
   int64_t frames_by_link_thread() const { return frames_by_link_thread_.load(); }
+  // Of the latter, those send_data's caller began and the link's thread
+  // finished (a socket that took part of the frame, or a ring payload whose
+  // header it did not take).
+  int64_t frames_finished_for_caller() const {
+    return frames_finished_for_caller_.load();
+  }
 
  private:
   void loop();
@@ -116,6 +122,7 @@ class OutLink {
   std::atomic<bool> shared_memory_{false};
   std::atomic<int64_t> frames_by_caller_{0};
   std::atomic<int64_t> frames_by_link_thread_{0};
+  std::atomic<int64_t> frames_finished_for_caller_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<OutFrame> queue_;

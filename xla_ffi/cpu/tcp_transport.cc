@@ -210,6 +210,7 @@ TcpTransportInfo TcpTransport::info() {
     if (link->shared_memory()) i.shm_outbound.push_back(where);
     i.data_frames_by_device_thread += link->frames_by_caller();
     i.data_frames_by_sender_thread += link->frames_by_link_thread();
+    i.data_frames_finished_by_sender_thread += link->frames_finished_for_caller();
   }
   i.shm_inbound.assign(inbound_rings_.begin(), inbound_rings_.end());
   i.shm_unavailable = shm_unavailable_;

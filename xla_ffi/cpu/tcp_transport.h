@@ -97,6 +97,9 @@ struct TcpTransportInfo {
   // threads (OutLink::send_data says which writes which).
   int64_t data_frames_by_device_thread = 0;
   int64_t data_frames_by_sender_thread = 0;
+  // Of the latter, frames a device's worker began (part of them on the
+  // socket, or their payload in the ring) and the sender thread finished.
+  int64_t data_frames_finished_by_sender_thread = 0;
   std::vector<int> lost_processes;
   int64_t refused_connections = 0;
   std::string last_refusal;  // why the last one was refused
