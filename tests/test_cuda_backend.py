@@ -159,13 +159,47 @@ def test_nccl_algorithm_attribute():
 @pytest.mark.parametrize("kwargs, dtype, error, match", [
     (dict(algorithm="nccl"), jnp.int16, TypeError, "no 16-bit integer"),
     (dict(algorithm="direct"), jnp.float32, ValueError, "CPU backend only"),
-    (dict(topology=(2, 2)), jnp.float32, NotImplementedError, "tiered plan"),
+    (dict(topology=(2, 2), algorithm="nccl"), jnp.float32, ValueError,
+     "NCCL's own allreduce, which has no tiers"),
+    (dict(topology=(2, 3)), jnp.float32, ValueError, "must multiply"),
 ])
 def test_cuda_lowering_refuses_what_it_cannot_run(kwargs, dtype, error, match):
     mesh = jax.make_mesh((4,), ("i",))
     with pytest.raises(error, match=match):
         _lower_for_cuda(lambda v: jaxring.allreduce(v, "i", **kwargs), mesh,
                         jnp.arange(16).astype(dtype), P("i"), P())
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("topology, tiers", [
+    ((2, 2), [2, 2]), ((1, 4), []), ("flat", []),
+    # On GPUs "auto" stays one flat ring (tiers are run only when named).
+    ("auto", [])])
+def test_lowering_carries_the_tiers_a_topology_names(topology, tiers):
+    mesh = jax.make_mesh((4,), ("i",))
+    text = _lower_for_cuda(
+        lambda v: jaxring.allreduce(v, "i", rings=2, topology=topology), mesh,
+        jnp.arange(16.0), P("i"), P())
+    (call,) = _custom_calls(text)
+    assert _array(call, "topology") == tiers
+    # The ring's communicators serve every tier: still one id per ring.
+    assert len(_array(call, "nccl_ids")) == 2 * 16
+
+
+@needs_cuda_build
+def test_overlap_buckets_carry_the_tiers():
+    mesh = jax.make_mesh((4,), ("i",))
+    step = jaxring.overlap(lambda x: jax.lax.psum(x * 2, "i"), axis_name="i")
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("i"), out_specs=P(),
+                              check_vma=False))
+    jaxring.config.update("topology", (2, 2))
+    try:
+        x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("i")))
+        calls = _custom_calls(f.trace(x).lower(lowering_platforms=("cuda",)).as_text())
+    finally:
+        jaxring.config.reset("topology")
+    starts = [c for c in calls if "@jaxring_allreduce_start_cuda" in c]
+    assert starts and all(_array(c, "topology") == [2, 2] for c in starts), calls
 
 
 @needs_cuda_build

@@ -8,6 +8,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "failure.h"
 #include "reduce.h"
@@ -81,6 +82,33 @@ inline std::optional<std::string> check_allreduce_attrs(
            "bounds (64 rings, 2**40 bytes, 7 days)";
   }
   *type = *t;
+  return std::nullopt;
+}
+
+// Checks the topology attribute (the plan's tiers, tightest first; none
+// means one flat ring) against the world size and sets *dims to it. The
+// TCP transport packs the tiers into a frame header: at most 4, each below
+// 2**16.
+inline std::optional<std::string> check_topology(
+    xla::ffi::Span<const int64_t> topology, int64_t world_size,
+    std::vector<int>* dims) {
+  dims->clear();
+  if (topology.size() > 4) {
+    return "jaxring allreduce: a topology has at most 4 tiers of 1 to 65535 ranks";
+  }
+  int64_t product = 1;
+  for (int64_t t : topology) {
+    if (t < 1 || t > 0xffff) {
+      return "jaxring allreduce: a topology has at most 4 tiers of 1 to 65535 ranks";
+    }
+    // Each factor < 2**16 and the product checked before it grows: no overflow.
+    if (product > world_size) break;
+    product *= t;
+    dims->push_back(static_cast<int>(t));
+  }
+  if (topology.size() > 0 && product != world_size) {
+    return "jaxring allreduce: the topology does not multiply to the world size";
+  }
   return std::nullopt;
 }
 

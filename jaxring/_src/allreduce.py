@@ -621,6 +621,21 @@ def resolve_cuda_algorithm(algorithm: str, dtype) -> str:
     return "nccl"
 
 
+def cuda_tiers(topology, world: int, rank_process, algorithm: str) -> tuple:
+    """The tiers of a CUDA ring's plan: those an explicit topology names
+    (checked as on CPU); none for "flat" and, on GPUs, for "auto" too,
+    which stays one flat ring until a GPU run has checked derived tiers."""
+    if topology in ("auto", "flat"):
+        return ()
+    tiers = _topology.resolve(topology, world, rank_process)
+    if tiers and algorithm == "nccl":
+        raise ValueError(
+            f"jaxring: algorithm='nccl' runs NCCL's own allreduce, which has no "
+            f"tiers, but topology {tuple(topology)} asks for a tiered plan; use "
+            "algorithm='ring' with it, or topology='flat'.")
+    return tiers
+
+
 def _ring_members(devices, rank_table: np.ndarray, group_table: np.ndarray,
                   world: int) -> list[list]:
     """The lowering's devices as rings of ranks: members[group][rank]."""
@@ -643,11 +658,6 @@ def cuda_attributes(ctx, label, *, axes, groups, op, rings, chunk_bytes, timeout
         raise ValueError(
             "jaxring: cpu_link emulates links of the CPU backend; unset "
             "jaxring.config.cpu_link / JAXRING_CPU_LINK on GPUs.")
-    if topology not in ("auto", "flat") and _topology.normalized(tuple(topology)):
-        raise NotImplementedError(
-            f"jaxring: topology {tuple(topology)} asks for a tiered plan, which "
-            "the CUDA backend does not run yet (it runs one flat ring per "
-            "group); use topology='flat' or 'auto' on GPUs.")
     if groups is not None and len({len(g) for g in groups}) > 1:
         raise NotImplementedError(
             "jaxring: axis_index_groups of different sizes are not supported "
@@ -659,11 +669,12 @@ def cuda_attributes(ctx, label, *, axes, groups, op, rings, chunk_bytes, timeout
             "jaxring.allreduce: cannot tell which GPU runs each rank of this "
             "lowering (no device assignment).")
     chosen = resolve_cuda_algorithm(algorithm, dtype)
+    rank_process = distributed.process_table(devices, rank_table, group_table, world)
+    tiers = cuda_tiers(topology, world, rank_process, chosen)
     members = _ring_members(devices, rank_table, group_table, world)
     attrs = _attribute_dict(
-        ctx, label, members, world=world,
-        rank_process=distributed.process_table(devices, rank_table, group_table, world),
-        uneven_sizes=(), tiers=(), algorithm=chosen, op=op, rings=rings,
+        ctx, label, (members, tiers), world=world, rank_process=rank_process,
+        uneven_sizes=(), tiers=tiers, algorithm=chosen, op=op, rings=rings,
         chunk_bytes=chunk_bytes, timeout_s=timeout_s, link=())
     return dict(attrs, rank_device=cuda_backend.rank_devices(members),
                 nccl_ids=cuda_backend.unique_ids(members, rings, timeout_s))

@@ -12,7 +12,8 @@ jaxring/_src/gpu_job.py, shared with the GPU benchmark. MODE:
   the comparison is bit for bit. Then float32 sums with each 16-bit
   ``wire_dtype``, both algorithms, on random (inexact) values: each result
   within the documented bound of the float64 sum and bit for bit that of
-  the allreduce of the operand cast to the wire format.
+  the allreduce of the operand cast to the wire format. With 4 processes,
+  the tiered plan of 2 x 2 ranks against numpy and NCCL's allreduce.
 * ``peer_missing``: process 1 never calls; process 0's call must fail
   after its timeout, and its next call must fail at once saying the
   communicator was aborted.
@@ -158,11 +159,46 @@ def correctness(job: Job) -> int:
                     print(f"  MISMATCH: {got[:8]} vs {expected[:8]}", flush=True)
                 else:
                     print("  ok", flush=True)
-    wire_cases, wire_failures = wire_formats(job, rng)
-    cases += wire_cases
-    failures += wire_failures
+    for extra in (wire_formats, tiered):
+        more_cases, more_failures = extra(job, rng)
+        cases += more_cases
+        failures += more_failures
     print(f"process {job.pid}: {cases} cases, {failures} mismatches", flush=True)
     return failures
+
+
+def tiered(job: Job, rng, dtypes=None) -> tuple[int, int]:
+    """With 4 processes, the tiered plan of 2 x 2 ranks: bit for bit against
+    numpy and against NCCL's own allreduce on the same inputs (small
+    integers, so every order of summation gives the same bits)."""
+    import jax.numpy as jnp
+    if job.nprocs != 4:
+        return 0, 0
+    cases = failures = 0
+    for dtype in dtypes or (np.float32, jnp.bfloat16, np.int32):
+        for op in ("sum", "max"):
+            n = int(rng.choice([1, 7, int(rng.integers(1, 300_000))]))
+            rings = int(rng.integers(1, 4))
+            chunk = int(rng.choice([4096, 65536, 1 << 20]))
+            xs = [_inputs(r, n, dtype, op) for r in range(job.nprocs)]
+            expected = xs[0]
+            for x in xs[1:]:
+                expected = NUMPY_OP[op](expected, x).astype(dtype)
+            print(f"case {np.dtype(dtype)} {op} topology=(2, 2) n={n} rings={rings} "
+                  f"chunk={chunk}", flush=True)
+            x = job.global_array(xs[job.pid])
+            got = job.local_result(job.allreduce_fn(
+                op=op, rings=rings, chunk_bytes=chunk, topology=(2, 2), timeout_s=60.0)(x))
+            nccl = job.local_result(job.allreduce_fn(
+                op=op, algorithm="nccl", timeout_s=60.0)(x))
+            cases += 1
+            if got.tobytes() != expected.tobytes() or got.tobytes() != nccl.tobytes():
+                failures += 1
+                print(f"  MISMATCH: {got[:8]} vs numpy {expected[:8]}, NCCL {nccl[:8]}",
+                      flush=True)
+            else:
+                print("  ok", flush=True)
+    return cases, failures
 
 
 def wire_formats(job: Job, rng, algorithms=("ring", "nccl")) -> tuple[int, int]:

@@ -104,24 +104,7 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
   desc->num_rings = static_cast<int>(a.num_rings);
   desc->chunk_bytes = a.chunk_bytes;
   desc->algorithm = algorithm;
-  // The tiers of the plan, tightest first; none means one flat ring. The
-  // TCP transport packs them into a frame header: at most 4, each < 2^16.
-  desc->topology.clear();
-  int64_t product = 1;
-  for (int64_t t : topology) {
-    if (t < 1 || t > 0xffff || topology.size() > 4) {
-      return "jaxring allreduce: a topology has at most 4 tiers of 1 to "
-             "65535 ranks";
-    }
-    // world_size < 2^31 and t < 2^16: checked first, the product stays small.
-    if (product > world_size) break;
-    product *= t;
-    desc->topology.push_back(static_cast<int>(t));
-  }
-  if (topology.size() > 0 && product != world_size) {
-    return "jaxring allreduce: the topology does not multiply to the world size";
-  }
-  return std::nullopt;
+  return check_topology(topology, world_size, &desc->topology);
 }
 
 // The size of ring `group`: world_size, or its entry in group_sizes where

@@ -98,10 +98,14 @@ Status describe(ffi::DataType dtype, int device, const RingAttrs& a,
   }
   // Python refuses these at trace time with the way out; here they only
   // must not pass unnoticed.
-  if (a.topology.size() > 0 || a.group_sizes.size() > 0 ||
-      a.link_bytes_per_s.size() > 0) {
-    return "jaxring allreduce: the CUDA backend runs flat rings of one size, "
-           "without tiers or emulated links";
+  if (a.group_sizes.size() > 0 || a.link_bytes_per_s.size() > 0) {
+    return "jaxring allreduce: the CUDA backend runs rings of one size, "
+           "without emulated links";
+  }
+  if (auto error = check_topology(a.topology, world_size, &op->dims)) return error;
+  if (op->algorithm == Algorithm::kNccl && !op->dims.empty()) {
+    return "jaxring allreduce: algorithm 'nccl' runs NCCL's own allreduce, "
+           "which has no tiers";
   }
   if (a.rank_process.size() != rank_device.size() ||
       a.rank_process.size() % world_size != 0) {
@@ -144,8 +148,14 @@ char* at(void* base, int64_t elem, int64_t esize) {
 // order every rank shares (stream_schedule.h): a reduce exchange receives
 // into scratch and reduces into the output, a store receives straight into
 // it. The exchanges of one ring follow each other on the ring's stream; the
-// rings run side by side. The plan is flat (one phase over the whole
-// group), the one the ring's communicator serves.
+// rings run side by side.
+//
+// Tiers need no communicators of their own: the ring's communicator spans
+// the whole group, and NCCL's point-to-point calls reach any rank of it,
+// choosing the transport per pair of ranks (NVLink or shared memory inside
+// a host, the network between hosts). A phase of the tiered plan is then
+// its exchanges with that phase's neighbours, whose ranks the plan gives
+// in the group's numbering, which is the communicator's.
 Status enqueue_ring(const CudaOp& op, const TieredPlan& plan, int r,
                     Communicator* c, void* out, void* scratch) {
   const int64_t esize = plan.elem_bytes();
@@ -248,12 +258,11 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
   // A world of one still goes through its communicators, streams and
   // events (the ring then only copies), so one GPU exercises every part.
   if (count == 0) return std::nullopt;
-  // One flat ring per communicator: a tiered plan would need one per tier
-  // group (cuda_attributes refuses tiers at trace time).
+  // The flat ring is the plan of one tier.
   std::optional<TieredPlan> plan;
   try {
-    plan.emplace(std::vector<int>{op.world_size}, op.num_rings, count, esize,
-                 op.chunk_bytes);
+    plan.emplace(op.dims.empty() ? std::vector<int>{op.world_size} : op.dims,
+                 op.num_rings, count, esize, op.chunk_bytes);
   } catch (const std::invalid_argument& e) {
     return std::string("jaxring allreduce: ") + e.what();
   }

@@ -29,6 +29,9 @@ struct CudaOp {
   ReduceOp op;
   Algorithm algorithm;  // kRing or kNccl
   int world_size;
+  // The plan's tiers, tightest first (topology attribute); empty: one flat
+  // ring over the group.
+  std::vector<int> dims;
   int rank;
   int group;
   int num_rings;
