@@ -42,12 +42,15 @@ _GRACE_S = 3.0
 # buffer anew, so by default each allreduce's result lands on fresh pages,
 # which the kernel zeroes on first touch (a page fault per 4 KiB or 2 MiB);
 # kept, the same pages serve call after call. The cost: a process's
-# resident memory stays near its peak. Limits: a buffer of 64 MiB or more
-# allocated by a thread other than the main one is still mapped afresh (a
-# thread's arena grows in heaps of at most 64 MiB), and glibc releases that
-# cap the threshold at 32 MiB ignore it. Other C libraries ignore both.
+# resident memory stays near its peak. Every thread allocates from the main
+# heap (one arena): another thread's arena grows in heaps of at most
+# 64 MiB, so a buffer that size or larger, which XLA's threads allocate
+# for results, would still be mapped afresh each time. Limits: glibc
+# releases that cap the threshold at 32 MiB ignore it; other C libraries
+# ignore all three.
 _KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-                      "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+                      "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+                      "MALLOC_ARENA_MAX": "1"}
 
 # What the launcher tells each process it starts (read by launched.py).
 _NUM_PROCESSES_ENV = "JAXRING_NUM_PROCESSES"
@@ -172,8 +175,8 @@ def parse_args(argv):
                          "kernel, which zeroes fresh pages: large allreduces "
                          "on CPU stop paying page faults each call, and each "
                          "process keeps its peak memory (sets "
-                         "MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ "
-                         "where not set)")
+                         "MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ and "
+                         "MALLOC_ARENA_MAX where not set)")
     ap.add_argument("--prefix-command", default=None, metavar="TEMPLATE",
                     help="run each process under this command, with {rank} "
                          "replaced, e.g. 'ip netns exec node{rank}'")

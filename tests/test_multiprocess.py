@@ -126,8 +126,10 @@ def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
 def test_frames_a_small_socket_buffer_takes_in_parts_arrive_whole(transport):
     # With 4 KiB socket buffers the socket takes a 1 MiB frame in many
     # parts: the device's thread writes the first, the connection's sender
-    # thread the rest (and, over shared memory, the headers it finds no room
-    # for). The bits must be those of a run with the kernel's buffers.
+    # thread the rest. Over shared memory only the headers use the socket,
+    # and the sender thread finishes one only when the reader falls a dozen
+    # frames behind: that happens (7 to 22 times a run here) but is not
+    # required. The bits must be those of a run with the kernel's buffers.
     digests = {}
     for buffer in ("", "4096"):
         r = run_launcher(3, "allreduce_check.py", 11, 12, "flat",
@@ -138,8 +140,9 @@ def test_frames_a_small_socket_buffer_takes_in_parts_arrive_whole(transport):
         split = 0
         for lines in by_rank.values():
             assert "DONE" in lines, lines[-5:]
+            assert f"SOCKET_BUFFER {buffer or None}" in lines, lines[-5:]
             split += int(next(l for l in lines if l.startswith("DATA_FRAMES")).split()[3])
-        if buffer:
+        if buffer and transport == "tcp":
             assert split > 0, "no frame was finished by a sender thread"
         checks = {tuple(l for l in lines if l.startswith("CHECK"))
                   for lines in by_rank.values()}
@@ -269,22 +272,29 @@ def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
 
 def test_keep_freed_memory_has_glibc_reuse_a_freed_buffer(tmp_path):
     """--keep-freed-memory: a 64 MiB buffer freed and allocated again lands
-    on the pages already touched (no page faults); without it, glibc maps
-    fresh pages each time, which fault in as they are written."""
+    on the pages already touched (no page faults), also when a thread other
+    than the main one allocates it (as XLA's threads allocate results);
+    without it, glibc maps fresh pages each time, which fault in as they are
+    written."""
     script = tmp_path / "refault.py"
     script.write_text(
-        "import ctypes, resource, jax\n"
+        "import ctypes, resource, threading, jax\n"
         "libc = ctypes.CDLL('libc.so.6')\n"
         "libc.malloc.restype = ctypes.c_void_p\n"
         "libc.free.argtypes = [ctypes.c_void_p]\n"
         "libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]\n"
-        "faults = []\n"
-        "for _ in range(3):\n"
-        "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-        "    p = libc.malloc(64 << 20); libc.memset(p, 1, 64 << 20)\n"
-        "    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
-        "    libc.free(p)\n"
-        "print('faults', jax.process_index(), min(faults[1:]))\n")
+        "def refaults(out):\n"
+        "    faults = []\n"
+        "    for _ in range(3):\n"
+        "        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "        p = libc.malloc(64 << 20); libc.memset(p, 1, 64 << 20)\n"
+        "        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
+        "        libc.free(p)\n"
+        "    out.append(min(faults[1:]))\n"
+        "main, other = [], []\n"
+        "refaults(main)\n"
+        "t = threading.Thread(target=refaults, args=(other,)); t.start(); t.join()\n"
+        "print('faults', jax.process_index(), main[0], other[0])\n")
 
     def refaults(*flags):
         r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "2", *flags,
@@ -292,15 +302,18 @@ def test_keep_freed_memory_has_glibc_reuse_a_freed_buffer(tmp_path):
                            cwd=tmp_path, env={k: v for k, v in os.environ.items()
                                               if not k.startswith("MALLOC_")})
         assert r.returncode == 0, r.stderr
-        return [int(lines_by_rank(r.stdout)[rank][-1].split()[-1]) for rank in range(2)]
+        return [tuple(map(int, lines_by_rank(r.stdout)[rank][-1].split()[-2:]))
+                for rank in range(2)]
 
-    # 64 MiB is 16384 pages of 4 KiB (or 32 huge pages of 2 MiB).
-    assert all(f >= 32 for f in refaults()), refaults()
-    assert refaults("--keep-freed-memory") == [0, 0]
+    # 64 MiB is 16384 pages of 4 KiB (or 32 huge pages of 2 MiB); the main
+    # thread's and another thread's buffer, per process.
+    assert all(f >= 32 for faults in refaults() for f in faults), refaults()
+    assert refaults("--keep-freed-memory") == [(0, 0), (0, 0)]
     # A setting of the caller's own is left as it is.
     env = launch.child_env({"MALLOC_TRIM_THRESHOLD_": "7"}, 0, 1, "h:1", None, "s",
                            keep_freed_memory=True)
     assert env["MALLOC_TRIM_THRESHOLD_"] == "7" and env["MALLOC_MMAP_THRESHOLD_"] == str(1 << 30)
+    assert env["MALLOC_ARENA_MAX"] == "1"
     assert "MALLOC_MMAP_THRESHOLD_" not in launch.child_env({}, 0, 1, "h:1", None, "s")
 
 

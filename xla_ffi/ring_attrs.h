@@ -43,9 +43,10 @@ struct StartAttrs {
   bool gang;         // wait for the in-process peers (gang_start.h)
 };
 
-// The CUDA backend's: a ring operation's (flat rings of one size: no
-// topology, group sizes or emulated links), and which GPU runs each rank
-// and the NCCL communicators' ids.
+// The CUDA backend's: a ring operation's (rings of one size: no group
+// sizes or emulated links; a topology's tiers run on the rings'
+// communicators), and which GPU runs each rank and the NCCL communicators'
+// ids.
 struct CudaAttrs {
   RingAttrs ring;
   // The device ordinal of each rank (-1 for another process's), beside

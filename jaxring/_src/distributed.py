@@ -163,10 +163,7 @@ def socket_buffer_choice() -> int:
     if not raw:
         return 0
     low, high = _SOCKET_BUFFER_RANGE
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
+    value = int(raw) if raw.isdigit() else -1
     if not low <= value <= high:
         raise ValueError(
             f"jaxring: {SOCKET_BUFFER_ENV}={raw!r} is not a whole number of "

@@ -282,7 +282,7 @@ def gpu_steps() -> list[Step]:
         Step("world1_diagnosis", _py(os.path.join(HERE, "diagnose_world_of_one.py")), 240,
              needs=("link",), diagnoses="world1"),
         Step("world2", _pytest(gpu_test + "test_processes_sharing_the_gpu_match_numpy[2]"),
-             120, needs=("link",), env=nccl_info),
+             150, needs=("link",), env=nccl_info),
         Step("overlap", _pytest(gpu_test + "test_overlap_step_matches_pmean_at_the_end"),
              120, needs=("link",)),
         Step("peer_missing", _pytest(gpu_test + "test_missing_peer_times_out_then_fails_fast"),
@@ -294,7 +294,7 @@ def gpu_steps() -> list[Step]:
         Step("busbw", _py(bench, "--parts", "busbw", "--worlds", "2"), 150,
              needs=("link",)),
         Step("world4", _pytest(gpu_test + "test_processes_sharing_the_gpu_match_numpy[4]"),
-             120, needs=("link",)),
+             150, needs=("link",)),
         Step("overlap_bench", _py(bench, "--parts", "overlap"), 120, needs=("overlap",)),
         Step("busbw_sweep", _py(bench, "--parts", "sweep"), 150, needs=("busbw",)),
     ]

@@ -187,8 +187,15 @@ def tiered(job: Job, rng, dtypes=None) -> tuple[int, int]:
             print(f"case {np.dtype(dtype)} {op} topology=(2, 2) n={n} rings={rings} "
                   f"chunk={chunk}", flush=True)
             x = job.global_array(xs[job.pid])
-            got = job.local_result(job.allreduce_fn(
-                op=op, rings=rings, chunk_bytes=chunk, topology=(2, 2), timeout_s=60.0)(x))
+            f = job.allreduce_fn(op=op, rings=rings, chunk_bytes=chunk, topology=(2, 2),
+                                 timeout_s=60.0)
+            # Small integers sum to the same bits in any order: that the
+            # call carries the tiers is what says the tiered plan ran.
+            if "topology = dense<2> : tensor<2xi64>" not in f.lower(x).as_text():
+                print("  MISMATCH: the lowered call does not carry the tiers [2, 2]",
+                      flush=True)
+                return cases + 1, failures + 1
+            got = job.local_result(f(x))
             nccl = job.local_result(job.allreduce_fn(
                 op=op, algorithm="nccl", timeout_s=60.0)(x))
             cases += 1

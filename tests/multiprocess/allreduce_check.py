@@ -129,6 +129,7 @@ def main():
     print(f"DATA_FRAMES {frames['device_thread']} {frames['sender_thread']} "
           f"{frames['finished_by_sender_thread']}", flush=True)
     print(f"SHM_LINKS {len(info['shm_outbound'])}", flush=True)
+    print(f"SOCKET_BUFFER {info['socket_buffer']}", flush=True)
     print("DONE", flush=True)
 
 
