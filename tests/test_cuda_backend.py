@@ -203,6 +203,38 @@ def test_overlap_buckets_carry_the_tiers():
 
 
 @needs_cuda_build
+@pytest.mark.multiprocess
+def test_processes_that_lower_different_calls_are_told_at_lowering():
+    # NCCL's sends and receives carry no description, so the processes of a
+    # ring compare theirs at lowering: process 1 reduces a longer vector.
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+    script = Path(__file__).parent / "multiprocess" / "cuda_lowering_agreement.py"
+
+    def run(longer):
+        with tempfile.TemporaryDirectory() as cwd:
+            r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "2",
+                                str(script), str(longer)],
+                               capture_output=True, text=True, timeout=120, cwd=cwd)
+        lines = [l for l in r.stdout.splitlines() if "LOWERED" in l or "RAISED" in l]
+        return sorted(lines)
+
+    assert run(1) == ["[0] LOWERED 1", "[1] LOWERED 1"]
+    owner, other = run(2)
+    # Process 0 publishes its call; process 1 finds it differs, at once.
+    assert owner == "[0] LOWERED 1"
+    assert other.startswith("[1] RAISED") and "MismatchError" in other, other
+    assert "float32[1, 1024]" in other and "float32[1, 2048]" in other, other
+    assert float(other.split()[2]) < 10, other
+    # Process 0 never lowers it: process 1 gives up after the call's timeout.
+    (late,) = run(0)
+    assert late.startswith("[1] RAISED") and "CollectiveTimeoutError" in late, late
+    assert "process 0 did not lower the allreduce" in late, late
+
+
+@needs_cuda_build
 def test_cpu_link_is_refused_on_cuda():
     mesh = jax.make_mesh((4,), ("i",))
     jaxring.config.update("cpu_link", "1Gbit,10us")

@@ -28,7 +28,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxring._src import call_sites, cuda_backend, distributed, runtime, timeline
+from jaxring._src import (call_sites, cuda_agreement, cuda_backend, distributed, runtime,
+                         timeline)
 from jaxring._src import topology as _topology
 from jaxring._src import tuning as _tuning
 from jaxring._src import wire_format
@@ -502,10 +503,14 @@ def allreduce_label(op, axes, groups=None) -> str:
     return f"allreduce {op} over {over}"
 
 
+def _operands_text(ctx) -> str:
+    return ",".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in)
+
+
 def _call_ids(ctx, label: str, mesh_description) -> dict:
     """The op_id and slot_id attributes of the call being lowered, named
     `label` in the timeline."""
-    operands = ",".join(f"{a.dtype}{list(a.shape)}" for a in ctx.avals_in)
+    operands = _operands_text(ctx)
     op_id, slot_id = call_sites.call_ids(ctx.module_context,
                                          f"{label}|{mesh_description}|{operands}")
     timeline.name_op(op_id, label)
@@ -676,6 +681,14 @@ def cuda_attributes(ctx, label, *, axes, groups, op, rings, chunk_bytes, timeout
         ctx, label, (members, tiers), world=world, rank_process=rank_process,
         uneven_sizes=(), tiers=tiers, algorithm=chosen, op=op, rings=rings,
         chunk_bytes=chunk_bytes, timeout_s=timeout_s, link=())
+    # What every process of the ring must lower at this place alike (NCCL
+    # would not notice a difference: cuda_agreement.py).
+    cuda_agreement.check_same_call(
+        int(attrs["slot_id"]),
+        f"{label} of {_operands_text(ctx)} over {world} ranks, {rings} ring(s) of "
+        f"{chunk_bytes}-byte chunks, algorithm {chosen}, tiers {list(tiers) or 'none'}",
+        owner=int(rank_process[0]), processes=set(map(int, rank_process)),
+        timeout_s=timeout_s)
     return dict(attrs, rank_device=cuda_backend.rank_devices(members),
                 nccl_ids=cuda_backend.unique_ids(members, rings, timeout_s))
 

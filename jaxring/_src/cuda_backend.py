@@ -108,7 +108,9 @@ def _id_for(devices: Sequence, ring: int, timeout_s: float) -> bytes:
         return made
 
 
-def _exchange(module, device_ids, ring, owner: int, timeout_s: float) -> bytes:
+def job_client():
+    """jax.distributed's key-value client, for a ring whose GPUs belong to
+    several processes (a RuntimeError if this process has none)."""
     from jaxring._src import jax_compat
     client = jax_compat.distributed_client()
     if client is None:
@@ -116,6 +118,12 @@ def _exchange(module, device_ids, ring, owner: int, timeout_s: float) -> bytes:
             "jaxring.allreduce: the ring's GPUs belong to several processes but "
             "jax.distributed is not initialized in this one; call "
             "jax.distributed.initialize() first.")
+    return client
+
+
+def _exchange(module, device_ids, ring, owner: int, timeout_s: float) -> bytes:
+    from jaxring._src import jax_compat
+    client = job_client()
     name = _published_key(device_ids, ring)
     if jax_compat.distributed_state()[0] == owner:
         made = module.new_unique_id()

@@ -1,0 +1,57 @@
+"""The processes of a CUDA ring agree on each call before it is compiled.
+
+On the CPU the transport compares every frame's description (dtype, count,
+op, rings, chunks, tiers) with the receiver's and raises MismatchError
+when processes run different programs. NCCL's point-to-point calls carry
+no description: ranks that disagree on the element count, the rings, the
+chunk size or the tiers would post sends and receives of different sizes
+and hang until the timeout, or mix up data. So, when a ring spans
+processes, the process of its first rank publishes the call's description
+in jax.distributed's key-value store under the call's slot id (the same in
+every process that runs the same program, whatever its shapes:
+call_sites.py), and every other process of the ring compares its own with
+it at lowering, before anything runs.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from jaxring._src import cuda_backend, errors
+
+_KEY = "jaxring/cuda/v1/call/{:x}"
+
+
+def check_same_call(slot_id: int, description: str, owner: int,
+                    processes: Iterable[int], timeout_s: float) -> None:
+    """Publishes (in process `owner`) or checks (in the other `processes`)
+    the description of the call at slot `slot_id`. Raises MismatchError if
+    the owner lowered another call there, CollectiveTimeoutError if it did
+    not lower one within timeout_s."""
+    from jaxring._src import jax_compat
+    processes = set(processes)
+    if len(processes) < 2:
+        return
+    me = jax_compat.distributed_state()[0]
+    if me not in processes:
+        return
+    client = cuda_backend.job_client()
+    key = _KEY.format(slot_id & (2 ** 64 - 1))
+    if me == owner:
+        client.key_value_set(key, description)
+        return
+    try:
+        theirs = client.blocking_key_value_get(key, int(timeout_s * 1000))
+    except Exception as e:  # the client raises its own error types
+        raise errors.CollectiveTimeoutError(
+            f"jaxring.allreduce: process {owner} did not lower the allreduce at "
+            f"this place of the program within {timeout_s} s (do all processes "
+            f"run the same program?); this process ({me}) lowers it as "
+            f"{description}: {e}", peer_process=owner) from e
+    if theirs != description:
+        raise errors.MismatchError(
+            f"jaxring.allreduce: the processes lower different programs: "
+            f"process {owner} lowers this allreduce as {theirs}, this process "
+            f"({me}) as {description}. Every process must run the same "
+            f"program with the same shapes, dtypes, ops and settings.",
+            peer_process=owner)
