@@ -21,6 +21,9 @@ The configurations:
   wire16       jaxring.compression.wire16, with error feedback
   powersgd-r1, powersgd-r2, powersgd-r4
                jaxring.compression.powersgd of rank 1, 2, 4
+  powersgd-r4-bf16
+               rank 4 with wire_dtype="bfloat16": its factors and the leaves
+               it sends whole travel in bfloat16
   powersgd-r2-warm, powersgd-r4-warm (cnn, only when named in --configs)
                the same after --warm-up-steps uncompressed steps, the
                trainer switching between two compiled steps
@@ -98,6 +101,7 @@ CONFIGS = {
     "powersgd-r1": ["--compression", "powersgd", "--rank", "1"],
     "powersgd-r2": ["--compression", "powersgd", "--rank", "2"],
     "powersgd-r4": ["--compression", "powersgd", "--rank", "4"],
+    "powersgd-r4-bf16": ["--compression", "powersgd", "--rank", "4", "--wire-dtype", "bfloat16"],
     "powersgd-r2-warm": ["--compression", "powersgd", "--rank", "2", "--warm-up-steps"],
     "powersgd-r4-warm": ["--compression", "powersgd", "--rank", "4", "--warm-up-steps"],
 }

@@ -27,7 +27,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
                         "feedback) or powersgd (rank --rank)")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
     p.add_argument("--wire-dtype", choices=("bfloat16", "float16"), default=None,
-                   help="with --mode overlap: float32 values travel in this format")
+                   help="float32 values travel in this format: with --compression, "
+                        "the transformation's (wire16's format; PowerSGD's factors "
+                        "and whole leaves); without, jaxring.overlap's (--mode overlap)")
     return p
 
 
@@ -42,8 +44,9 @@ def with_compression(args, optimizer):
         return optimizer
     import optax
     import jaxring.compression as jc
-    first = (jc.wire16("batch") if args.compression == "wire16"
-             else jc.powersgd("batch", rank=args.rank))
+    first = (jc.wire16("batch", dtype=args.wire_dtype or "bfloat16")
+             if args.compression == "wire16"
+             else jc.powersgd("batch", rank=args.rank, wire_dtype=args.wire_dtype))
     return optax.chain(first, optimizer)
 
 
@@ -73,9 +76,10 @@ def start(args):
         args.devices = jax.device_count()
         if jax.process_index() > 0:
             args.quiet, args.timeline = True, None
-    if args.wire_dtype and args.mode != "overlap":
-        raise SystemExit("--wire-dtype is an option of jaxring.overlap: use it with "
-                         "--mode overlap (or --compression wire16 in any mode)")
+    if args.wire_dtype and args.mode != "overlap" and args.compression == "none":
+        raise SystemExit("--wire-dtype without --compression is an option of "
+                         "jaxring.overlap: use it with --mode overlap (or with "
+                         "--compression wire16|powersgd in any mode)")
     if args.batch % args.devices:
         raise SystemExit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
     if args.link:
@@ -105,6 +109,12 @@ def optimizer_state_on(mesh, optimizer, params):
     state = jc.for_ranks(optimizer.init(params), mesh.shape["batch"])
     specs = jc.state_specs(state, "batch")
     return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), specs
+
+
+def overlap_wire_dtype(args):
+    """jaxring.overlap's wire_dtype: --wire-dtype, unless a compression
+    transformation takes it."""
+    return args.wire_dtype if args.compression == "none" else None
 
 
 def gradient_wire_bytes(args, params, opt_state) -> int:

@@ -131,7 +131,8 @@ def main(argv=None):
     def compiled_step(warm_up):
         f = functools.partial(train_step, warm_up=warm_up)
         if args.mode == "overlap":
-            f = jaxring.overlap(f, axis_name="batch", wire_dtype=args.wire_dtype)
+            f = jaxring.overlap(f, axis_name="batch",
+                                wire_dtype=common.overlap_wire_dtype(args))
         return jax.pmap(f, axis_name="batch")
 
     # One compiled step per phase: during the warm-up, uncompressed.

@@ -88,7 +88,7 @@ def main(argv=None):
 
     if args.mode == "overlap":
         train_step = jaxring.overlap(train_step, axis_name="batch",
-                                     wire_dtype=args.wire_dtype)
+                                     wire_dtype=common.overlap_wire_dtype(args))
 
     mesh = jax.make_mesh((args.devices,), ("batch",))
     opt_state, opt_specs = common.optimizer_state_on(mesh, optimizer, params)

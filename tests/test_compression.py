@@ -341,6 +341,60 @@ def test_powersgd_error_feedback_recovers_a_constant_gradient():
     assert err[-1] < 0.2 * steps * err[0]
 
 
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_powersgd_wire_dtype_sends_whole_leaves_as_wire16_does(wire):
+    # A leaf PowerSGD sends whole travels as wire16 sends it: the same
+    # update and the same residual, bit for bit, step after step.
+    rng = np.random.default_rng(14)
+    grads = {"w": per_rank(rng, N, (32, 16)), "b": per_rank(rng, N, (16,))}
+    ours, ours_state = _apply(jc.powersgd("batch", rank=2, min_size=0, wire_dtype=wire),
+                              grads, 3)
+    theirs, theirs_state = _apply(jc.wire16("batch", dtype=wire), {"b": grads["b"]}, 3)
+    for u, v in zip(ours, theirs):
+        assert np.asarray(u["b"]).tobytes() == np.asarray(v["b"]).tobytes()
+    # The state's leaves are in path order: ['b'] then ['w'].
+    assert (np.asarray(ours_state.residual[0]).tobytes()
+            == np.asarray(theirs_state.residual[0]).tobytes())
+    assert np.any(np.asarray(ours_state.residual[0]) != 0)
+
+
+def test_powersgd_wire_dtype_sends_its_factors_in_the_wire_format():
+    rng = np.random.default_rng(15)
+    grads = {"w": per_rank(rng, N, (32, 16)), "b": per_rank(rng, N, (16,))}
+    tx = jc.powersgd("batch", rank=2, min_size=0, wire_dtype="bfloat16")
+    params = jax.tree_util.tree_map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
+    state = jc.for_ranks(tx.init(params), N)
+    specs = jc.state_specs(state, "batch")
+    step = jax.jit(jax.shard_map(
+        lambda g, s: tx.update(jax.tree_util.tree_map(lambda v: v[0], g), s),
+        mesh=mesh(N), in_specs=(P("batch"), specs), out_specs=(P(), specs)))
+    calls = [l for l in step.lower(grads, state).as_text().splitlines()
+             if "jaxring_allreduce" in l and "custom_call" in l]
+    # P of w, then Q of w, then b: every operand in bfloat16.
+    assert len(calls) == 3 and all("xbf16>" in c for c in calls), calls
+    rep = jc.report(state)
+    by_path = {l.path: l for l in rep.leaves}
+    assert by_path["['w']"].wire_bytes == (32 + 16) * 2 * 2
+    assert by_path["['b']"].wire_bytes == 16 * 2
+    assert "powersgd rank 2 of 32x16 in bfloat16" in str(rep)
+
+
+def test_powersgd_wire_dtype_error_feedback_recovers_a_constant_gradient():
+    # As without a wire format: the factors' rounding is in the update the
+    # residual is taken against, so it is fed back too.
+    rng = np.random.default_rng(9)
+    grads = {"w": per_rank(rng, 4, (16, 16))}
+    steps = 80
+    updates, state = _apply(jc.powersgd("batch", rank=2, min_size=0,
+                                        wire_dtype="bfloat16"), grads, steps, world=4)
+    mean = grads["w"].astype(np.float64).mean(0)
+    applied = np.cumsum([np.asarray(u["w"], np.float64) for u in updates], axis=0)
+    err = np.abs(applied - np.arange(1, steps + 1)[:, None, None] * mean).max(axis=(1, 2))
+    residual = np.asarray(state.residual[0], np.float64).mean(0)
+    np.testing.assert_allclose(applied[-1] - steps * mean, -residual, atol=1e-3)
+    assert err[40:].max() <= 2 * err[:20].max(), err
+
+
 # ---- with optax, under pmap, under overlap --------------------------------------
 
 def test_chained_with_adam_under_pmap_with_replicated_state():
@@ -550,6 +604,8 @@ def test_report_counts_the_bytes_per_leaf():
     (lambda: jc.wire16("batch", dtype="float32"), ValueError, "wire_dtype must be None"),
     (lambda: jc.wire16("batch", dtype=None), ValueError, "dtype must be 'bfloat16'"),
     (lambda: jc.wire16(3), TypeError, "named axes only"),
+    (lambda: jc.powersgd("batch", wire_dtype="int8"), ValueError,
+     "powersgd: wire_dtype must be None"),
 ])
 def test_bad_arguments(make, err, match):
     with pytest.raises(err, match=match):

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec
 
 from jaxring._src import allreduce as _ar
 from jaxring._src import jax_compat as compat
+from jaxring._src import wire_format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,7 @@ class LeafPlan:
     full_bytes: int        # the same leaf, uncompressed
     matrix: tuple = ()     # PowerSGD: (rows, columns) of the 2-D view
     rank: int = 0          # PowerSGD: the rank used (at most rows, columns)
+    factors: str = ""      # PowerSGD: the wire dtype its factors travel in, if any
 
 
 class CompressionState:
@@ -127,6 +129,34 @@ def check_structure(treedef, grads, where: str):
     return leaves
 
 
+def wire_plan(path: str, leaf, wire: np.dtype) -> LeafPlan:
+    """A leaf sent whole: in the wire format where it carries the leaf's
+    dtype (float32), else as it is."""
+    dtype = np.dtype(leaf.dtype)
+    size = int(np.prod(leaf.shape))
+    travels = wire_format.travels_as(dtype, wire)
+    return LeafPlan(path, tuple(leaf.shape), str(dtype),
+                    how=str(travels) if travels != dtype else "as is",
+                    wire_bytes=size * travels.itemsize, full_bytes=size * dtype.itemsize)
+
+
+def to_wire(g, residual, axes: tuple, wire: np.dtype):
+    """What this rank sends of gradient leaf g in the wire format, with its
+    error feedback: (the value to sum, the new residual: what the rounding
+    left out, or None without a residual)."""
+    value = g.astype(wire_format.CARRIED)
+    if residual is not None:
+        value = value + per_rank_row(residual, axes)
+    sent = value.astype(wire)
+    left_out = None if residual is None else (value - sent.astype(wire_format.CARRIED))[None]
+    return sent, left_out
+
+
+def mean_from_wire(total, world: int, dtype):
+    """The mean of a sum taken in the wire format, divided in float32."""
+    return (total.astype(wire_format.CARRIED) / world).astype(dtype)
+
+
 def per_rank_row(leaf, axes: tuple):
     """A per-rank leaf as this rank's value (without its leading axis of 1),
     with a clear error where the state was not split over the ranks: a
@@ -209,6 +239,7 @@ class CompressionReport:
                  f"({self.ratio:.1f}x smaller)"]
         for l in self.leaves:
             how = (f"powersgd rank {l.rank} of {l.matrix[0]}x{l.matrix[1]}"
+                   + (f" in {l.factors}" if l.factors else "")
                    if l.how == "powersgd" else l.how)
             lines.append(f"  {l.path or '<root>'} {l.dtype}{list(l.shape)}: "
                          f"{how}, {l.wire_bytes:,} of {l.full_bytes:,} bytes")

@@ -15,6 +15,13 @@ step is:
 Q is kept for the next step (warm start) or drawn afresh each step. Leaves
 with fewer than 2 axes, fewer than min_size elements, or where the factors
 would not be smaller than the matrix go as they are (a plain mean).
+
+With a wire_dtype, float32 factors and float32 leaves sent whole travel in
+that 16-bit format (as PyTorch composes fp16_compress_wrapper with
+powerSGD_hook). The factors need nothing more: the residual is taken
+against the update built from the rounded means, so it keeps their
+rounding too. Leaves sent whole keep a residual of their own, as wire16
+does.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ import numpy as np
 import optax
 
 from jaxring._src import allreduce as _ar
+from jaxring._src import wire_format
 from jaxring._src.compress_common import (
     CompressionState, LeafPlan, axes_of, check_bound, check_float_leaves,
-    check_structure, leaf_paths, per_rank_row)
+    check_structure, leaf_paths, mean_from_wire, per_rank_row, to_wire, wire_plan,
+    world_size)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -46,18 +55,20 @@ def compute_dtype(dtype) -> np.dtype:
     return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
 
 
-def _leaf_plan(path: str, leaf, rank: int, min_size: int) -> LeafPlan:
+def _leaf_plan(path: str, leaf, rank: int, min_size: int, wire) -> LeafPlan:
     shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
     size = int(np.prod(shape))
-    full = size * dtype.itemsize
     if len(shape) >= 2:
         rows, cols = int(np.prod(shape[:-1])), shape[-1]
         r = min(rank, rows, cols)
         if size >= min_size and (rows + cols) * r < rows * cols:
+            factors = wire_format.travels_as(compute_dtype(dtype), wire)
             return LeafPlan(path, shape, str(dtype), "powersgd",
-                            wire_bytes=(rows + cols) * r * compute_dtype(dtype).itemsize,
-                            full_bytes=full, matrix=(rows, cols), rank=r)
-    return LeafPlan(path, shape, str(dtype), "as is", full, full)
+                            wire_bytes=(rows + cols) * r * factors.itemsize,
+                            full_bytes=size * dtype.itemsize, matrix=(rows, cols),
+                            rank=r,
+                            factors=str(factors) if factors != compute_dtype(dtype) else "")
+    return wire_plan(path, leaf, wire)
 
 
 def orthonormalize(p):
@@ -86,7 +97,8 @@ def _check_int(name: str, value, least: int, where: str) -> int:
 
 
 def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096,
-             warm_start: bool = True, seed: int = 0) -> optax.GradientTransformation:
+             warm_start: bool = True, seed: int = 0,
+             wire_dtype=None) -> optax.GradientTransformation:
     """Averages local gradients over axis_name with PowerSGD compression.
 
     Chain it first and drop your own pmean of the gradients::
@@ -105,6 +117,9 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096
       min_size: leaves with fewer elements go uncompressed.
       warm_start: reuse each Q factor from the step before (else draw anew).
       seed: the seed Q factors are drawn from; the same on every rank.
+      wire_dtype: ``None`` (default), ``"bfloat16"`` or ``"float16"``: the
+        float32 factors, and the float32 leaves sent whole (with error
+        feedback of their own, as wire16 keeps), travel in that format.
 
     Its state holds per-rank leaves (see jaxring.compression.state_specs).
 
@@ -132,13 +147,14 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096
     start_step = _check_int("start_step", start_step, 0, where)
     min_size = _check_int("min_size", min_size, 0, where)
     seed = _check_int("seed", seed, 0, where)
+    wire = wire_format.wire_dtype_of(wire_dtype, where)
     if not isinstance(warm_start, bool):
         raise TypeError(f"{where}: warm_start must be a bool, got {warm_start!r}")
 
     def init(params):
         paths, leaves, treedef = leaf_paths(params)
         check_float_leaves(paths, leaves, where)
-        plan = tuple(_leaf_plan(p, l, rank, min_size) for p, l in zip(paths, leaves))
+        plan = tuple(_leaf_plan(p, l, rank, min_size, wire) for p, l in zip(paths, leaves))
         key = jax.random.PRNGKey(seed)
         compressed = [(i, lp) for i, lp in enumerate(plan) if lp.how == "powersgd"]
         q = [None] * len(plan)
@@ -146,6 +162,9 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096
         for i, lp in compressed:
             q[i] = _draw_q(key, i, lp)
             residual[i] = jnp.zeros((1,) + lp.shape, compute_dtype(lp.dtype))
+        for i, lp in enumerate(plan):
+            if lp.how not in ("powersgd", "as is"):  # sent whole in the wire format
+                residual[i] = jnp.zeros((1,) + lp.shape, wire_format.CARRIED)
         return PowerSGDState(plan, treedef, count=jnp.zeros((), jnp.int32),
                              q=tuple(q), residual=tuple(residual), key=key)
 
@@ -159,17 +178,22 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096
         # Every P first, with the leaves sent as they are, then every Q: each
         # of these allreduces can start as soon as its leaf's gradient
         # exists, and jaxring.overlap buckets them so.
-        ms, ps, plain_means = {}, {}, {}
+        ms, ps, plain_means, wire_residuals = {}, {}, {}, {}
         for i, (lp, g, r, q) in enumerate(zip(state.plan, leaves, state.residual, state.q)):
-            if lp.how != "powersgd":
+            if lp.how == "as is":
                 plain_means[i] = _ar.allreduce(g, axes, op="mean")
+                continue
+            if lp.how != "powersgd":  # sent whole, in the wire format
+                sent, wire_residuals[i] = to_wire(g, r, axes, wire)
+                plain_means[i] = _ar.allreduce(sent, axes, op="sum")  # a mean below
                 continue
             ct = compute_dtype(lp.dtype)
             m = (g.astype(ct) + per_rank_row(r, axes)).reshape(lp.matrix)
             if not warm_start:
                 q = _draw_q(step_key, i, lp)
             ms[i] = m
-            ps[i] = _ar.allreduce(jnp.matmul(m, q, precision=_HIGHEST), axes, op="mean")
+            ps[i] = _ar.allreduce(jnp.matmul(m, q, precision=_HIGHEST), axes, op="mean",
+                                  wire_dtype=wire)
         # Then every Q in one allreduce: each waits for its P anyway, and a
         # Q whose mean is taken before the next one exists would cost an
         # allreduce of its own.
@@ -177,12 +201,13 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096
         for i in ps:
             p_hat[i] = orthonormalize(ps[i])
             q_in[i] = jnp.matmul(ms[i].T, p_hat[i], precision=_HIGHEST)
-        q_means = _ar.allreduce(q_in, axes, op="mean") if q_in else {}
+        q_means = _ar.allreduce(q_in, axes, op="mean", wire_dtype=wire) if q_in else {}
         for i, (lp, g) in enumerate(zip(state.plan, leaves)):
             if lp.how != "powersgd":
-                out.append(plain_means[i])
+                out.append(plain_means[i] if lp.how == "as is"
+                           else mean_from_wire(plain_means[i], world_size(axes), g.dtype))
                 qs.append(state.q[i])
-                residuals.append(state.residual[i])
+                residuals.append(wire_residuals.get(i, state.residual[i]))
                 continue
             q = q_means[i]
             update = jnp.matmul(p_hat[i], q.T, precision=_HIGHEST)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxring._src import allreduce as _ar
 from jaxring._src import wire_format
 from jaxring._src.compress_common import (
-    CompressionState, LeafPlan, axes_of, check_bound, check_float_leaves,
-    check_structure, leaf_paths, per_rank_row, world_size)
+    CompressionState, axes_of, check_bound, check_float_leaves, check_structure,
+    leaf_paths, mean_from_wire, to_wire, wire_plan, world_size)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -31,15 +30,6 @@ class Wire16State(CompressionState):
     one per rank), or None for a leaf without one."""
     FIELDS = ("residual",)
     PER_RANK = ("residual",)
-
-
-def _leaf_plan(path: str, leaf, wire: np.dtype) -> LeafPlan:
-    dtype = np.dtype(leaf.dtype)
-    size = int(np.prod(leaf.shape))
-    travels = wire_format.travels_as(dtype, wire)
-    return LeafPlan(path, tuple(leaf.shape), str(dtype),
-                    how=str(travels) if travels != dtype else "as is",
-                    wire_bytes=size * travels.itemsize, full_bytes=size * dtype.itemsize)
 
 
 def wire16(axis_name, dtype="bfloat16", error_feedback: bool = True
@@ -69,7 +59,7 @@ def wire16(axis_name, dtype="bfloat16", error_feedback: bool = True
     def init(params):
         paths, leaves, treedef = leaf_paths(params)
         check_float_leaves(paths, leaves, where)
-        plan = tuple(_leaf_plan(p, l, wire) for p, l in zip(paths, leaves))
+        plan = tuple(wire_plan(p, l, wire) for p, l in zip(paths, leaves))
         residual = tuple(
             jnp.zeros((1,) + tuple(l.shape), wire_format.CARRIED)
             if error_feedback and lp.how != "as is" else None
@@ -91,17 +81,12 @@ def wire16(axis_name, dtype="bfloat16", error_feedback: bool = True
                 sent.append(g)
                 residual.append(None)
                 continue
-            value = g.astype(wire_format.CARRIED)
-            if r is not None:
-                value = value + per_rank_row(r, axes)
-            s = value.astype(wire)
+            s, left_out = to_wire(g, r, axes, wire)
             sent.append(s)
-            residual.append(None if r is None
-                            else (value - s.astype(wire_format.CARRIED))[None])
+            residual.append(left_out)
         totals = [_ar.allreduce(s, axes, op="mean" if lp.how == "as is" else "sum")
                   for lp, s in zip(state.plan, sent)]
-        out = [t if lp.how == "as is"
-               else (t.astype(wire_format.CARRIED) / world).astype(g.dtype)
+        out = [t if lp.how == "as is" else mean_from_wire(t, world, g.dtype)
                for lp, g, t in zip(state.plan, leaves, totals)]
         return (jax.tree_util.tree_unflatten(state.treedef, out),
                 state.replace(residual=tuple(residual)))

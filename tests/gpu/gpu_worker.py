@@ -127,6 +127,19 @@ def _inputs(rank: int, n: int, dtype, op: str) -> np.ndarray:
     return vals.astype(dtype)
 
 
+def _random_case(job: Job, rng, dtype, op: str, sizes) -> tuple:
+    """(n, rings, chunk bytes, every rank's input, numpy's result) of a
+    case with one of `sizes` elements."""
+    n = int(rng.choice(sizes))
+    rings = int(rng.integers(1, 4))
+    chunk = int(rng.choice([4096, 65536, 1 << 20]))
+    xs = [_inputs(r, n, dtype, op) for r in range(job.nprocs)]
+    expected = xs[0]
+    for x in xs[1:]:
+        expected = NUMPY_OP[op](expected, x).astype(dtype)
+    return n, rings, chunk, xs, expected
+
+
 def correctness(job: Job) -> int:
     import jax.numpy as jnp
     dtypes = [jnp.float16, jnp.bfloat16, np.float32, np.float64, np.int8,
@@ -139,13 +152,8 @@ def correctness(job: Job) -> int:
             for algorithm in ("ring", "nccl"):
                 if algorithm == "nccl" and np.dtype(dtype) in (np.int16, np.uint16):
                     continue  # NCCL has no 16-bit integers
-                n = int(rng.choice([1, 7, 1000, int(rng.integers(1, 300_000))]))
-                rings = int(rng.integers(1, 4))
-                chunk = int(rng.choice([4096, 65536, 1 << 20]))
-                xs = [_inputs(r, n, dtype, op) for r in range(job.nprocs)]
-                expected = xs[0]
-                for x in xs[1:]:
-                    expected = NUMPY_OP[op](expected, x).astype(dtype)
+                n, rings, chunk, xs, expected = _random_case(
+                    job, rng, dtype, op, [1, 7, 1000, int(rng.integers(1, 300_000))])
                 # Named before it runs and judged after: a hang's log ends
                 # with the case that hung.
                 print(f"case {np.dtype(dtype)} {op} {algorithm} n={n} rings={rings} "
@@ -177,13 +185,8 @@ def tiered(job: Job, rng, dtypes=None) -> tuple[int, int]:
     cases = failures = 0
     for dtype in dtypes or (np.float32, jnp.bfloat16, np.int32):
         for op in ("sum", "max"):
-            n = int(rng.choice([1, 7, int(rng.integers(1, 300_000))]))
-            rings = int(rng.integers(1, 4))
-            chunk = int(rng.choice([4096, 65536, 1 << 20]))
-            xs = [_inputs(r, n, dtype, op) for r in range(job.nprocs)]
-            expected = xs[0]
-            for x in xs[1:]:
-                expected = NUMPY_OP[op](expected, x).astype(dtype)
+            n, rings, chunk, xs, expected = _random_case(
+                job, rng, dtype, op, [1, 7, int(rng.integers(1, 300_000))])
             print(f"case {np.dtype(dtype)} {op} topology=(2, 2) n={n} rings={rings} "
                   f"chunk={chunk}", flush=True)
             x = job.global_array(xs[job.pid])
