@@ -612,6 +612,27 @@ void run_emulation_tests() {
     }
   }
   {
+    // An allreduce started while another's transfers are booked on the same
+    // links goes in their gaps. The first here waits 150 ms for each of its
+    // 4 steps and sends almost nothing: its links idle. The second (1 ms
+    // per step) must not wait for the first's last step, as it would if
+    // bookings were only appended.
+    jaxring::OpDesc slow, quick;
+    slow.link = {{3, 1e9, 0.15}};
+    quick.link = {{3, 1e9, 1e-3}};
+    std::vector<std::string> slow_errors, quick_errors;
+    double slow_wall = 0, quick_wall = 0;
+    std::thread first([&] {
+      float_allreduce(3, 30, slow, 40, 60, &slow_errors, &slow_wall);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    float_allreduce(3, 30, quick, 41, 60, &quick_errors, &quick_wall);
+    first.join();
+    CHECK(slow_errors.empty() && quick_errors.empty());
+    CHECK(slow_wall > 0.55);
+    CHECK(quick_wall < 0.2);
+  }
+  {
     jaxring::OpDesc desc;
     desc.link = {{3, 1e6, 0}};  // 0.5 s of link for 0.2 s of timeout
     std::vector<std::string> errors;
@@ -786,6 +807,25 @@ void run_stream_schedule_tests() {
       }
 }
 
+// The emulated link's timeline: first come first served per booking, but a
+// transfer ready while the link is idle uses a gap that fits it.
+void run_link_timeline_tests() {
+  jaxring::LinkTimeline link;
+  CHECK(link.book(100, 10) == 100);   // [100, 110)
+  CHECK(link.book(100, 10) == 110);   // queued behind it: [110, 120)
+  CHECK(link.book(200, 10) == 200);   // [200, 210), a gap before it
+  CHECK(link.book(105, 50) == 120);   // fits in [120, 200): [120, 170)
+  CHECK(link.book(150, 40) == 210);   // [170, 200) is too short: after
+  CHECK(link.book(170, 30) == 170);   // exactly fills the gap
+  CHECK(link.book(0, 0) == 0);        // an empty unit on an idle link
+  CHECK(link.book(100, 0) == 250);    // ... and on a busy one waits
+  CHECK(link.intervals() == 1);       // [100, 250): joined as they touched
+  CHECK(link.book(250, 5) == 250);
+  // Old intervals are dropped once far behind the latest ready time.
+  CHECK(link.book(int64_t{10'000'000'000}, 1) == int64_t{10'000'000'000});
+  CHECK(link.intervals() == 1);
+}
+
 void run_gang_tests() {
   using Clock = std::chrono::steady_clock;
   {
@@ -948,6 +988,7 @@ int main() {
   run_emulation_tests();
   run_tiered_tests();
   run_stream_schedule_tests();
+  run_link_timeline_tests();
   run_gang_tests();
   // A released buffer comes back for the next request of its size; the pool
   // never holds more than its cap.

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../tiered_plan.h"
+#include "link_pacing.h"
 #include "operation.h"
 #include "task_queue.h"
 
@@ -184,12 +185,11 @@ class Worker {
   // Books a transfer of `bytes` leaving this device once its data is ready
   // at ready_ns, on the device's one emulated link; returns its arrival.
   int64_t book_transfer(int64_t ready_ns, int64_t bytes, const OpDesc& d) {
-    std::lock_guard<std::mutex> lock(egress_mu_);
-    const int64_t start = std::max(ready_ns, egress_free_ns_);
     // This path runs flat rings on one link (ring_transport.cc).
     const EmulatedTier& link = d.link.front();
     const int64_t busy = static_cast<int64_t>(1e9 * bytes / link.bytes_per_s);
-    egress_free_ns_ = start + busy;
+    std::lock_guard<std::mutex> lock(egress_mu_);
+    const int64_t start = egress_.book(ready_ns, busy);
     return start + busy + static_cast<int64_t>(1e9 * link.latency_s);
   }
 
@@ -211,7 +211,7 @@ class Worker {
   const int device_;
   TaskQueue<Task> queue_;
   std::mutex egress_mu_;
-  int64_t egress_free_ns_ = 0;  // when this device's emulated link is free
+  LinkTimeline egress_;  // this device's emulated link
 };
 
 // Moves the data of unit `cur` of ring r at `rank`: reduces (or copies) the

@@ -1,12 +1,57 @@
 #include "link_pacing.h"
 
 #include <algorithm>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <tuple>
 #include <vector>
 
 namespace jaxring {
+
+namespace {
+
+// Intervals that ended this long before the latest ready time booked are
+// dropped: bookings reach back at most one operation's wait for its ranks.
+constexpr int64_t kHistoryNs = 2'000'000'000;
+
+}  // namespace
+
+int64_t LinkTimeline::book(int64_t ready_ns, int64_t busy_ns) {
+  latest_ready_ns_ = std::max(latest_ready_ns_, ready_ns);
+  while (!busy_.empty() && busy_.begin()->second < latest_ready_ns_ - kHistoryNs) {
+    busy_.erase(busy_.begin());
+  }
+  int64_t start = ready_ns;
+  // An empty unit still needs the link free (its frame has a header).
+  const int64_t need = std::max<int64_t>(busy_ns, 1);
+  // The first interval that could overlap [start, ...): the last one that
+  // starts at or before it, else the first after it.
+  auto it = busy_.upper_bound(start);
+  if (it != busy_.begin() && std::prev(it)->second > start) --it;
+  for (; it != busy_.end(); ++it) {
+    if (it->first >= start + need) break;  // fits in the gap before it
+    start = std::max(start, it->second);
+  }
+  if (busy_ns > 0) {
+    // Joins a neighbour it touches, to keep the map short.
+    auto [pos, inserted] = busy_.emplace(start, start + busy_ns);
+    (void)inserted;
+    auto next = std::next(pos);
+    if (next != busy_.end() && next->first == pos->second) {
+      pos->second = next->second;
+      busy_.erase(next);
+    }
+    if (pos != busy_.begin()) {
+      auto before = std::prev(pos);
+      if (before->second == pos->first) {
+        before->second = pos->second;
+        busy_.erase(pos);
+      }
+    }
+  }
+  return start;
+}
 
 namespace {
 
@@ -39,7 +84,7 @@ int64_t paced_arrival_ns(const OpDesc& desc, int64_t group, int src, int dst,
                          int64_t bytes, int64_t ready_ns) {
   // Leaked on purpose, like the workers that call this.
   static std::mutex* mu = new std::mutex();
-  static auto* free_at = new std::map<LinkId, int64_t>();
+  static auto* links = new std::map<LinkId, LinkTimeline>();
   const int t = crossed_tier(desc, src, dst);
   int64_t below = 1;
   for (int i = 0; i < t; ++i) below *= desc.link[i].size;
@@ -50,10 +95,8 @@ int64_t paced_arrival_ns(const OpDesc& desc, int64_t group, int src, int dst,
   const EmulatedTier& link = desc.link[t];
   const int64_t busy = static_cast<int64_t>(1e9 * bytes / link.bytes_per_s);
   std::lock_guard<std::mutex> lock(*mu);
-  int64_t& free = (*free_at)[id];
-  const int64_t start = std::max(ready_ns, free);
-  free = start + busy;
-  return free + static_cast<int64_t>(1e9 * link.latency_s);
+  const int64_t start = (*links)[id].book(ready_ns, busy);
+  return start + busy + static_cast<int64_t>(1e9 * link.latency_s);
 }
 
 }  // namespace jaxring
