@@ -49,6 +49,37 @@ def test_timeline_has_a_span_per_bucket_and_device(tmp_path):
     assert sum(e["args"]["bytes"] for e in device0) == grad_bytes
 
 
+def test_spans_say_how_long_a_device_waited_for_the_others(tmp_path):
+    """Device 0 computes for a while before its allreduce, the others do
+    not: their spans start early and wait for device 0, which shows as
+    waiting_for_peers_ms; device 0's own span waits for nobody."""
+    mesh = jax.make_mesh((4,), ("i",))
+
+    def step(x):
+        first = jax.lax.axis_index("i") == 0
+        slow = lambda v: jax.lax.fori_loop(0, 300, lambda _, a: jnp.tanh(a @ a) / 64, v)
+        x = jax.lax.cond(first, slow, lambda v: v, x[0])
+        return jaxring.allreduce(x, "i")[None]
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+                              check_vma=False))
+    x = jax.device_put(jnp.ones((4, 64, 64), jnp.float32), NamedSharding(mesh, P("i")))
+    jax.block_until_ready(f(x))
+    path = tmp_path / "skew.json"
+    with jaxring.timeline(path):
+        jax.block_until_ready(f(x))
+    spans = {e["tid"]: e for e in json.loads(path.read_text())["traceEvents"]
+             if e["ph"] == "X"}
+    assert sorted(spans) == [0, 1, 2, 3]
+    for e in spans.values():
+        args = e["args"]
+        whole = args["waiting_for_peers_ms"] + args["after_last_join_ms"]
+        assert args["waiting_for_peers_ms"] >= 0 and args["after_last_join_ms"] >= 0
+        assert abs(whole - e["dur"] / 1e3) < 0.01, e
+    waited = [spans[d]["args"]["waiting_for_peers_ms"] for d in (1, 2, 3)]
+    assert spans[0]["args"]["waiting_for_peers_ms"] < 0.1 * min(waited), spans
+
+
 def test_nothing_is_recorded_outside_the_block(tmp_path):
     f, params, x = overlapped_step()
     jax.block_until_ready(f(params, x))

@@ -211,11 +211,13 @@ NB_MODULE(_jaxring, m) {
   m.def("timeline_now_ns", &jaxring::timeline_now_ns,
         "The timeline's clock (steady, ns).");
   m.def("timeline_take", []() {
-    // (device, run_id, op_id, bytes, rings, begin_ns, end_ns) per event.
-    std::vector<std::tuple<int, int64_t, int64_t, int64_t, int, int64_t, int64_t>> out;
+    // (device, run_id, op_id, bytes, rings, begin_ns, end_ns,
+    // peers_joined_ns) per event.
+    std::vector<std::tuple<int, int64_t, int64_t, int64_t, int, int64_t, int64_t,
+                           int64_t>> out;
     for (const auto& e : jaxring::timeline_take()) {
       out.emplace_back(e.device, e.run_id, e.op_id, e.bytes, e.rings,
-                       e.begin_ns, e.end_ns);
+                       e.begin_ns, e.end_ns, e.peers_joined_ns);
     }
     return out;
   }, "Events recorded since the last call, as tuples.");

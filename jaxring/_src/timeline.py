@@ -2,8 +2,13 @@
 
 One track per device; each allreduce (each bucket of ``jaxring.overlap``) is
 a span from the moment that device started it to the moment its part
-completed, named by its bucket and annotated with bytes and rings. Open the
-file in https://ui.perfetto.dev or chrome://tracing.
+completed, named by its bucket and annotated with bytes and rings. Where
+every rank of the allreduce runs in this process, its args also split the
+span at the moment the last rank started it: ``waiting_for_peers_ms``
+before, ``after_last_join_ms`` after (the transfers, and the link
+emulation's wait). A long first part means the devices reach the
+allreduce at different times, not that the link is slow. Open the file in
+https://ui.perfetto.dev or chrome://tracing.
 
     with jaxring.timeline("trace.json"):
         for _ in range(3):
@@ -96,13 +101,17 @@ def write(path, events, names, host_spans=()) -> None:
     for name, begin, end in host_spans:
         trace.append({"name": name, "ph": "X", "pid": 0, "tid": HOST_TRACK,
                       "ts": (begin - origin) / 1e3, "dur": (end - begin) / 1e3})
-    for device, run_id, op_id, nbytes, rings, begin, end in events:
+    for device, run_id, op_id, nbytes, rings, begin, end, peers in events:
         name, extra = names.get(op_id, (f"allreduce op {op_id}", {}))
+        args = {"bytes": nbytes, "rings": rings, "op_id": op_id, "run_id": run_id}
+        if peers >= 0:  # -1: some ranks run in other processes
+            peers = min(max(peers, begin), end)
+            args["waiting_for_peers_ms"] = (peers - begin) / 1e6
+            args["after_last_join_ms"] = (end - peers) / 1e6
         trace.append({
             "name": name, "ph": "X", "pid": 0, "tid": device,
             "ts": (begin - origin) / 1e3, "dur": max(end - begin, 0) / 1e3,
-            "args": {"bytes": nbytes, "rings": rings, "op_id": op_id,
-                     "run_id": run_id, **extra}})
+            "args": {**args, **extra}})
     with open(path, "w") as f:
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
 

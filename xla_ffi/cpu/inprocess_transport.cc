@@ -151,9 +151,11 @@ bool Worker::advance(Task& task, bool* finished) {
   if (op.finished_count.load() == op.desc.world_size ||
       (op.emulated() && me.finished.load(std::memory_order_acquire))) {
     if (timeline_enabled()) {
+      int64_t last_join = 0;  // every rank joined before any completed
+      for (const RankSlot& s : op.slots) last_join = std::max(last_join, s.joined_ns);
       timeline_record({device_, op.key.run_id, op.key.op_id,
                        op.desc.count * op.plan.elem_bytes(), op.desc.num_rings,
-                       me.joined_ns, now_ns()});
+                       me.joined_ns, now_ns(), last_join});
     }
     task.done(std::nullopt);
     *finished = true;

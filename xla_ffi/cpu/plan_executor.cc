@@ -322,9 +322,17 @@ void Pass::consume(int r, int j, int64_t u) {
 
 bool Pass::complete(const std::optional<std::string>& result, bool* finished) {
   if (!result && timeline_enabled()) {
+    // An allreduce completes only once every rank has sent its part, so all
+    // have joined; their join times are known here when all run here.
+    int64_t last_join = -1;
+    if (static_cast<int>(op_.locals.size()) == op_.desc.world_size) {
+      for (const auto& [rank, local] : op_.locals) {
+        last_join = std::max(last_join, local.joined_ns);
+      }
+    }
     timeline_record({device_, op_.key.run_id, op_.key.op_id,
                      op_.desc.count * esize_, op_.desc.num_rings, me_.joined_ns,
-                     timeline_now_ns()});
+                     timeline_now_ns(), last_join});
   }
   const bool last = ++op_.completed_locals == op_.expected_locals;
   unlock_and_wake();

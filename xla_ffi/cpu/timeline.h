@@ -16,6 +16,10 @@ struct TimelineEvent {
   int rings;
   int64_t begin_ns;  // steady clock: the rank joined (its start ran)
   int64_t end_ns;    // the rank's part completed
+  // When the operation's last rank joined, where this process runs all of
+  // them (else -1): from begin_ns to then, the rank waited for its peers
+  // to reach the operation, not for the data to move.
+  int64_t peers_joined_ns;
 };
 
 void timeline_enable(bool on);
