@@ -159,6 +159,16 @@ def test_a_socket_buffer_outside_its_range_is_refused():
         r.stdout + r.stderr), r.stdout[-2000:] + r.stderr[-2000:]
 
 
+def test_a_socket_buffer_is_read_in_ascii_digits_only(monkeypatch):
+    from jaxring._src import distributed
+    for raw in ("\u00b2", "4096\u00b2", "\u0664\u0660\u0669\u0666"):  # ², Arabic-Indic 4096
+        monkeypatch.setenv("JAXRING_TCP_SOCKET_BUFFER", raw)
+        with pytest.raises(ValueError, match="is not a whole number of bytes"):
+            distributed.socket_buffer_choice()
+    monkeypatch.setenv("JAXRING_TCP_SOCKET_BUFFER", " 4096 ")
+    assert distributed.socket_buffer_choice() == 4096
+
+
 def test_different_programs_fail_fast_on_every_rank():
     timeout_s = 60
     r = run_launcher(2, "mismatch.py", timeout_s)

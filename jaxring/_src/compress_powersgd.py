@@ -21,7 +21,8 @@ that 16-bit format (as PyTorch composes fp16_compress_wrapper with
 powerSGD_hook). The factors need nothing more: the residual is taken
 against the update built from the rounded means, so it keeps their
 rounding too. Leaves sent whole keep a residual of their own, as wire16
-does.
+does. Warm-up steps (start_step, warm_up=True) average every leaf in its
+own dtype, uncompressed, wire_dtype or not.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 4096
       wire_dtype: ``None`` (default), ``"bfloat16"`` or ``"float16"``: the
         float32 factors, and the float32 leaves sent whole (with error
         feedback of their own, as wire16 keeps), travel in that format.
+        Warm-up steps send every leaf uncompressed in its own dtype.
 
     Its state holds per-rank leaves (see jaxring.compression.state_specs).
 

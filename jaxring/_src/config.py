@@ -107,7 +107,8 @@ def parse_links(spec: str) -> tuple[tuple[int, float, float], ...]:
             raise ValueError(spec)  # a size on every tier but the last
         n = 0
         if sep:
-            if not size.strip().isdigit() or not 1 <= int(size) <= 65535:
+            digits = size.strip()
+            if not (digits.isascii() and digits.isdigit()) or not 1 <= int(digits) <= 65535:
                 raise ValueError(spec)
             n = int(size)
         else:

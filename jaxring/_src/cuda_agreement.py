@@ -11,15 +11,26 @@ in jax.distributed's key-value store under the call's slot id (the same in
 every process that runs the same program, whatever its shapes:
 call_sites.py), and every other process of the ring compares its own with
 it at lowering, before anything runs.
+
+A slot is lowered again whenever its program is traced again (a new batch
+shape, a last partial batch), and a key of the store can be set only once.
+So the key also holds how many times this process has lowered that slot
+before: processes that run the same program lower each slot the same
+number of times, in the same order, and the n-th lowering of a slot is
+compared with the owner's n-th.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 from typing import Iterable
 
 from jaxring._src import cuda_backend, errors
 
-_KEY = "jaxring/cuda/v1/call/{:x}"
+_KEY = "jaxring/cuda/v1/call/{:x}/{}"
+_lock = threading.Lock()
+_lowered = collections.Counter()  # slot id -> lowerings so far, this process
 
 
 def check_same_call(slot_id: int, description: str, owner: int,
@@ -36,7 +47,11 @@ def check_same_call(slot_id: int, description: str, owner: int,
     if me not in processes:
         return
     client = cuda_backend.job_client()
-    key = _KEY.format(slot_id & (2 ** 64 - 1))
+    slot = slot_id & (2 ** 64 - 1)
+    with _lock:
+        n = _lowered[slot]
+        _lowered[slot] += 1
+    key = _KEY.format(slot, n)
     if me == owner:
         client.key_value_set(key, description)
         return

@@ -163,7 +163,8 @@ def socket_buffer_choice() -> int:
     if not raw:
         return 0
     low, high = _SOCKET_BUFFER_RANGE
-    value = int(raw) if raw.isdigit() else -1
+    # ASCII digits only: str.isdigit also takes characters such as "²".
+    value = int(raw) if raw.isascii() and raw.isdigit() else -1
     if not low <= value <= high:
         raise ValueError(
             f"jaxring: {SOCKET_BUFFER_ENV}={raw!r} is not a whole number of "

@@ -1,9 +1,9 @@
 """Run by tests/test_cuda_backend.py under jaxring.launch: lowers an
 allreduce for the CUDA platform (no GPU needed) over the devices of every
 process, with process 1's operand argv[1] times longer than the others'
-(1: the same program everywhere; 0: process 0 lowers nothing, and stays
-up for 10 s). Prints LOWERED, or RAISED with the error's type and
-message."""
+(1: the same program everywhere, lowered for two shapes in turn; 0:
+process 0 lowers nothing, and stays up for 10 s). Prints LOWERED per
+lowering, or RAISED with the error's type and message."""
 
 import sys
 import time
@@ -24,13 +24,16 @@ n = 1024 * (max(longer, 1) if jax.process_index() == 1 else 1)
 f = jax.jit(jax.shard_map(
     lambda v: jaxring.allreduce(v, "x", timeout_s=3.0 if longer == 0 else 20.0),
     mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-x = jax.ShapeDtypeStruct((devices.size, n), np.float32,
-                         sharding=NamedSharding(mesh, P("x")))
-start = time.time()
-try:
-    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    print(f"LOWERED {text.count('@jaxring_allreduce_cuda')}", flush=True)
-except Exception as e:
-    message = " ".join(str(e).split())
-    print(f"RAISED {time.time() - start:.1f} {type(e).__name__} {message[:600]}",
-          flush=True)
+# The same call site again with another shape (a new batch size) must
+# lower again in every process, compared with its own counterpart.
+for length in ((n, 3 * n) if longer == 1 else (n,)):
+    x = jax.ShapeDtypeStruct((devices.size, length), np.float32,
+                             sharding=NamedSharding(mesh, P("x")))
+    start = time.time()
+    try:
+        text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        print(f"LOWERED {text.count('@jaxring_allreduce_cuda')}", flush=True)
+    except Exception as e:
+        message = " ".join(str(e).split())
+        print(f"RAISED {time.time() - start:.1f} {type(e).__name__} {message[:600]}",
+              flush=True)

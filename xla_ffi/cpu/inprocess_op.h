@@ -189,7 +189,7 @@ class Worker {
     const EmulatedTier& link = d.link.front();
     const int64_t busy = static_cast<int64_t>(1e9 * bytes / link.bytes_per_s);
     std::lock_guard<std::mutex> lock(egress_mu_);
-    const int64_t start = egress_.book(ready_ns, busy);
+    const int64_t start = egress_.book(ready_ns, busy, now_ns());
     return start + busy + static_cast<int64_t>(1e9 * link.latency_s);
   }
 

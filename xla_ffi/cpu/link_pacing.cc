@@ -1,5 +1,7 @@
 #include "link_pacing.h"
 
+#include "timeline.h"
+
 #include <algorithm>
 #include <iterator>
 #include <map>
@@ -9,20 +11,12 @@
 
 namespace jaxring {
 
-namespace {
-
-// Intervals that ended this long before the latest ready time booked are
-// dropped: bookings reach back at most one operation's wait for its ranks.
-constexpr int64_t kHistoryNs = 2'000'000'000;
-
-}  // namespace
-
-int64_t LinkTimeline::book(int64_t ready_ns, int64_t busy_ns) {
-  latest_ready_ns_ = std::max(latest_ready_ns_, ready_ns);
-  while (!busy_.empty() && busy_.begin()->second < latest_ready_ns_ - kHistoryNs) {
+int64_t LinkTimeline::book(int64_t ready_ns, int64_t busy_ns, int64_t now_ns) {
+  const int64_t horizon = now_ns - kHistoryNs;
+  while (!busy_.empty() && busy_.begin()->second <= horizon) {
     busy_.erase(busy_.begin());
   }
-  int64_t start = ready_ns;
+  int64_t start = std::max(ready_ns, horizon);
   // An empty unit still needs the link free (its frame has a header).
   const int64_t need = std::max<int64_t>(busy_ns, 1);
   // The first interval that could overlap [start, ...): the last one that
@@ -95,7 +89,7 @@ int64_t paced_arrival_ns(const OpDesc& desc, int64_t group, int src, int dst,
   const EmulatedTier& link = desc.link[t];
   const int64_t busy = static_cast<int64_t>(1e9 * bytes / link.bytes_per_s);
   std::lock_guard<std::mutex> lock(*mu);
-  const int64_t start = (*links)[id].book(ready_ns, busy);
+  const int64_t start = (*links)[id].book(ready_ns, busy, timeline_now_ns());
   return start + busy + static_cast<int64_t>(1e9 * link.latency_s);
 }
 

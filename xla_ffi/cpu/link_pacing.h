@@ -37,14 +37,19 @@ namespace jaxring {
 class LinkTimeline {
  public:
   // Books busy_ns of transmission that may start at ready_ns; returns when
-  // it starts.
-  int64_t book(int64_t ready_ns, int64_t busy_ns);
+  // it starts. now_ns is the real time (steady clock): what ended more than
+  // kHistoryNs before it is forgotten, and a transfer ready before that
+  // counts as ready then, so it cannot land on a forgotten interval.
+  // (Bookings run ahead of real time, as an operation is booked whole:
+  // forgetting by the latest ready time would drop intervals still ahead.)
+  int64_t book(int64_t ready_ns, int64_t busy_ns, int64_t now_ns);
   // Busy intervals kept (for tests: old ones are dropped).
   size_t intervals() const { return busy_.size(); }
 
+  static constexpr int64_t kHistoryNs = 2'000'000'000;
+
  private:
   std::map<int64_t, int64_t> busy_;  // start -> end, disjoint
-  int64_t latest_ready_ns_ = 0;
 };
 
 // The tier whose link a transfer from src to dst crosses.
