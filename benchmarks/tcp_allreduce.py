@@ -3,7 +3,7 @@ JAX's Gloo, beside the in-process bound.
 
 Usage:
     python benchmarks/tcp_allreduce.py [--processes 2 4] [--min-bytes 4K]
-        [--max-bytes 256M] [--transports auto tcp] [--no-direct]
+        [--max-bytes 256M] [--transports auto tcp] [--no-direct] [--exchange]
         [--cpu-bind none|cores] [--keep-freed-memory]
         [--plot tcp_allreduce.png] [--json results.json]
 
@@ -24,6 +24,12 @@ against size.
 
 busbw = bytes * 2(n-1)/n / time: the rate each link must sustain for a ring
 allreduce to take that long, comparable with the link's own rate.
+
+With --exchange, the jobs across processes also time
+`algorithm="exchange"` (recursive doubling: fewer steps, each of the whole
+buffer) in the same rounds, and the tables give it against the ring on the
+same transport (busbw is then the same bytes over its time, a ratio of
+times).
 
 With --netns-rate (as root), each job runs on a network of namespaces built
 by benchmarks/netns.py instead of loopback: one namespace and address per
@@ -106,6 +112,9 @@ def worker(args) -> None:
                "gloo": program(jax.lax.psum)}
     else:
         fns = {"jaxring": program(jaxring.allreduce), "gloo": program(jax.lax.psum)}
+        if args.exchange:
+            fns["exchange"] = program(
+                lambda v, a: jaxring.allreduce(v, a, algorithm="exchange"))
     rows = []
     size = args.min_bytes
     while size <= args.max_bytes:
@@ -116,7 +125,7 @@ def worker(args) -> None:
         x = jax.make_array_from_process_local_data(
             NamedSharding(mesh, P("i")), local, (n, count))
         outs = {k: np.asarray(f(x).addressable_data(0)) for k, f in fns.items()}
-        if not np.array_equal(outs["jaxring"], outs["gloo"]):
+        if not all(np.array_equal(outs[k], outs["gloo"]) for k in outs):
             raise SystemExit(f"jaxring and the reference disagree at {size} bytes")
         samples = alternating_rounds(fns, x, iterations(size), args.rounds)
         factor = 2 * (n - 1) / n
@@ -140,7 +149,8 @@ def worker(args) -> None:
 # "direct" (the one-process job).
 COLUMNS = (("shm", "auto", "jaxring"), ("tcp", "tcp", "jaxring"),
            ("gloo", "auto", "gloo"), ("gloo (tcp job)", "tcp", "gloo"),
-           ("direct", "direct", "jaxring"))
+           ("direct", "direct", "jaxring"), ("shm exchange", "auto", "exchange"),
+           ("tcp exchange", "tcp", "exchange"))
 
 
 def table(jobs: dict[str, list[dict]], n: int, launcher: str = "") -> str:
@@ -148,7 +158,8 @@ def table(jobs: dict[str, list[dict]], n: int, launcher: str = "") -> str:
     benchmark's goals are stated in: each against a reference timed in the
     same job where there is one (shm/gloo in the auto job, tcp/gloo in the
     tcp job), across jobs run back to back otherwise."""
-    cols = [(t, j, k) for t, j, k in COLUMNS if j in jobs]
+    cols = [(t, j, k) for t, j, k in COLUMNS
+            if j in jobs and f"{k}_busbw" in jobs[j][0]]
     sizes = [r["bytes"] for r in next(iter(jobs.values()))]
     busbw = {(j, k): {r["bytes"]: r[f"{k}_busbw"] for r in jobs[j]} for _, j, k in cols}
     ratios = []
@@ -160,6 +171,9 @@ def table(jobs: dict[str, list[dict]], n: int, launcher: str = "") -> str:
         ratios.append(("shm/tcp", ("auto", "jaxring"), ("tcp", "jaxring")))
     if "auto" in jobs and "direct" in jobs:
         ratios.append(("shm/direct", ("auto", "jaxring"), ("direct", "jaxring")))
+    for title, job in (("shm", "auto"), ("tcp", "tcp")):
+        if (title + " exchange", job, "exchange") in cols:
+            ratios.append((f"{title} exch/ring", (job, "exchange"), (job, "jaxring")))
     head = (f"{'bytes':>10} | " + " ".join(f"{t:>14}" for t, _, _ in cols) + " | " +
             " ".join(f"{t:>10}" for t, _, _ in ratios))
     lines = [f"# {n} processes, 1 CPU device each, float32, busbw GB/s, "
@@ -227,6 +241,8 @@ def main(argv=None) -> int:
                          "(glibc keeps freed buffers: no fresh pages per call)")
     ap.add_argument("--no-direct", action="store_true",
                     help="skip the one-process job (the in-process bound)")
+    ap.add_argument("--exchange", action="store_true",
+                    help='also time algorithm="exchange" in the jobs across processes')
     ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-direct", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -290,6 +306,8 @@ def run_job(args, n: int, job: str) -> list[dict] | None:
                 "--rounds", str(args.rounds), "--worker-json", out]
         if job == "direct":
             cmd.append("--worker-direct")
+        elif args.exchange:
+            cmd.append("--exchange")
         os.chmod(tmp, 0o755)
         print(f"# job: {n} ranks, {job}", flush=True)
         r = subprocess.run(cmd, cwd=tmp, env=env)

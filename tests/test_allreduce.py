@@ -19,7 +19,7 @@ FLOATS = [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64]
 INTS = [jnp.int8, jnp.int16, jnp.int32, jnp.int64,
         jnp.uint8, jnp.uint16, jnp.uint32, jnp.uint64]
 # In one process "auto" picks direct; the ring is asked for by name.
-ALGORITHMS = ["ring", "direct"]
+ALGORITHMS = ["ring", "direct", "exchange"]
 LAX = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin,
        "mean": jax.lax.pmean}
 
@@ -427,8 +427,13 @@ def test_missing_rank_times_out_with_its_name(algorithm):
                             lambda u: u, v)
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
                               check_vma=False))
-    with pytest.raises(jaxring.CollectiveTimeoutError,
-                       match=r"timed out after 1 s: rank\(s\) 1, 2, 3, 4, 5, 6, 7 of 8 never arrived") as e:
+    # The exchange plan runs on the plan executor, which names the partner
+    # rank 0 waits for.
+    missing = (r"timed out after 1 s on rank 0: ring 0 \(exchange along tier 0\) "
+               r"waits for rank 1 \(process 0\): 0 of 1 chunks arrived"
+               if algorithm == "exchange" else
+               r"timed out after 1 s: rank\(s\) 1, 2, 3, 4, 5, 6, 7 of 8 never arrived")
+    with pytest.raises(jaxring.CollectiveTimeoutError, match=missing) as e:
         with jaxring.translate_errors():
             np.asarray(g(x))
     # XLA's own exception is kept as the cause; the operation is named.
@@ -668,3 +673,39 @@ def test_direct_refused_across_processes():
     # An emulated link models the ring's transfers; a tiered plan is rings.
     assert resolve_algorithm("auto", ((0, 1e9, 0.0),), one) == "ring"
     assert resolve_algorithm("auto", (), one, tiered=True) == "ring"
+    # Across processes "auto" takes exchange for small operands, where the
+    # topology is left to "auto" too (a tuple or "flat" asks for the ring).
+    limit = jaxring.config.exchange_max_bytes
+    assert resolve_algorithm("auto", (), two, nbytes=limit) == "exchange"
+    assert resolve_algorithm("auto", (), two, nbytes=limit + 1) == "ring"
+    assert resolve_algorithm("auto", (), two, tiered=True, nbytes=64) == "exchange"
+    assert resolve_algorithm("auto", (), two, nbytes=64, topology=(2, 2)) == "ring"
+    assert resolve_algorithm("auto", (), two, nbytes=64, topology="flat") == "ring"
+    assert resolve_algorithm("auto", (), one, nbytes=64) == "direct"
+    jaxring.config.update("exchange_max_bytes", 0)
+    try:
+        assert resolve_algorithm("auto", (), two, nbytes=0) == "ring"
+    finally:
+        jaxring.config.reset("exchange_max_bytes")
+    # The exchange plan runs anywhere on the CPU, but picks its own tiers.
+    assert resolve_algorithm("exchange", (), two) == "exchange"
+    assert resolve_algorithm("exchange", ((0, 1e9, 0.0),), one) == "exchange"
+    with pytest.raises(ValueError, match="picks its own tiers"):
+        resolve_algorithm("exchange", (), two, tiered=True)
+
+
+def test_exchange_takes_no_explicit_tiers_and_lowers_as_exchange():
+    mesh = mesh_of(4)
+    x = put(np.ones((4, 8), np.float32), mesh, P("i"))
+
+    def lowered(**kw):
+        f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i", **kw), mesh=mesh,
+                                  in_specs=P("i"), out_specs=P("i"), check_vma=False))
+        return f.lower(x).as_text()
+
+    assert _algorithm_ids_in(lowered(algorithm="exchange")) == [
+        _jaxring.ALGORITHMS["exchange"]]
+    assert _algorithm_ids_in(lowered(algorithm="exchange", topology="flat")) == [
+        _jaxring.ALGORITHMS["exchange"]]
+    with pytest.raises(ValueError, match="picks its own tiers"):
+        lowered(algorithm="exchange", topology=(2, 2))

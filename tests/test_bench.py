@@ -19,24 +19,26 @@ def test_bench_prints_the_table_and_writes_the_plot(tmp_path):
 
 def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path):
     """benchmarks/tcp_allreduce.py on two small sizes: the shared-memory,
-    TCP and in-process jobs each give a row per size, and the table names
-    the launcher options it passed on."""
+    TCP and in-process jobs each give a row per size (with --exchange, the
+    exchange algorithm's too), and the table names the launcher options it
+    passed on."""
     import pathlib
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tcp_allreduce.py"
     res = subprocess.run(
         [sys.executable, str(script), "--processes", "2", "--min-bytes", "4K",
          "--max-bytes", "16K", "--rounds", "1", "--cpu-bind", "cores",
-         "--keep-freed-memory", "--plot", ""],
+         "--keep-freed-memory", "--exchange", "--plot", ""],
         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = res.stdout.splitlines()
     head = next(l for l in lines if l.startswith("# 2 processes"))
     assert head.endswith("; jaxring.launch --cpu-bind cores --keep-freed-memory"), head
     assert "shm/gloo" in res.stdout and "shm/direct" in res.stdout, res.stdout
+    assert "shm exch/ring" in res.stdout and "tcp exch/ring" in res.stdout, res.stdout
     rows = [l.split("|") for l in lines if l.strip().endswith("x") and "|" in l]
     assert [r[0].split() for r in rows] == [["4", "KiB"], ["16", "KiB"]], res.stdout
-    for r in rows:  # shm, tcp, gloo, gloo (tcp job), direct: all measured
-        assert len(r[1].split()) == 5 and all(float(v) > 0 for v in r[1].split()), r
+    for r in rows:  # shm, tcp, gloo, gloo (tcp job), direct, the exchanges
+        assert len(r[1].split()) == 7 and all(float(v) > 0 for v in r[1].split()), r
 
 
 def test_overlap_benchmark_prints_every_variant_and_the_bound(tmp_path):

@@ -51,8 +51,8 @@ def test_module_links_and_reports_versions():
     # The "algorithm" attribute's values are named once, by the core module,
     # for both backends.
     from jaxring import _jaxring
-    assert set(_jaxring.ALGORITHMS) == {"ring", "direct", "nccl"}
-    assert len(set(_jaxring.ALGORITHMS.values())) == 3
+    assert set(_jaxring.ALGORITHMS) == {"ring", "direct", "nccl", "exchange"}
+    assert len(set(_jaxring.ALGORITHMS.values())) == 4
     assert not hasattr(cu, "ALGORITHMS")
 
 
@@ -159,6 +159,7 @@ def test_nccl_algorithm_attribute():
 @pytest.mark.parametrize("kwargs, dtype, error, match", [
     (dict(algorithm="nccl"), jnp.int16, TypeError, "no 16-bit integer"),
     (dict(algorithm="direct"), jnp.float32, ValueError, "CPU backend only"),
+    (dict(algorithm="exchange"), jnp.float32, ValueError, "CPU transports only"),
     (dict(topology=(2, 2), algorithm="nccl"), jnp.float32, ValueError,
      "NCCL's own allreduce, which has no tiers"),
     (dict(topology=(2, 3)), jnp.float32, ValueError, "must multiply"),

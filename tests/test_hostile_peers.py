@@ -54,17 +54,18 @@ def mac(secret: bytes, job_id: bytes, from_acceptor: bool, connector_nonce: byte
 
 
 def frame_header(kind: int, **fields) -> bytes:
-    """A FrameHeader (native order, 112 bytes) with the given fields."""
+    """A FrameHeader (native order, 120 bytes) with the given fields."""
     f = dict(run_id=1, op_id=0, group=0, ring=0, dst_rank=0, src_rank=1,
              elem_type=2, reduce_op=0, world_size=2, num_rings=1, phase=0,
-             count=8192, chunk_bytes=1 << 20, topology=0, unit=0, payload_bytes=0,
-             slot_id=0)
+             algorithm=0, reserved=0, count=8192, chunk_bytes=1 << 20, topology=0,
+             unit=0, payload_bytes=0, slot_id=0)
     f.update(fields)
-    return struct.pack("=IIqqqiiiiiiiiqqqqqq", MAGIC, kind, f["run_id"], f["op_id"],
+    return struct.pack("=IIqqqiiiiiiiiiiqqqqqq", MAGIC, kind, f["run_id"], f["op_id"],
                        f["group"], f["ring"], f["dst_rank"], f["src_rank"],
                        f["elem_type"], f["reduce_op"], f["world_size"],
-                       f["num_rings"], f["phase"], f["count"], f["chunk_bytes"],
-                       f["topology"], f["unit"], f["payload_bytes"], f["slot_id"])
+                       f["num_rings"], f["phase"], f["algorithm"], f["reserved"],
+                       f["count"], f["chunk_bytes"], f["topology"], f["unit"],
+                       f["payload_bytes"], f["slot_id"])
 
 
 def shm_offer(name: bytes = b"", capacity: int = SHM_RING_BYTES) -> bytes:
@@ -265,11 +266,28 @@ def insider_attacks(address: str, secret: bytes, job_id: bytes, kept: list):
         send_quietly(s, frame_header(1, count=-1, elem_type=99, payload_bytes=1 << 40))
         return closed_within(s, 5.0)
 
+    def algorithms_that_never_cross_processes():
+        # "direct" (1) reads peers' memory and "nccl" (2) is CUDA's: a data
+        # frame naming either, or an unknown one, is never sent by this
+        # build; nor is one with its reserved word set.
+        closed = []
+        for i, fields in enumerate([dict(algorithm=1), dict(algorithm=2),
+                                    dict(algorithm=99), dict(reserved=1)]):
+            s = member(29 + i)
+            kept.remove(s)
+            send_quietly(s, frame_header(1, run_id=4 * 10**9 + i, count=1024,
+                                         chunk_bytes=4096, payload_bytes=2048, **fields)
+                         + b"\0" * 2048)
+            closed.append(closed_within(s, 5.0))
+        return all(closed)
+
     return [
         ("the same unit twice", duplicate_units),
         ("200 aborts of 1 MiB for random keys", abort_flood),
         ("peer-lost notices about no other process", peer_lost_about_no_one),
         ("a header with values never sent", implausible_header),
+        ("data frames of algorithms that never cross processes",
+         algorithms_that_never_cross_processes),
         ("shared-memory offers of segments not of its link", offers_another_links_segment),
         ("a shared-memory offer of a segment others may open",
          offers_a_segment_others_may_open),

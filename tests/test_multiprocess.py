@@ -62,13 +62,21 @@ ACROSS_PROCESSES = [
     # Explicit tiers: across processes only, and two tiers inside each.
     (4, 1, 5, "2x2", "2x2"),
     (2, 4, 6, "2x2x2", "2x2x2"),
+    # Recursive doubling: 3 processes (a ring over the odd factor), 2
+    # processes of 2 devices (one exchange in memory, one across), and 4 of
+    # 2 (two exchanges across in a row: the second must not overwrite what
+    # the first still sends).
+    (3, 1, 8, "exchange", "flat"),
+    (2, 2, 9, "exchange", "flat"),
+    (4, 2, 10, "exchange", "flat"),
 ]
 
 
 @pytest.mark.parametrize(
     "nproc,devices,seed,topology,tiers", ACROSS_PROCESSES,
     ids=["2-processes", "4-processes", "2x2-flat", "2x2-tiered-auto",
-         "4x2-tiered-auto", "4-processes-tiered-2x2", "2x4-tiered-2x2x2"])
+         "4x2-tiered-auto", "4-processes-tiered-2x2", "2x4-tiered-2x2x2",
+         "3-processes-exchange", "2x2-exchange", "4x2-exchange"])
 def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
                                                   topology, tiers):
     # 48 cases: every dtype under every op, random sizes, rings and chunks.
@@ -83,6 +91,12 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
         lowered = [l for l in lines if l.startswith("TOPOLOGY")]
         # The custom call carries the tiers the plan runs (none: flat).
         assert lowered == [f"TOPOLOGY {tiers}"], lowered
+        # A 4 MiB allreduce runs the ring plan, unless exchange is asked for;
+        # a 64-byte one runs exchange where the topology is left to "auto".
+        algorithm = "exchange" if topology == "exchange" else "ring"
+        assert f"ALGORITHM {algorithm}" in lines, lines[-5:]
+        small = "exchange" if topology in ("auto", "exchange") else "ring"
+        assert f"SMALL_ALGORITHM {small}" in lines, lines[-5:]
         digests[rank] = [l for l in lines if l.startswith("CHECK")]
         assert len(digests[rank]) == 48
         by_device, by_sender, _ = map(int, next(
@@ -94,8 +108,10 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
     assert all(d == digests[0] for d in digests.values())
 
 
-@pytest.mark.parametrize("tiers,split", [("2x2x2", (2, 4)), ("2x4", (4, 2))],
-                         ids=["2x2x2-over-2-processes", "2x4-over-4-processes"])
+@pytest.mark.parametrize("tiers,split", [("2x2x2", (2, 4)), ("2x4", (4, 2)),
+                                         ("exchange", (2, 4))],
+                         ids=["2x2x2-over-2-processes", "2x4-over-4-processes",
+                              "exchange-over-2-processes"])
 def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
     # The same plan and inputs, once with every rank in one process (every
     # unit moves in memory) and twice split over processes (units that
@@ -110,8 +126,9 @@ def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
                          env={"JAXRING_TRANSPORT": "tcp" if where == "tcp" else "auto"})
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         by_rank = lines_by_rank(r.stdout)
+        lowered = "TOPOLOGY " + ("flat" if tiers == "exchange" else tiers)
         for lines in by_rank.values():
-            assert lines.count("DONE") == 1 and f"TOPOLOGY {tiers}" in lines, lines[-5:]
+            assert lines.count("DONE") == 1 and lowered in lines, lines[-5:]
             links = int(next(l for l in lines if l.startswith("SHM_LINKS")).split()[1])
             assert (links > 0) == (where == "auto"), (where, links)
         checks = {tuple(l for l in lines if l.startswith("CHECK"))

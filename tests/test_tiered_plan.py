@@ -16,7 +16,8 @@ def simulate(plan):
     A transport's semantics: a reduce stores received + own contribution,
     where the own contribution is the input in the first phase and the
     result of the phase before in later ones; an all-gather step stores what
-    came. Phases of a ring run in order.
+    came. A phase's first step sends the sender's own contribution (an
+    all-gather's, its result). Phases of a ring run in order.
     """
     p, n = plan.world_size, plan.count
     state = np.zeros((p, n, p), np.int16)
@@ -32,10 +33,12 @@ def simulate(plan):
             own = state.copy()
         src, dst = t["src"], t["dst"]
         sl = slice(t["offset"], t["offset"] + t["count"])
+        first = t["step"] == 0 and plan.phase(t["phase"])["kind"] != "all_gather"
+        sent = (own if first else state)[src, sl]
         if t["reduce"]:
-            state[dst, sl] = state[src, sl] + own[dst, sl]
+            state[dst, sl] = sent + own[dst, sl]
         else:
-            state[dst, sl] = state[src, sl]
+            state[dst, sl] = sent
     return state
 
 
@@ -132,6 +135,42 @@ def test_tiered_plan_invariants_sweep(dims, count):
        elem=st.sampled_from([1, 2, 4, 8]), chunk=st.integers(1, 2048))
 def test_tiered_plan_invariants_property(dims, rings, count, elem, chunk):
     check_plan(dims, rings, count, elem, chunk)
+
+
+@pytest.mark.parametrize("p", list(range(1, 17)) + [24, 48, 64])
+@pytest.mark.parametrize("count", [0, 1, 7, 101, 997])
+def test_exchange_plan_is_recursive_doubling(p, count):
+    """algorithm='exchange': one exchange of the whole part per factor 2 of
+    the world size, then a ring allreduce over the odd rest; every element
+    ends with one contribution of every rank, and each rank sends its whole
+    part in every exchange."""
+    dims = _jaxring.exchange_tiers(p)
+    assert math.prod(dims) == p
+    assert all(d == 2 for d in dims[:-1]) and (dims[-1] % 2 == 1 or dims[-1] == 2)
+    for rings in (1, 3):
+        plan = _jaxring.TieredPlan(dims, rings, count, 4, 64, exchange=True)
+        assert plan.exchange and plan.world_size == p
+        phases = [plan.phase(j) for j in range(plan.num_phases)]
+        assert [ph["kind"] for ph in phases] == [
+            "exchange" if d == 2 else "allreduce" for d in dims if d > 1]
+        # The steps that wait on the network: 3 for 8 ranks, 14 on a ring.
+        steps = sum(ph["num_steps"] for ph in phases)
+        odd = dims[-1] if dims[-1] % 2 else 1
+        assert steps == sum(1 for d in dims if d == 2) + 2 * (odd - 1)
+        assert (simulate(plan) == 1).all()
+        transfers = plan.transfers()
+        sent = {(t["ring"], t["phase"], t["unit"], t["src"], t["dst"]):
+                (t["offset"], t["count"]) for t in transfers}
+        for t in transfers:
+            assert same_group_but(plan, t["src"], t["dst"], t["tier"])
+            if phases[t["phase"]]["kind"] == "exchange":
+                # Partners: each sends the other the same range, to reduce.
+                back = (t["ring"], t["phase"], t["unit"], t["dst"], t["src"])
+                assert sent[back] == (t["offset"], t["count"]) and t["reduce"]
+        for rank in range(p):
+            for tier, d in enumerate(dims):
+                if d == 2:
+                    assert plan.bytes_sent(rank, tier) == count * 4
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 7])

@@ -20,11 +20,18 @@ enum class Algorithm : int {
   // CUDA only: NCCL's own allreduce, chunk by chunk, on the ring's
   // communicator (a reference to compare the ring with).
   kNccl = 2,
+  // CPU, in one process or across processes: recursive doubling. The ranks
+  // exchange their whole partial sums with a partner once per factor 2 of
+  // the world size (and run a ring allreduce over an odd factor left), so
+  // 8 ranks take 3 steps where the ring takes 14, each sending the whole
+  // buffer: for small allreduces, whose time is the steps' latency (see
+  // tiered_plan.h, PlanShape::kExchange).
+  kExchange = 3,
 };
 
 // Sets *out and returns true for a value of the enum; false otherwise.
 inline bool algorithm_from_int(int64_t v, Algorithm* out) {
-  if (v < 0 || v > static_cast<int64_t>(Algorithm::kNccl)) return false;
+  if (v < 0 || v > static_cast<int64_t>(Algorithm::kExchange)) return false;
   *out = static_cast<Algorithm>(v);
   return true;
 }
@@ -34,6 +41,7 @@ inline const char* algorithm_name(Algorithm a) {
     case Algorithm::kRing: return "ring";
     case Algorithm::kDirect: return "direct";
     case Algorithm::kNccl: return "nccl";
+    case Algorithm::kExchange: return "exchange";
   }
   return "unknown";
 }

@@ -115,14 +115,24 @@ NB_MODULE(_jaxring, m) {
       .def("__repr__", &jaxring::RingPlan::describe);
 
   static const char* kPhaseKinds[] = {"reduce_scatter", "allreduce",
-                                      "all_gather"};
+                                      "all_gather", "exchange"};
   nb::class_<jaxring::TieredPlan>(
       m, "TieredPlan",
       "A multi-dimensional chunked multi-ring allreduce schedule over a "
       "topology d0 x d1 x ... (tightest tier first).")
-      .def(nb::init<std::vector<int>, int, int64_t, int64_t, int64_t>(),
-           nb::arg("dims"), nb::arg("rings"), nb::arg("count"),
-           nb::arg("elem_bytes"), nb::arg("chunk_bytes"))
+      .def("__init__", [](jaxring::TieredPlan* self, std::vector<int> dims,
+                          int rings, int64_t count, int64_t elem_bytes,
+                          int64_t chunk_bytes, bool exchange) {
+             new (self) jaxring::TieredPlan(
+                 std::move(dims), rings, count, elem_bytes, chunk_bytes,
+                 exchange ? jaxring::PlanShape::kExchange : jaxring::PlanShape::kNested);
+           }, nb::arg("dims"), nb::arg("rings"), nb::arg("count"),
+           nb::arg("elem_bytes"), nb::arg("chunk_bytes"), nb::arg("exchange") = false,
+           "exchange=True: the exchange shape (recursive doubling) over dims, "
+           "as exchange_tiers(world) gives them for algorithm='exchange'.")
+      .def_prop_ro("exchange", [](const jaxring::TieredPlan& p) {
+        return p.shape() == jaxring::PlanShape::kExchange;
+      })
       .def_prop_ro("dims", &jaxring::TieredPlan::dims)
       .def_prop_ro("world_size", &jaxring::TieredPlan::world_size)
       .def_prop_ro("rings", &jaxring::TieredPlan::num_rings)
@@ -194,6 +204,8 @@ NB_MODULE(_jaxring, m) {
     }
   });
 
+  m.def("exchange_tiers", &jaxring::exchange_tiers, nb::arg("world_size"),
+        "The tiers algorithm='exchange' runs over world_size ranks.");
   m.def("close_handshakes", &jaxring::close_handshakes, nb::arg("timeout_s"),
         nb::call_guard<nb::gil_scoped_release>(),
         "Refuses TCP handshakes from now on (at exit) and waits for the calls "
@@ -324,6 +336,7 @@ NB_MODULE(_jaxring, m) {
     d["ring"] = static_cast<int>(jaxring::Algorithm::kRing);
     d["direct"] = static_cast<int>(jaxring::Algorithm::kDirect);
     d["nccl"] = static_cast<int>(jaxring::Algorithm::kNccl);
+    d["exchange"] = static_cast<int>(jaxring::Algorithm::kExchange);
     return d;
   }();
   m.attr("ELEM_TYPES") = [] {

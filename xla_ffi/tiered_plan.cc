@@ -6,9 +6,20 @@
 
 namespace jaxring {
 
+std::vector<int> exchange_tiers(int p) {
+  std::vector<int> dims;
+  while (p > 1 && p % 2 == 0) {
+    dims.push_back(2);
+    p /= 2;
+  }
+  if (p > 1 || dims.empty()) dims.push_back(p);
+  return dims;
+}
+
 TieredPlan::TieredPlan(std::vector<int> dims, int num_rings, int64_t count,
-                       int64_t elem_bytes, int64_t chunk_bytes)
-    : dims_(std::move(dims)),
+                       int64_t elem_bytes, int64_t chunk_bytes, PlanShape shape)
+    : shape_(shape),
+      dims_(std::move(dims)),
       world_(1),
       rings_(num_rings),
       count_(count),
@@ -42,6 +53,14 @@ TieredPlan::TieredPlan(std::vector<int> dims, int num_rings, int64_t count,
     ph.num_steps = kind == PhaseKind::kAllreduce ? 2 * (g - 1) : g - 1;
     phases_.push_back(ph);
   };
+  if (shape_ == PlanShape::kExchange) {
+    // Every tier on the whole part: an exchange (g - 1 = 1 step) where g is
+    // 2, a full ring allreduce otherwise.
+    for (int t : active) {
+      add(dims_[t] == 2 ? PhaseKind::kExchange : PhaseKind::kAllreduce, t);
+    }
+    return;
+  }
   for (int j = 0; j + 1 < m; ++j) add(PhaseKind::kReduceScatter, active[j]);
   if (m > 0) add(PhaseKind::kAllreduce, active[m - 1]);
   for (int j = m - 2; j >= 0; --j) add(PhaseKind::kAllGather, active[j]);
@@ -92,6 +111,7 @@ int TieredPlan::prev_rank(int ring, int phase, int rank) const {
 }
 
 Span TieredPlan::shard(int ring, int phase, int rank) const {
+  if (shape_ == PlanShape::kExchange) return even_split(count_, rings_, ring);
   // The reduce-scatters before this phase's tier narrow ring's part down to
   // the segment the rank owned after each; an all-gather phase works on the
   // same shard as the reduce-scatter it mirrors.
@@ -109,6 +129,8 @@ Span TieredPlan::shard(int ring, int phase, int rank) const {
 
 Span TieredPlan::segment(int ring, int phase, int rank, int seg) const {
   const Span s = shard(ring, phase, rank);
+  // An exchange sends the whole shard (its one step's "segment").
+  if (phases_[phase].kind == PhaseKind::kExchange) return s;
   Span out = even_split(s.count, phases_[phase].group_size, seg);
   out.offset += s.offset;
   return out;
@@ -204,8 +226,9 @@ std::string TieredPlan::describe() const {
   os << "TieredPlan(dims=";
   for (size_t i = 0; i < dims_.size(); ++i) os << (i ? "x" : "") << dims_[i];
   os << ", rings=" << rings_ << ", count=" << count_
-     << ", elem_bytes=" << elem_bytes_ << ", chunk_elems=" << chunk_elems_
-     << ")";
+     << ", elem_bytes=" << elem_bytes_ << ", chunk_elems=" << chunk_elems_;
+  if (shape_ == PlanShape::kExchange) os << ", shape=exchange";
+  os << ")";
   return os.str();
 }
 

@@ -46,6 +46,18 @@
 //  * a rank starts phase j + 1 of a ring once it has consumed every unit of
 //    phase j of that ring. Units of a later phase that arrive early wait in
 //    staging: their element range may still be in use by the current one.
+//
+// The exchange shape (PlanShape::kExchange: recursive doubling). Every phase
+// works on the ring's whole part, with no reduce-scatter before it: a tier
+// of size 2 is one exchange step (each rank sends its partner its whole
+// shard and adds the partner's to its own, so both hold the same sum, as
+// IEEE addition is commutative), and a larger tier a full ring allreduce.
+// exchange_tiers(p) gives the tiers: the factors 2 of p, then what is left.
+// 8 ranks: 3 steps, each of the whole buffer, against the ring's 14 of an
+// eighth: fewer waits for small buffers, more bytes for large ones. The
+// rules above hold unchanged (an exchange is a phase of one reduce step
+// whose unit u is chunk u of the shard, sent to and received from the
+// partner).
 #pragma once
 
 #include <cstdint>
@@ -60,7 +72,17 @@ enum class PhaseKind : int {
   kReduceScatter = 0,
   kAllreduce = 1,
   kAllGather = 2,
+  kExchange = 3,  // one reduce step with the partner (a tier of size 2)
 };
+
+enum class PlanShape : int {
+  kNested = 0,    // reduce-scatter, allreduce, all-gather (above)
+  kExchange = 1,  // recursive doubling (above)
+};
+
+// The tiers of the exchange shape for p ranks: a 2 per factor 2 of p, then
+// the odd rest if it is more than 1 (p = 12: 2, 2, 3; p = 5: 5).
+std::vector<int> exchange_tiers(int p);
 
 struct Phase {
   PhaseKind kind = PhaseKind::kAllreduce;
@@ -91,8 +113,10 @@ class TieredPlan {
   // size. Throws std::invalid_argument on an empty topology, a tier below 1,
   // a ring count, element size or chunk size below 1, or a negative count.
   TieredPlan(std::vector<int> dims, int num_rings, int64_t count,
-             int64_t elem_bytes, int64_t chunk_bytes);
+             int64_t elem_bytes, int64_t chunk_bytes,
+             PlanShape shape = PlanShape::kNested);
 
+  PlanShape shape() const { return shape_; }
   const std::vector<int>& dims() const { return dims_; }
   int world_size() const { return world_; }
   int num_rings() const { return rings_; }
@@ -137,6 +161,7 @@ class TieredPlan {
  private:
   Span segment(int ring, int phase, int rank, int seg) const;
 
+  PlanShape shape_;
   std::vector<int> dims_;
   std::vector<int64_t> stride_;  // rank = sum coord_i * stride_i
   int world_;

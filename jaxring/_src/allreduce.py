@@ -464,19 +464,32 @@ def _reduce_op_id(op: str) -> np.int64:
     return np.int64(_jaxring.REDUCE_OPS[op])
 
 
-def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False) -> str:
-    """"ring" or "direct" for an operation, from the setting and where its
-    ranks run. "auto" takes direct only where it applies: every rank in this
-    process (direct reads its peers' memory), no emulated link (which models
-    the ring's transfers) and no tiered plan (a plan of rings)."""
+def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
+                      nbytes: int | None = None, topology: Any = "auto") -> str:
+    """"ring", "direct" or "exchange" for an operation, from the setting and
+    where its ranks run. "auto" takes direct only where it applies: every
+    rank in this process (direct reads its peers' memory), no emulated link
+    (which models the ring's transfers) and no tiered plan (a plan of
+    rings). Across processes it takes exchange for an operand of nbytes up
+    to config.exchange_max_bytes, where the topology setting is "auto" (a
+    tuple or "flat" asks for the ring plan)."""
     across = distributed.spans_processes(rank_process)
     emulated = bool(link)
     if algorithm == "auto":
+        limit = config.exchange_max_bytes  # 0: never
+        if (across and not emulated and topology == "auto" and nbytes is not None
+                and 0 < limit and nbytes <= limit):
+            return "exchange"
         return "ring" if across or emulated or tiered else "direct"
     if algorithm == "nccl":
         raise ValueError(
             "jaxring: algorithm='nccl' runs NCCL's allreduce and exists on the "
-            "CUDA backend only; on CPU use 'ring', 'direct' or 'auto'.")
+            "CUDA backend only; on CPU use 'ring', 'direct', 'exchange' or 'auto'.")
+    if algorithm == "exchange" and tiered:
+        raise ValueError(
+            "jaxring: algorithm='exchange' picks its own tiers (one exchange per "
+            "factor 2 of the world size), so it takes no tiered topology; use "
+            "topology='flat' or 'auto' with it, or algorithm='ring'.")
     if algorithm == "direct" and across:
         raise ValueError(
             "jaxring: algorithm='direct' reads its peers' buffers, so every "
@@ -551,7 +564,14 @@ def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
             "sizes, which run as flat rings; use topology='flat' or 'auto'.")
     tiers = (() if len(ring.group_sizes)
              else _topology.resolve(topology, world, rank_process))
-    chosen = resolve_algorithm(algorithm, link, rank_process, tiered=bool(tiers))
+    if algorithm == "exchange" and topology == "auto":
+        tiers = ()  # the tiers "auto" finds are the ring plan's
+    data = ctx.avals_in[-1]  # a split-phase start's dependencies come first
+    nbytes = math.prod(data.shape) * np.dtype(data.dtype).itemsize
+    chosen = resolve_algorithm(algorithm, link, rank_process, tiered=bool(tiers),
+                               nbytes=nbytes, topology=topology)
+    if chosen == "exchange":
+        tiers = ()
     mesh = (world, tuple(rank_process), tuple(ring.group_sizes))
     return _attribute_dict(ctx, label, mesh, world=world, rank_process=rank_process,
                            uneven_sizes=ring.group_sizes, tiers=tiers,
@@ -619,6 +639,11 @@ def resolve_cuda_algorithm(algorithm: str, dtype) -> str:
         raise ValueError(
             "jaxring: algorithm='direct' reads peers' host memory and exists on "
             "the CPU backend only; on GPU use 'ring', 'nccl' or 'auto'.")
+    if algorithm == "exchange":
+        raise ValueError(
+            "jaxring: algorithm='exchange' runs on the CPU transports only; on "
+            "GPU use 'ring', 'nccl' (NCCL picks its own small-message "
+            "algorithms) or 'auto'.")
     if np.dtype(dtype) not in _NCCL_DTYPES:
         raise TypeError(
             f"jaxring: algorithm='nccl' cannot reduce {np.dtype(dtype)} (NCCL "
@@ -851,9 +876,11 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
       chunk_bytes: pipelining unit (default ``jaxring.config.chunk_bytes``).
       timeout_s: seconds to wait for peers before failing
         (default ``jaxring.config.timeout_s``).
-      algorithm: ``"ring"``, ``"direct"`` (all ranks in one process) or
-        ``"auto"`` (default ``jaxring.config.algorithm``, itself ``"auto"``:
-        direct in one process without ``cpu_link``, ring otherwise).
+      algorithm: ``"ring"``, ``"direct"`` (all ranks in one process),
+        ``"exchange"`` (recursive doubling: fewer, larger steps, for small
+        buffers; CPU) or ``"auto"`` (default ``jaxring.config.algorithm``,
+        itself ``"auto"``: direct in one process without ``cpu_link``, ring
+        otherwise).
       topology: the ring plan's tiers across processes, tightest first, e.g.
         ``(4, 2)`` for 4 devices in each of 2 processes; ``"flat"`` for one
         ring; ``"auto"`` (default ``jaxring.config.topology``) derives them

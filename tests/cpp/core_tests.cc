@@ -650,12 +650,18 @@ void run_emulation_tests() {
 // outputs and in place, plain and on an emulated two-tier cluster.
 void run_tiered_tests() {
   int64_t op_id = 50000;
-  const std::vector<std::vector<int>> topologies = {{2, 4}, {4, 2}, {2, 2, 2}};
-  for (const auto& dims : topologies)
+  // Tiered plans of 8 ranks, then the exchange plan (empty dims) of p ranks.
+  struct Case {
+    std::vector<int> dims;
+    int p;
+  };
+  const std::vector<Case> cases = {{{2, 4}, 8}, {{4, 2}, 8}, {{2, 2, 2}, 8},
+                                   {{}, 2}, {{}, 3}, {{}, 6}, {{}, 8}, {{}, 12}};
+  for (const auto& [dims, p] : cases)
     for (int rings : {1, 3})
       for (int64_t count : {0, 1, 7, 1000, 100003})
         for (int variant = 0; variant < 3; ++variant) {
-          const int p = 8;
+          const bool exchange = dims.empty();
           const bool in_place = variant == 1, emulated = variant == 2;
           std::vector<std::vector<int32_t>> in(p, std::vector<int32_t>(count));
           std::vector<std::vector<int32_t>> out(p, std::vector<int32_t>(count, -1));
@@ -672,7 +678,11 @@ void run_tiered_tests() {
           desc.num_rings = rings;
           desc.chunk_bytes = 1024;
           desc.topology = dims;
-          if (emulated) desc.link = {{dims[0], 20e9, 1e-6}, {p / dims[0], 2e9, 5e-6}};
+          if (exchange) desc.algorithm = jaxring::Algorithm::kExchange;
+          if (emulated && exchange) desc.link = {{p, 2e9, 5e-6}};
+          if (emulated && !exchange) {
+            desc.link = {{dims[0], 20e9, 1e-6}, {p / dims[0], 2e9, 5e-6}};
+          }
           std::vector<int> order(p);
           std::iota(order.begin(), order.end(), 0);
           std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<unsigned>(op_id)));

@@ -7,8 +7,10 @@ dtype and op at random sizes. Checks that every local rank got the same
 bits and prints one CHECK line per case with a digest of them, so the test
 can compare bits across processes, and across runs that split the ranks
 between processes differently, then DONE. An optional third argument is the topology setting
-("auto", "flat" or "2x2"); the TOPOLOGY line says which tiers the lowered
-custom call carries.
+("auto", "flat" or "2x2"), or "exchange" for algorithm="exchange" (topology
+"auto"); the TOPOLOGY and ALGORITHM lines say which tiers and algorithm
+the lowered custom call of a 4 MiB allreduce carries, SMALL_ALGORITHM
+which algorithm a 64-byte one runs.
 """
 
 import hashlib
@@ -48,7 +50,9 @@ def reference(x, op):
 def main():
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     cases = int(sys.argv[2]) if len(sys.argv) > 2 else 24
-    if len(sys.argv) > 3:
+    if len(sys.argv) > 3 and sys.argv[3] == "exchange":
+        jaxring.config.update("algorithm", "exchange")
+    elif len(sys.argv) > 3:
         t = sys.argv[3]
         jaxring.config.update("topology", t if t in ("auto", "flat") else
                               tuple(int(d) for d in t.split("x")))
@@ -74,10 +78,21 @@ def main():
         arr = jax.make_array_from_callback(
             x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
         if case == 0:
-            hlo = fns[key].lower(arr).as_text()
-            # e.g. dense<[4, 2]> : tensor<2xi64>; dense<2> : tensor<2xi64> is
-            # a splat; dense<> : tensor<0xi64> is empty (flat).
-            attr = re.search(r"topology = dense<([^>]*)> : tensor<(\d+)xi64>", hlo)
+            from jaxring import _jaxring
+            names = {v: k for k, v in _jaxring.ALGORITHMS.items()}
+            for title, length in (("", 1 << 20), ("SMALL_", 16)):
+                probe = jax.ShapeDtypeStruct((world, length), np.float32,
+                                             sharding=NamedSharding(mesh, P("x")))
+                hlo = fns[key].lower(probe).as_text()
+                number = int(re.search(r"algorithm = (\d+)", hlo).group(1))
+                print(f"{title}ALGORITHM", names[number], flush=True)
+            # The large one's tiers, e.g. dense<[4, 2]> : tensor<2xi64>;
+            # dense<2> : tensor<2xi64> is a splat; dense<> : tensor<0xi64>
+            # is empty (flat).
+            attr = re.search(r"topology = dense<([^>]*)> : tensor<(\d+)xi64>",
+                             fns[key].lower(jax.ShapeDtypeStruct(
+                                 (world, 1 << 20), np.float32,
+                                 sharding=NamedSharding(mesh, P("x")))).as_text())
             tiers = re.findall(r"\d+", attr.group(1))
             if len(tiers) == 1:
                 tiers = tiers * int(attr.group(2))

@@ -58,6 +58,7 @@ const char* phase_name(PhaseKind kind) {
     case PhaseKind::kReduceScatter: return "reduce-scatter";
     case PhaseKind::kAllreduce: return "allreduce";
     case PhaseKind::kAllGather: return "all-gather";
+    case PhaseKind::kExchange: return "exchange";
   }
   return "?";
 }
@@ -409,6 +410,15 @@ bool Pass::run(bool* finished) {
         ring_progressed = true;
       }
       if (task_.remaining[r] > 0) break;
+      // An exchange phase sent its whole shard from the rank's copy, which
+      // the next phase overwrites: frames to other processes that still
+      // read it must be out first (their release wakes this worker). A
+      // nested plan's next phase copies only the segment the rank kept,
+      // which its sends never read.
+      if (j + 1 < phases_ && plan_.shape() == PlanShape::kExchange &&
+          me_.outstanding_sends > 0) {
+        break;
+      }
       enter_phase(r, j + 1);
       ring_progressed = true;
     }
@@ -445,7 +455,9 @@ bool Pass::run(bool* finished) {
       waited_for.insert(
           op_.process_of_rank[plan_.prev_rank(r, task_.phase[r], task_.rank)]);
     }
-    const int peer = waited_for.size() == 1 ? *waited_for.begin() : -1;
+    // A rank of this process is no peer to blame (all of them run here).
+    const int peer = waited_for.size() == 1 && *waited_for.begin() != op_.host->process()
+                         ? *waited_for.begin() : -1;
     return fail_all(tagged(FailureKind::kTimeout, peer, timeout_message(all_done)));
   }
   unlock_and_wake();

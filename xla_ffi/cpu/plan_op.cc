@@ -8,7 +8,13 @@
 namespace jaxring {
 
 void PlanOp::set_desc(const OpDesc& d) {
-  std::vector<int> dims = d.topology;
+  const bool exchange = d.algorithm == Algorithm::kExchange;
+  if (exchange && !d.topology.empty()) {
+    throw std::invalid_argument("algorithm=exchange picks its own tiers; "
+                                "it takes no topology");
+  }
+  if (d.world_size < 1) throw std::invalid_argument("the world size is below 1");
+  std::vector<int> dims = exchange ? exchange_tiers(d.world_size) : d.topology;
   if (dims.empty()) dims.push_back(d.world_size);
   int64_t product = 1;
   for (int t : dims) {
@@ -20,7 +26,8 @@ void PlanOp::set_desc(const OpDesc& d) {
                                 "world size");
   }
   plan.reset(new TieredPlan(dims, d.num_rings, d.count, elem_bytes(d.type),
-                            d.chunk_bytes));
+                            d.chunk_bytes,
+                            exchange ? PlanShape::kExchange : PlanShape::kNested));
   desc = d;
   has_desc = true;
 }

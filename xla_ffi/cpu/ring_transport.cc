@@ -25,9 +25,16 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
     done(tagged(FailureKind::kInvalid, -1,
                 "jaxring allreduce: algorithm=direct has no tiers; a tiered "
                 "topology runs the ring plan"));
-  } else if (one_process && (desc.topology.size() > 1 || desc.link.size() > 1)) {
-    // A tiered plan, or an emulated cluster of tiers: the plan executor,
-    // whose units can cross a different emulated link at every phase.
+  } else if (desc.algorithm == Algorithm::kExchange && desc.topology.size() > 1) {
+    // Python refuses this at trace time; this guards hand-written calls.
+    done(tagged(FailureKind::kInvalid, -1,
+                "jaxring allreduce: algorithm=exchange picks its own tiers; a "
+                "tiered topology runs the ring plan"));
+  } else if (one_process && (desc.topology.size() > 1 || desc.link.size() > 1 ||
+                             desc.algorithm == Algorithm::kExchange)) {
+    // A tiered plan, an emulated cluster of tiers, or the exchange plan: the
+    // plan executor, whose units can cross a different emulated link at
+    // every phase.
     inprocess_plan_allreduce(key, desc, rank, device, in, out, timeout_s,
                              std::move(done));
   } else if (one_process) {

@@ -138,6 +138,7 @@ std::string TcpTransport::send_remote(const std::shared_ptr<PlanOp>& op_ptr,
   h.count = op.desc.count;
   h.chunk_bytes = op.desc.chunk_bytes;
   h.topology = pack_topology(op.desc.topology);
+  h.algorithm = static_cast<int32_t>(op.desc.algorithm);
   h.slot_id = op.desc.slot_id;
   h.unit = u;
   h.payload_bytes = bytes;

@@ -36,6 +36,7 @@ OpDesc desc_of(const FrameHeader& h) {
   d.num_rings = h.num_rings;
   d.chunk_bytes = h.chunk_bytes;
   d.topology = unpack_topology(h.topology);
+  d.algorithm = static_cast<Algorithm>(h.algorithm);  // checked: plausible_...
   d.slot_id = h.slot_id;
   return d;
 }
@@ -43,7 +44,8 @@ OpDesc desc_of(const FrameHeader& h) {
 bool same_operation(const OpDesc& a, const OpDesc& b) {
   return a.type == b.type && a.op == b.op && a.count == b.count &&
          a.world_size == b.world_size && a.num_rings == b.num_rings &&
-         a.chunk_bytes == b.chunk_bytes && a.topology == b.topology;
+         a.chunk_bytes == b.chunk_bytes && a.topology == b.topology &&
+         a.algorithm == b.algorithm;
 }
 
 std::string op_name(const OpKey& k, const OpDesc& d) {
@@ -61,7 +63,11 @@ bool plausible_data_header(const FrameHeader& h) {
          h.ring < h.num_rings && h.dst_rank >= 0 && h.dst_rank < h.world_size &&
          h.src_rank >= 0 && h.src_rank < h.world_size && h.phase >= 0 &&
          h.count >= 0 && h.chunk_bytes >= 1 && h.chunk_bytes <= (int64_t{1} << 40) &&
-         h.unit >= 0;
+         h.unit >= 0 &&
+         // Only these plans cross processes (direct and nccl never do).
+         (h.algorithm == static_cast<int32_t>(Algorithm::kRing) ||
+          h.algorithm == static_cast<int32_t>(Algorithm::kExchange)) &&
+         h.reserved == 0;
 }
 
 }  // namespace jaxring

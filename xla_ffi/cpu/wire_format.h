@@ -41,6 +41,8 @@ struct FrameHeader {
   int32_t world_size;
   int32_t num_rings;
   int32_t phase;          // of the tiered plan
+  int32_t algorithm;      // Algorithm: kRing or kExchange (which plan)
+  int32_t reserved;       // zero
   int64_t count;
   int64_t chunk_bytes;
   int64_t topology;       // the plan's tiers, packed (see pack_topology)
@@ -48,7 +50,7 @@ struct FrameHeader {
   int64_t payload_bytes;  // data, or the abort message's length
   int64_t slot_id;        // OpDesc::slot_id
 };
-static_assert(sizeof(FrameHeader) == 112, "FrameHeader layout");
+static_assert(sizeof(FrameHeader) == 120, "FrameHeader layout");
 
 // A topology travels in one header word: up to four tiers of up to 16 bits
 // each, tightest in the low bits; 0 is the flat ring. Python enforces the

@@ -93,8 +93,9 @@ Status describe(ffi::DataType dtype, int device, const RingAttrs& a,
   if (!algorithm_from_int(a.algorithm, &op->algorithm)) {
     return "jaxring allreduce: unknown algorithm";
   }
-  if (op->algorithm == Algorithm::kDirect) {
-    return "jaxring allreduce: algorithm 'direct' exists on the CPU backend only";
+  if (op->algorithm == Algorithm::kDirect || op->algorithm == Algorithm::kExchange) {
+    return std::string("jaxring allreduce: algorithm '") +
+           algorithm_name(op->algorithm) + "' exists on the CPU backend only";
   }
   // Python refuses these at trace time with the way out; here they only
   // must not pass unnoticed.
