@@ -25,11 +25,13 @@ against size.
 busbw = bytes * 2(n-1)/n / time: the rate each link must sustain for a ring
 allreduce to take that long, comparable with the link's own rate.
 
-With --exchange, the jobs across processes also time
-`algorithm="exchange"` (recursive doubling: fewer steps, each of the whole
-buffer) in the same rounds, and the tables give it against the ring on the
-same transport (busbw is then the same bytes over its time, a ratio of
-times).
+jaxring runs with its defaults: across processes, algorithm "auto" takes
+the exchange algorithm up to jaxring.config.exchange_max_bytes and the
+ring above. With --exchange, the jobs across processes also time
+`algorithm="ring"` and `algorithm="exchange"` (recursive doubling: fewer
+steps, each of the whole buffer) in the same rounds, and the tables give
+one against the other on each transport (busbw is then the same bytes over
+each one's time, so the ratio is one of times).
 
 With --netns-rate (as root), each job runs on a network of namespaces built
 by benchmarks/netns.py instead of loopback: one namespace and address per
@@ -113,8 +115,9 @@ def worker(args) -> None:
     else:
         fns = {"jaxring": program(jaxring.allreduce), "gloo": program(jax.lax.psum)}
         if args.exchange:
-            fns["exchange"] = program(
-                lambda v, a: jaxring.allreduce(v, a, algorithm="exchange"))
+            for name in ("ring", "exchange"):
+                fns[name] = program(
+                    lambda v, a, name=name: jaxring.allreduce(v, a, algorithm=name))
     rows = []
     size = args.min_bytes
     while size <= args.max_bytes:
@@ -149,7 +152,8 @@ def worker(args) -> None:
 # "direct" (the one-process job).
 COLUMNS = (("shm", "auto", "jaxring"), ("tcp", "tcp", "jaxring"),
            ("gloo", "auto", "gloo"), ("gloo (tcp job)", "tcp", "gloo"),
-           ("direct", "direct", "jaxring"), ("shm exchange", "auto", "exchange"),
+           ("direct", "direct", "jaxring"), ("shm ring", "auto", "ring"),
+           ("shm exchange", "auto", "exchange"), ("tcp ring", "tcp", "ring"),
            ("tcp exchange", "tcp", "exchange"))
 
 
@@ -173,7 +177,7 @@ def table(jobs: dict[str, list[dict]], n: int, launcher: str = "") -> str:
         ratios.append(("shm/direct", ("auto", "jaxring"), ("direct", "jaxring")))
     for title, job in (("shm", "auto"), ("tcp", "tcp")):
         if (title + " exchange", job, "exchange") in cols:
-            ratios.append((f"{title} exch/ring", (job, "exchange"), (job, "jaxring")))
+            ratios.append((f"{title} exch/ring", (job, "exchange"), (job, "ring")))
     head = (f"{'bytes':>10} | " + " ".join(f"{t:>14}" for t, _, _ in cols) + " | " +
             " ".join(f"{t:>10}" for t, _, _ in ratios))
     lines = [f"# {n} processes, 1 CPU device each, float32, busbw GB/s, "
@@ -242,7 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-direct", action="store_true",
                     help="skip the one-process job (the in-process bound)")
     ap.add_argument("--exchange", action="store_true",
-                    help='also time algorithm="exchange" in the jobs across processes')
+                    help='also time algorithm="ring" and "exchange" in the jobs '
+                         'across processes')
     ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-direct", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -37,8 +37,8 @@ def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path)
     assert "shm exch/ring" in res.stdout and "tcp exch/ring" in res.stdout, res.stdout
     rows = [l.split("|") for l in lines if l.strip().endswith("x") and "|" in l]
     assert [r[0].split() for r in rows] == [["4", "KiB"], ["16", "KiB"]], res.stdout
-    for r in rows:  # shm, tcp, gloo, gloo (tcp job), direct, the exchanges
-        assert len(r[1].split()) == 7 and all(float(v) > 0 for v in r[1].split()), r
+    for r in rows:  # shm, tcp, gloo, gloo (tcp job), direct, ring and exchange x2
+        assert len(r[1].split()) == 9 and all(float(v) > 0 for v in r[1].split()), r
 
 
 def test_overlap_benchmark_prints_every_variant_and_the_bound(tmp_path):
