@@ -138,6 +138,26 @@ def test_any_world_rings_chunk_and_count(world, rings, chunk_bytes, count, dtype
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("op", ["min", "max", "sum"])
+def test_ranks_agree_bitwise_on_signed_zeros_and_nan_payloads(algorithm, op):
+    """min(+0, -0) and the payload of NaN + NaN depend on the operands'
+    order: every rank must still get the same bits (the exchange's partners
+    order them alike)."""
+    rng = np.random.default_rng(7)
+    # +0, -0, 1, and (rarely, so most elements have none) three NaNs.
+    bits = rng.choice(np.array([0x00000000, 0x80000000, 0x3f800000, 0x7fc00001,
+                                0x7fc12345, 0xffc00007], np.uint32), size=(8, 4096),
+                      p=[0.33, 0.33, 0.32, 0.01, 0.005, 0.005])
+    x = bits.view(np.float32)
+    got = per_rank(functools.partial(jaxring.allreduce, op=op, algorithm=algorithm),
+                   mesh_of(8), x)
+    assert all(np.array_equal(got[0].view(np.uint32), g.view(np.uint32)) for g in got)
+    want = {"min": np.min, "max": np.max, "sum": np.sum}[op](x, axis=0)  # NaN wins
+    assert np.array_equal(np.isnan(got[0]), np.isnan(want))
+    assert np.array_equal(got[0][~np.isnan(want)], want[~np.isnan(want)])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_large_count_and_ranks_agree_bitwise_and_runs_repeat(algorithm):
     mesh = mesh_of(8)
     x = inputs(np.float32, (8, 1_000_003), seed=5)

@@ -151,6 +151,11 @@ bool TieredPlan::is_reduce_unit(int phase, int64_t u) const {
   return ph.first_step + u % ph.num_steps < ph.group_size - 1;
 }
 
+bool TieredPlan::own_first(int phase, int rank) const {
+  const Phase& ph = phases_[phase];
+  return ph.kind == PhaseKind::kExchange && coord(rank, ph.tier) == 0;
+}
+
 Span TieredPlan::send_span(int ring, int phase, int rank, int64_t u) const {
   const Phase& ph = phases_[phase];
   const int step = ph.first_step + static_cast<int>(u % ph.num_steps);

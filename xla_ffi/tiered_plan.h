@@ -143,6 +143,12 @@ class TieredPlan {
   int64_t num_units(int ring, int phase, int rank) const;
   // Whether unit u's receiver reduces (else it stores).
   bool is_reduce_unit(int phase, int64_t u) const;
+  // Whether `rank` reduces with its own contribution as the first operand
+  // at phase j. A ring step adds the received partial first. In an
+  // exchange both partners add the lower coordinate's value first, so they
+  // compute the same bits even where an operation is not symmetric in its
+  // operands (min of +0 and -0, the payload of two NaNs).
+  bool own_first(int phase, int rank) const;
   // The element range this rank receives as unit u of (ring, phase), and the
   // one it sends as unit u (which its next rank receives as unit u).
   Span recv_span(int ring, int phase, int rank, int64_t u) const;

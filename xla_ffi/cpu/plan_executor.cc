@@ -300,9 +300,14 @@ void Pass::consume(int r, int j, int64_t u) {
       // Nothing left to do here: the reader did it (see Inbox).
     } else if (plan_.is_reduce_unit(j, u)) {
       // The neighbour's partial first, then this rank's own: the summation
-      // order of the ring, whichever link brought the partial.
-      reduce(op_.desc.type, op_.desc.op, dst, src, own(r, j, span.offset),
-             span.count);
+      // order of the ring, whichever link brought the partial (an exchange:
+      // the lower-coordinate partner's first, see own_first).
+      const char* mine = own(r, j, span.offset);
+      if (plan_.own_first(j, task_.rank)) {
+        reduce(op_.desc.type, op_.desc.op, dst, mine, src, span.count);
+      } else {
+        reduce(op_.desc.type, op_.desc.op, dst, src, mine, span.count);
+      }
     } else if (src != dst) {
       std::memcpy(dst, src, static_cast<size_t>(span.count * esize_));
     }

@@ -315,6 +315,7 @@ void TcpTransport::read_loop(int fd) {
     // Where the unit is reduced on arrival (out of the ring): the rank's own
     // contribution, which a worker would otherwise reduce it with.
     const char* own = nullptr;
+    bool own_first = false;  // the operand order (TieredPlan::own_first)
     ElemType type = ElemType::kF32;
     ReduceOp reduce_op = ReduceOp::kSum;
     double stall_s;  // read under the lock: a joining rank may set it
@@ -385,6 +386,7 @@ void TcpTransport::read_loop(int fd) {
             dest = static_cast<char*>(local->second.out) + span.offset * esize;
             if (ring_frame && plan.is_reduce_unit(h.phase, unit)) {
               own = local->second.own_contribution(h.ring, h.phase, span.offset, esize);
+              own_first = plan.own_first(h.phase, h.dst_rank);
               type = o.desc.type;
               reduce_op = o.desc.op;
             }
@@ -429,7 +431,9 @@ void TcpTransport::read_loop(int fd) {
       if (!src) {
         r = ReadResult::kError;
       } else {
-        if (own) {
+        if (own && own_first) {
+          reduce(type, reduce_op, dest, own, src, n / elem_bytes(type));
+        } else if (own) {
           reduce(type, reduce_op, dest, src, own, n / elem_bytes(type));
         } else {
           std::memcpy(dest, src, static_cast<size_t>(n));
