@@ -25,9 +25,9 @@ against size.
 busbw = bytes * 2(n-1)/n / time: the rate each link must sustain for a ring
 allreduce to take that long, comparable with the link's own rate.
 
-jaxring runs with its defaults: across processes, algorithm "auto" takes
-the exchange algorithm up to jaxring.config.exchange_max_bytes and the
-ring above. With --exchange, the jobs across processes also time
+jaxring runs with its defaults (across processes, algorithm "auto": the
+ring, or the exchange up to JAXRING_EXCHANGE_MAX_BYTES where set). With
+--exchange, the jobs across processes also time
 `algorithm="ring"` and `algorithm="exchange"` (recursive doubling: fewer
 steps, each of the whole buffer) in the same rounds, and the tables give
 one against the other on each transport (busbw is then the same bytes over

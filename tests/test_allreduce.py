@@ -695,16 +695,16 @@ def test_direct_refused_across_processes():
     assert resolve_algorithm("auto", (), one, tiered=True) == "ring"
     # Across processes "auto" takes exchange for small operands, where the
     # topology is left to "auto" too (a tuple or "flat" asks for the ring).
-    limit = jaxring.config.exchange_max_bytes
-    assert resolve_algorithm("auto", (), two, nbytes=limit) == "exchange"
-    assert resolve_algorithm("auto", (), two, nbytes=limit + 1) == "ring"
-    assert resolve_algorithm("auto", (), two, tiered=True, nbytes=64) == "exchange"
-    assert resolve_algorithm("auto", (), two, nbytes=64, topology=(2, 2)) == "ring"
-    assert resolve_algorithm("auto", (), two, nbytes=64, topology="flat") == "ring"
-    assert resolve_algorithm("auto", (), one, nbytes=64) == "direct"
-    jaxring.config.update("exchange_max_bytes", 0)
+    # (off by default: exchange_max_bytes 0).
+    assert resolve_algorithm("auto", (), two, nbytes=0) == "ring"
+    jaxring.config.update("exchange_max_bytes", 4096)
     try:
-        assert resolve_algorithm("auto", (), two, nbytes=0) == "ring"
+        assert resolve_algorithm("auto", (), two, nbytes=4096) == "exchange"
+        assert resolve_algorithm("auto", (), two, nbytes=4097) == "ring"
+        assert resolve_algorithm("auto", (), two, tiered=True, nbytes=64) == "exchange"
+        assert resolve_algorithm("auto", (), two, nbytes=64, topology=(2, 2)) == "ring"
+        assert resolve_algorithm("auto", (), two, nbytes=64, topology="flat") == "ring"
+        assert resolve_algorithm("auto", (), one, nbytes=64) == "direct"
     finally:
         jaxring.config.reset("exchange_max_bytes")
     # The exchange plan runs anywhere on the CPU, but picks its own tiers.

@@ -80,8 +80,11 @@ ACROSS_PROCESSES = [
 def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
                                                   topology, tiers):
     # 48 cases: every dtype under every op, random sizes, rings and chunks.
+    # With the exchange on for small operands (off by default), "auto"
+    # mixes it with the ring in one job: cases up to 64 KiB take it.
     r = run_launcher(nproc, "allreduce_check.py", seed, 48, topology,
-                     devices_per_process=devices)
+                     devices_per_process=devices,
+                     env={"JAXRING_EXCHANGE_MAX_BYTES": "65536"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     by_rank = lines_by_rank(r.stdout)
     assert sorted(by_rank) == list(range(nproc))
@@ -92,7 +95,8 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
         # The custom call carries the tiers the plan runs (none: flat).
         assert lowered == [f"TOPOLOGY {tiers}"], lowered
         # A 4 MiB allreduce runs the ring plan, unless exchange is asked for;
-        # a 64-byte one runs exchange where the topology is left to "auto".
+        # a 64-byte one runs exchange where the topology is left to "auto"
+        # (and exchange_max_bytes allows it, as here).
         algorithm = "exchange" if topology == "exchange" else "ring"
         assert f"ALGORITHM {algorithm}" in lines, lines[-5:]
         small = "exchange" if topology in ("auto", "exchange") else "ring"

@@ -173,16 +173,18 @@ _OPTIONS = {
                 "CPU, direct when every rank of the operation is in this "
                 "process and cpu_link is off; across processes, exchange "
                 "for buffers of at most exchange_max_bytes (unless "
-                "topology names tiers or \"flat\") and the ring above; "
-                "the ring under cpu_link; on GPU, the ring."),
-        _Option("exchange_max_bytes", "JAXRING_EXCHANGE_MAX_BYTES", 64 << 10, int,
+                "topology names tiers or \"flat\"; off by default) and "
+                "the ring otherwise; the ring under cpu_link; on GPU, the "
+                "ring."),
+        _Option("exchange_max_bytes", "JAXRING_EXCHANGE_MAX_BYTES", 0, int,
                 _int_in(0, MAX_CHUNK_BYTES), "an int from 0 to 2**40",
                 "With algorithm \"auto\", an allreduce across processes of "
                 "at most this many bytes runs the exchange algorithm "
-                "(recursive doubling) rather than the ring: at 4 processes "
-                "it took 0.5-0.75x the ring's time up to 64 KiB (the "
-                "default), as much at 256 KiB, and 1.4x at 1 MiB. 0: always "
-                "the ring."),
+                "(recursive doubling) rather than the ring. 0 (default): "
+                "never. Over shared memory and loopback, 4 processes took "
+                "0.5-0.75x the ring's time up to 64 KiB; but a CNN's step "
+                "over 28 Mbit links got slower with 4096 or 65536 here, so "
+                "measure before turning it on (docs/allreduce.md)."),
         _Option("topology", "JAXRING_TOPOLOGY", "auto", _topology.parse,
                 _topology.is_setting, _topology.REQUIREMENT,
                 "The tiers of the ring plan across processes, tightest "
