@@ -180,3 +180,66 @@ def test_emulated_tiers_must_divide_the_ring():
                 v, "i", axis_index_groups=[[0, 1, 2], [3, 4, 5, 6, 7]]), mesh).lower(xs)
     finally:
         jaxring.config.reset("cpu_link")
+
+
+EMULATED_PLANS = {  # id: (devices, the allreduce's arguments)
+    "2x4": (8, dict(topology=(2, 4))),
+    "2x2x2,rings2,chunks256": (8, dict(topology=(2, 2, 2), rings=2, chunk_bytes=256)),
+    "exchange": (8, dict(algorithm="exchange")),
+    "exchange,rings3,chunks4096": (8, dict(algorithm="exchange", rings=3,
+                                           chunk_bytes=4096)),
+    "exchange,6 devices": (6, dict(algorithm="exchange", rings=2)),  # tiers 2, 3
+}
+
+
+@pytest.mark.parametrize("devices,plan", EMULATED_PLANS.values(),
+                         ids=EMULATED_PLANS.keys())
+@pytest.mark.parametrize("dtype,op", [(np.float32, "sum"), (np.float16, "sum"),
+                                      (np.float32, "min"), (np.int32, "sum")])
+def test_emulated_plans_give_the_executors_bits(plan, dtype, op, devices):
+    # Under link emulation a plan's data moves at once, ring by ring on one
+    # thread (inprocess_emulation.cc); without it the plan executor moves it
+    # unit by unit on a worker per device. The same operands in the same
+    # order: the same bits, signed zeros and all.
+    mesh = jax.make_mesh((devices,), ("i",), devices=jax.devices()[:devices])
+    rng = np.random.default_rng(devices + len(plan))
+    x = rng.standard_normal((devices, 3001)) * 50
+    x[:, ::7] = 0.0
+    x[::2, ::7] = -0.0  # min(+0, -0) depends on the operand order
+    xs = jax.device_put(x.astype(dtype), NamedSharding(mesh, P("i")))
+    f = sharded_call(lambda v: jaxring.allreduce(v, "i", op=op, **plan), mesh)
+    plain = np.asarray(f(xs))
+    jaxring.config.update("cpu_link", "100Gbit,1us")
+    try:
+        emulated = np.asarray(sharded_call(
+            lambda v: jaxring.allreduce(v, "i", op=op, **plan), mesh)(xs))
+    finally:
+        jaxring.config.reset("cpu_link")
+    assert plain.tobytes() == emulated.tobytes()
+    reference = {"sum": np.sum, "min": np.min}[op](x.astype(dtype), axis=0)
+    tolerance = dict(rtol=2e-2, atol=1.0) if dtype == np.float16 else dict(rtol=1e-5, atol=1e-3)
+    for k in range(devices):
+        np.testing.assert_allclose(emulated[k].astype(np.float64),
+                                   reference.astype(np.float64), **tolerance)
+    assert _jaxring.inprocess_pending_ops() == 0
+
+
+def test_emulated_exchange_takes_fewer_hops_than_the_ring():
+    # On a link whose latency dwarfs the bytes, a flat ring of 8 waits for
+    # 14 hops one after the other; the exchange for 3 (tiers 2, 2, 2). The
+    # ceiling is loose (three times the exchange's 30 ms, still under half
+    # the ring's 140): it checks the hops, not the speed of this machine.
+    mesh, xs = mesh8(), ones8()
+    latency = 10e-3
+    jaxring.config.update("cpu_link", "100Gbit,10ms")
+    try:
+        took = {}
+        for algorithm in ("ring", "exchange"):
+            got, took[algorithm] = timed(sharded_call(lambda v: jaxring.allreduce(
+                v, "i", algorithm=algorithm), mesh), xs)
+            np.testing.assert_array_equal(got, np.full((8, 4), 8.0, np.float32))
+    finally:
+        jaxring.config.reset("cpu_link")
+    assert took["ring"] >= 0.95 * 14 * latency, took
+    assert 0.95 * 3 * latency <= took["exchange"] < 9 * latency, took
+    assert _jaxring.inprocess_pending_ops() == 0

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "../tiered_plan.h"
-#include "link_pacing.h"
+#include "op_plan.h"
 #include "operation.h"
 #include "task_queue.h"
 
@@ -56,19 +56,24 @@ struct Op {
   Op(const OpKey& k, const OpDesc& d, double timeout_s)
       : key(k),
         desc(d),
-        plan(std::vector<int>{d.world_size}, d.num_rings, d.count,
-             elem_bytes(d.type), d.chunk_bytes),
+        plan(plan_for(d)),
+        flat(is_flat_ring(plan)),
         slots(d.world_size),
         deadline(Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                     std::chrono::duration<double>(timeout_s))),
         timeout_s(timeout_s) {
-    int64_t units = 0;
-    for (int r = 0; r < d.num_rings; ++r) {
-      unit_base.push_back(units);
-      units += chunks(r) * steps();
+    if (flat) {
+      int64_t units = 0;
+      for (int r = 0; r < d.num_rings; ++r) {
+        unit_base.push_back(units);
+        units += chunks(r) * steps();
+      }
+      num_units = units;
+      for (int r = 0; r < d.num_rings; ++r) num_pipelines += chunks(r);
+    } else {
+      // Another plan's data moves ring by ring (run_emulated).
+      num_pipelines = d.num_rings;
     }
-    num_units = units;
-    for (int r = 0; r < d.num_rings; ++r) num_pipelines += chunks(r);
     // A share is worth handing to another thread only if it is a few
     // milliseconds of copying: a worker woken for less may wait longer for
     // a core than the work takes.
@@ -88,10 +93,15 @@ struct Op {
 
   const OpKey key;
   const OpDesc desc;
-  // The flat ring: the tiered plan of one tier, whose one phase (none in a
+  // The plan desc names (op_plan.h). Without link emulation it is always
+  // the flat ring (ring_transport.cc sends other plans to the plan
+  // executor): the tiered plan of one tier, whose one phase (none in a
   // world of one) is the whole 2(p-1)-step allreduce. Its units are the
-  // CPU executor's and the CUDA stream schedule's.
+  // CPU executor's and the CUDA stream schedule's. Under emulation any
+  // plan runs here (run_emulated); the members below that speak of units,
+  // steps and pipelines of chunks describe the flat ring only.
   const TieredPlan plan;
+  const bool flat;
   int steps() const { return plan.num_phases() ? plan.phase(0).num_steps : 0; }
   // Chunk slots per segment of ring r, the same at every rank.
   int64_t chunks(int r) const {
@@ -118,7 +128,7 @@ struct Op {
   std::atomic<int64_t> parts_left{-1};  // set when the op is created
   std::atomic<bool> data_done{false};
   std::vector<int64_t> finish_ns;
-  int64_t num_pipelines = 0;       // chunks of all rings
+  int64_t num_pipelines = 0;       // chunks of all rings (flat); else rings
   int64_t pipelines_per_share = 1;
   int64_t num_shares() const {
     return (num_pipelines + pipelines_per_share - 1) / pipelines_per_share;
@@ -182,17 +192,6 @@ class Worker {
   void submit(Task task) { queue_.submit(std::move(task)); }
   void wake() { queue_.wake(); }
 
-  // Books a transfer of `bytes` leaving this device once its data is ready
-  // at ready_ns, on the device's one emulated link; returns its arrival.
-  int64_t book_transfer(int64_t ready_ns, int64_t bytes, const OpDesc& d) {
-    // This path runs flat rings on one link (ring_transport.cc).
-    const EmulatedTier& link = d.link.front();
-    const int64_t busy = static_cast<int64_t>(1e9 * bytes / link.bytes_per_s);
-    std::lock_guard<std::mutex> lock(egress_mu_);
-    const int64_t start = egress_.book(ready_ns, busy, now_ns());
-    return start + busy + static_cast<int64_t>(1e9 * link.latency_s);
-  }
-
  private:
   void loop();
 
@@ -202,7 +201,7 @@ class Worker {
   // The direct algorithm's whole part for one rank, once every rank is here.
   bool run_direct(Task& task);
   // Link emulation: once every rank is here, the workers move the data in
-  // pipelines (run_pipeline), one of them computes the modelled link's
+  // pipelines (move_share), one of them computes the modelled link's
   // times (emulated_finish_times), and each rank then waits for its time.
   bool run_emulated(Task& task);
 
@@ -210,8 +209,6 @@ class Worker {
 
   const int device_;
   TaskQueue<Task> queue_;
-  std::mutex egress_mu_;
-  LinkTimeline egress_;  // this device's emulated link
 };
 
 // Moves the data of unit `cur` of ring r at `rank`: reduces (or copies) the

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -208,7 +209,27 @@ class Registry {
     std::lock_guard<std::mutex> lock(mu_);
     collect_garbage();
     auto& slot = ops_[key];
-    if (!slot) slot = std::make_shared<Op>(key, desc, timeout_s);
+    if (!slot) {
+      try {
+        slot = std::make_shared<Op>(key, desc, timeout_s);
+      } catch (const std::invalid_argument& e) {
+        // Python checks the topology at trace time; this guards
+        // hand-written calls.
+        ops_.erase(key);
+        *error = tagged(FailureKind::kInvalid, -1,
+                        std::string("jaxring allreduce (") + desc.describe() +
+                            "): " + e.what());
+        return nullptr;
+      }
+      if (!slot->flat && !desc.emulated()) {
+        // Only link emulation runs other plans here (ring_transport.cc).
+        ops_.erase(key);
+        *error = tagged(FailureKind::kInternal, -1,
+                        "jaxring allreduce: a plan other than the flat ring "
+                        "reached the in-process ring without link emulation");
+        return nullptr;
+      }
+    }
     std::shared_ptr<Op> op = slot;
     if (!(op->desc == desc)) {
       std::ostringstream os;

@@ -30,14 +30,14 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
     done(tagged(FailureKind::kInvalid, -1,
                 "jaxring allreduce: algorithm=exchange picks its own tiers; a "
                 "tiered topology runs the ring plan"));
-  } else if (one_process && (desc.topology.size() > 1 || desc.link.size() > 1 ||
-                             desc.algorithm == Algorithm::kExchange)) {
-    // A tiered plan, an emulated cluster of tiers, or the exchange plan: the
-    // plan executor, whose units can cross a different emulated link at
-    // every phase.
+  } else if (one_process && !desc.emulated() &&
+             (desc.topology.size() > 1 || desc.algorithm == Algorithm::kExchange)) {
+    // A tiered plan or the exchange plan on real memory: the plan executor.
     inprocess_plan_allreduce(key, desc, rank, device, in, out, timeout_s,
                              std::move(done));
   } else if (one_process) {
+    // The flat ring, the direct algorithm, or link emulation of any plan
+    // (which moves the data at once and models the links' clock).
     inprocess_allreduce(key, desc, rank, device, in, out, timeout_s,
                         std::move(done));
   } else if (desc.emulated()) {
