@@ -705,6 +705,11 @@ def test_direct_refused_across_processes():
         assert resolve_algorithm("auto", (), two, nbytes=64, topology=(2, 2)) == "ring"
         assert resolve_algorithm("auto", (), two, nbytes=64, topology="flat") == "ring"
         assert resolve_algorithm("auto", (), one, nbytes=64) == "direct"
+        # So under an emulated link, where every plan is modelled alike.
+        link = ((0, 1e9, 0.0),)
+        assert resolve_algorithm("auto", link, one, nbytes=64) == "exchange"
+        assert resolve_algorithm("auto", link, one, nbytes=4097) == "ring"
+        assert resolve_algorithm("auto", link, one, nbytes=64, topology="flat") == "ring"
     finally:
         jaxring.config.reset("exchange_max_bytes")
     # The exchange plan runs anywhere on the CPU, but picks its own tiers.

@@ -243,3 +243,31 @@ def test_emulated_exchange_takes_fewer_hops_than_the_ring():
     assert took["ring"] >= 0.95 * 14 * latency, took
     assert 0.95 * 3 * latency <= took["exchange"] < 9 * latency, took
     assert _jaxring.inprocess_pending_ops() == 0
+
+
+def test_the_exchange_limit_weighs_a_whole_bucket():
+    # An overlapped bucket reduces several leaves as one operation: "auto"
+    # must weigh all of them against exchange_max_bytes, not the last one
+    # (which once sent 148 KB buckets through the exchange).
+    mesh = mesh8()
+
+    def step(w):
+        return jax.tree.map(lambda t: jax.lax.psum(t, "i"), w)
+
+    w = {"a_big": jnp.ones((2048,), jnp.float32), "b_small": jnp.ones((4,), jnp.float32)}
+    exchange = _jaxring.ALGORITHMS["exchange"]
+    jaxring.config.update("cpu_link", "1Gbit")
+    try:
+        for limit, whole_bucket_exchanged in [(64, False), (2052 * 4, True)]:
+            jaxring.config.update("exchange_max_bytes", limit)
+            f = jax.jit(jax.shard_map(jaxring.overlap(step, bucket_mb=1), mesh=mesh,
+                                      in_specs=P(), out_specs=P(), check_vma=False))
+            hlo = f.lower(w).as_text()
+            starts = re.findall(r"jaxring_allreduce_start_cpu.*", hlo)
+            assert len(starts) == 1, hlo  # one bucket of both leaves
+            assert (f"algorithm = {exchange} " in starts[0]) == whole_bucket_exchanged, starts
+            got = f(w)
+            np.testing.assert_array_equal(got["a_big"], np.full(2048, 8.0, np.float32))
+    finally:
+        jaxring.config.reset("exchange_max_bytes")
+        jaxring.config.reset("cpu_link")

@@ -470,14 +470,15 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     where its ranks run. "auto" takes direct only where it applies: every
     rank in this process (direct reads its peers' memory), no emulated link
     (which models the ring's transfers) and no tiered plan (a plan of
-    rings). Across processes it takes exchange for an operand of nbytes up
-    to config.exchange_max_bytes, where the topology setting is "auto" (a
-    tuple or "flat" asks for the ring plan)."""
+    rings). Across processes, and under an emulated link, it takes exchange
+    for an operand of nbytes up to config.exchange_max_bytes, where the
+    topology setting is "auto" (a tuple or "flat" asks for the ring
+    plan)."""
     across = distributed.spans_processes(rank_process)
     emulated = bool(link)
     if algorithm == "auto":
         limit = config.exchange_max_bytes  # 0: never
-        if (across and not emulated and topology == "auto" and nbytes is not None
+        if ((across or emulated) and topology == "auto" and nbytes is not None
                 and 0 < limit and nbytes <= limit):
             return "exchange"
         return "ring" if across or emulated or tiered else "direct"
@@ -566,8 +567,9 @@ def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
              else _topology.resolve(topology, world, rank_process))
     if algorithm == "exchange" and topology == "auto":
         tiers = ()  # the tiers "auto" finds are the ring plan's
-    data = ctx.avals_in[-1]  # a split-phase start's dependencies come first
-    nbytes = math.prod(data.shape) * np.dtype(data.dtype).itemsize
+    # Every operand: a split-phase start reduces a bucket of them as one.
+    nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize
+                 for a in ctx.avals_in)
     chosen = resolve_algorithm(algorithm, link, rank_process, tiered=bool(tiers),
                                nbytes=nbytes, topology=topology)
     if chosen == "exchange":

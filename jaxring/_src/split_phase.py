@@ -81,7 +81,11 @@ start_p.def_effectful_abstract_eval(_start_abstract_eval)
 def _start_lowering(ctx, *xs, platform, label, num_deps, **params):
     # The backend's attributes and rank operands, as for jaxring.allreduce
     # (allreduce.BACKENDS); the start adds how it starts.
-    attrs, ranks = _ar.BACKENDS[platform](ctx, label, ctx.avals_in[num_deps].dtype,
+    # The backend sees the operands it reduces, not the dependencies that
+    # come first: it sizes the operation (the exchange's limit) and names it
+    # by them.
+    data_ctx = ctx.replace(avals_in=list(ctx.avals_in[num_deps:]))
+    attrs, ranks = _ar.BACKENDS[platform](data_ctx, label, ctx.avals_in[num_deps].dtype,
                                           **params)
     attrs["num_deps"] = np.int64(num_deps)
     if platform == "cpu":
