@@ -655,20 +655,23 @@ def _algorithm_ids_in(lowered_text):
         r"custom_call @jaxring_allreduce(?:_start)?_cpu\(.*?algorithm = (\d+)", lowered_text)]
 
 
-def test_auto_algorithm_is_direct_in_one_process_and_ring_under_link_emulation():
+def test_auto_algorithm_is_direct_in_one_process_and_modelled_under_link_emulation():
     mesh = mesh_of(4)
     x = put(np.ones(4 * 8, np.float32), mesh, P("i"))
+    large = put(np.ones(4 * 1024, np.float32), mesh, P("i"))  # 4 KiB per device
 
-    def lowered(**kw):
+    def lowered(operand=x, **kw):
         f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i", **kw),
                                   mesh=mesh, in_specs=P("i"), out_specs=P("i"),
                                   check_vma=False))
-        return f.lower(x).as_text()
+        return f.lower(operand).as_text()
     assert _algorithm_ids_in(lowered()) == [1]                   # direct
     assert _algorithm_ids_in(lowered(algorithm="ring")) == [0]
     jaxring.config.update("cpu_link", "10Gbit,1us")
     try:
-        assert _algorithm_ids_in(lowered()) == [0]
+        # The ring, or the exchange up to exchange_max_bytes (512 B).
+        assert _algorithm_ids_in(lowered(large)) == [0]
+        assert _algorithm_ids_in(lowered()) == [3]
         with pytest.raises(ValueError, match="no transfers for cpu_link to emulate"):
             lowered(algorithm="direct")
     finally:
@@ -690,13 +693,19 @@ def test_direct_refused_across_processes():
     assert resolve_algorithm("ring", (), one) == "ring"
     with pytest.raises(ValueError, match="every rank must be in one process"):
         resolve_algorithm("direct", (), two)
-    # An emulated link models the ring's transfers; a tiered plan is rings.
+    # An emulated link of an operand of unknown size, or a tiered plan: rings.
     assert resolve_algorithm("auto", ((0, 1e9, 0.0),), one) == "ring"
     assert resolve_algorithm("auto", (), one, tiered=True) == "ring"
     # Across processes "auto" takes exchange for small operands, where the
     # topology is left to "auto" too (a tuple or "flat" asks for the ring).
-    # (off by default: exchange_max_bytes 0).
-    assert resolve_algorithm("auto", (), two, nbytes=0) == "ring"
+    # (exchange_max_bytes: 512 by default; 0 turns it off).
+    assert resolve_algorithm("auto", (), two, nbytes=512) == "exchange"
+    assert resolve_algorithm("auto", (), two, nbytes=513) == "ring"
+    jaxring.config.update("exchange_max_bytes", 0)
+    try:
+        assert resolve_algorithm("auto", (), two, nbytes=0) == "ring"
+    finally:
+        jaxring.config.reset("exchange_max_bytes")
     jaxring.config.update("exchange_max_bytes", 4096)
     try:
         assert resolve_algorithm("auto", (), two, nbytes=4096) == "exchange"

@@ -1,8 +1,9 @@
 """Tiered plans among the virtual devices of one process.
 
 The plan executor runs them with every rank local, every unit moving in
-memory; each result is checked against lax.psum (or numpy) computed in the
-same run. tests/test_multiprocess.py checks that the same plan gives the
+memory (under cpu_link, the emulated path moves each plan's data at once
+and models the links); each result is checked against lax.psum (or numpy)
+computed in the same run. tests/test_multiprocess.py checks that the same plan gives the
 same bits when some of its units cross processes over TCP.
 """
 

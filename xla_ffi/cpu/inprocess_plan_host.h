@@ -1,5 +1,7 @@
 // Tiered plans among the devices of one process: the plan executor
 // (plan_executor.h) with every rank local, so every unit moves in memory.
+// (Under link emulation every plan runs on the in-process transport
+// instead, which models the links' clock: inprocess_emulation.cc.)
 //
 // Why not the in-process transport's direct reads: a tiered plan's later
 // phases reduce into element ranges an earlier phase still reads, which the

@@ -13,7 +13,6 @@
 
 #include "../failure.h"
 #include "huge_pages.h"
-#include "link_pacing.h"
 #include "task_queue.h"
 #include "timeline.h"
 #include "wire_format.h"
@@ -44,9 +43,6 @@ struct PlanTask {
   // Rings whose phase 0 has begun: all of them at once for a flat plan; in
   // turn for a tiered one (see Pass::start).
   int entered = 0;
-  // Under link emulation: when the next unit in flight to this rank
-  // arrives (-1: none).
-  int64_t wake_ns = -1;
   // When this rank last consumed a unit (or joined), and when it may next
   // ask for a peer running another program (see kMismatchProbeAfter).
   Clock::time_point last_progress = Clock::now();
@@ -108,7 +104,6 @@ class Pass {
   void start();
   void send(int r, int j, int64_t u, const char* data, int64_t bytes);
   bool enter_next_ring();
-  void deliver_arrived();
   void enter_phase(int r, int j);
   void consume(int r, int j, int64_t u);
   bool complete(const std::optional<std::string>& result, bool* finished);
@@ -177,14 +172,7 @@ void Pass::send(int r, int j, int64_t u, const char* data, int64_t bytes) {
   }
   local = op_.locals.find(next);  // it may have joined meanwhile
   if (local != op_.locals.end()) wake_.push_back(local->second.worker);
-  if (op_.desc.emulated()) {
-    // The receiver takes the unit when the emulated link delivers it.
-    ib.in_flight.emplace(paced_arrival_ns(op_.desc, op_.key.group, task_.rank,
-                                          next, bytes, timeline_now_ns()),
-                         std::make_pair(j, u));
-  } else {
-    ib.ready[j].push_back(u);
-  }
+  ib.ready[j].push_back(u);
   ++ib.arrived[j];
 }
 
@@ -222,24 +210,6 @@ bool Pass::enter_next_ring() {
     entered = true;
   }
   return entered;
-}
-
-// Link emulation: the units whose emulated link has delivered them become
-// ready; the task wakes when the next one arrives.
-void Pass::deliver_arrived() {
-  const int64_t now = timeline_now_ns();
-  task_.wake_ns = -1;
-  for (int r = 0; r < plan_.num_rings(); ++r) {
-    Inbox& ib = op_.inbox(task_.rank, r);
-    auto it = ib.in_flight.begin();
-    for (; it != ib.in_flight.end() && it->first <= now; ++it) {
-      ib.ready[it->second.first].push_back(it->second.second);
-    }
-    ib.in_flight.erase(ib.in_flight.begin(), it);
-    if (it != ib.in_flight.end() && (task_.wake_ns < 0 || it->first < task_.wake_ns)) {
-      task_.wake_ns = it->first;
-    }
-  }
 }
 
 // Moves ring r to phase j: takes a copy of the shard as this rank's own
@@ -400,7 +370,6 @@ bool Pass::run(bool* finished) {
     start();
     progressed = true;
   }
-  if (op_.desc.emulated()) deliver_arrived();
   for (int r = 0; r < task_.entered && going(); ++r) {
     Inbox& ib = op_.inbox(task_.rank, r);
     bool ring_progressed = false;
@@ -476,7 +445,6 @@ void PlanWorker::loop() {
   for (;;) {
     const uint64_t seen = queue_.collect(active);
     bool progressed = false;
-    int64_t wake_ns = -1;  // the next emulated arrival for a task here
     for (auto it = active.begin(); it != active.end();) {
       bool finished = false;
       progressed |= Pass(*it, device_).run(&finished);
@@ -484,16 +452,11 @@ void PlanWorker::loop() {
         it = active.erase(it);
         continue;
       }
-      if (it->wake_ns >= 0 && (wake_ns < 0 || it->wake_ns < wake_ns)) wake_ns = it->wake_ns;
       ++it;
     }
     // The deadline poll bounds the sleep so timeouts are noticed.
     if (!progressed && !active.empty()) {
-      auto until = Clock::now() + kDeadlinePoll;
-      if (wake_ns >= 0) {
-        until = std::min(until, Clock::time_point(std::chrono::nanoseconds(wake_ns)));
-      }
-      queue_.wait_until(seen, until);
+      queue_.wait_until(seen, Clock::now() + kDeadlinePoll);
     }
   }
 }

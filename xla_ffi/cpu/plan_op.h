@@ -71,9 +71,6 @@ struct Inbox {
   // they come: a chunk of step t+1 never waits behind one of step t still
   // on the wire.
   std::map<int, std::deque<int64_t>> ready;
-  // Under link emulation: units whose data is here but whose emulated link
-  // delivers them later, by arrival time (steady clock ns) -> (phase, unit).
-  std::multimap<int64_t, std::pair<int, int64_t>> in_flight;
   std::map<int, int64_t> arrived;  // per phase (for timeout messages)
   // (phase, unit)s that came before the rank joined or reached their phase.
   std::map<std::pair<int, int64_t>, Staged> staged;
