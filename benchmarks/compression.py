@@ -39,6 +39,11 @@ in two settings:
         the rate calibrated the same way from a first run on unlimited links
         (--rate overrides); jaxring's TCP transport carries the buckets.
 
+Steps to the target move with the trajectory: the order in which the
+allreduces add changes the low bits, and a few steps later the evaluation
+at which the target is first reached. --seed-per-round trains round k with
+seed k-1, so the medians cover that spread rather than one trajectory.
+
 It prints, per setting and configuration (medians over the rounds): steps
 and training seconds to the target (compilation and evaluation left out),
 milliseconds per step, gradient bytes each rank sends per step, the final
@@ -115,6 +120,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=list(MODELS), default="cnn")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed-per-round", action="store_true",
+                   help="round k trains with seed k-1 (data split, shuffling, "
+                        "initialisation), so the medians cover how steps to "
+                        "the target vary between trajectories, not only timing")
     p.add_argument("--target", type=float, default=None,
                    help="test accuracy (cnn, default 0.95) or validation loss "
                         "(lm, default 2.0) to reach")
@@ -149,7 +158,7 @@ def parse_args(argv=None):
 
 
 def train(args, config: str, link: str | None, max_steps: int | None = None,
-          rate: str | None = None, network: bool = False) -> dict:
+          rate: str | None = None, network: bool = False, seed: int = 0) -> dict:
     """One run of the trainer: its evaluations, steps, bytes per step and
     final accuracy. In the network setting it runs over namespaces (at
     rate, or unlimited) and process 0's lines are read."""
@@ -159,7 +168,8 @@ def train(args, config: str, link: str | None, max_steps: int | None = None,
     flags = CONFIGS[config]
     if config.endswith("-warm"):
         flags = flags + [str(args.warm_up_steps)]
-    cmd = [sys.executable, spec.trainer, "--quiet", "--mode", "overlap", *budget, *flags]
+    cmd = [sys.executable, spec.trainer, "--quiet", "--mode", "overlap", "--seed", str(seed),
+           *budget, *flags]
     if network:
         cmd = [sys.executable, NETNS, "--nodes", str(args.processes),
                *(["--rate", rate] if rate else []), "--", *cmd[1:]]
@@ -282,7 +292,8 @@ def main(argv=None) -> int:
         runs = {c: [] for c in args.configs}
         for round_ in range(args.rounds):
             for config in args.configs:
-                r = train(args, config, link, rate=rate, network=setting == "network")
+                r = train(args, config, link, rate=rate, network=setting == "network",
+                          seed=round_ if args.seed_per_round else 0)
                 runs[config].append(r)
                 print(f"[{setting} round {round_ + 1}] {config}: {r['steps']} steps, "
                       f"{r['seconds']:.2f} s, {args.spec.metric} {r['final']:.4f}",
