@@ -33,6 +33,7 @@ class InProcessPlanHost final : public OpHost {
 
   int64_t pending() {
     std::lock_guard<std::mutex> lock(mu_);
+    collect_garbage();  // as the in-process transport's pending()
     return static_cast<int64_t>(ops_.size());
   }
 

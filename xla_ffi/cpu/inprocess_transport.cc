@@ -265,6 +265,9 @@ class Registry {
 
   int64_t pending() {
     std::lock_guard<std::mutex> lock(mu_);
+    // A failed op past its grace is gone, whether or not a later join has
+    // swept it yet.
+    collect_garbage();
     return static_cast<int64_t>(ops_.size());
   }
 
