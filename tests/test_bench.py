@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_prints_the_table_and_writes_the_plot(tmp_path):
     png = tmp_path / "busbw.png"
@@ -17,6 +19,7 @@ def test_bench_prints_the_table_and_writes_the_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # processes and transports: on the newest jax only
 def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path):
     """benchmarks/tcp_allreduce.py on two small sizes: the shared-memory,
     TCP and in-process jobs each give a row per size (with --exchange, the

@@ -371,6 +371,7 @@ def run_against_job(make_attacks, concurrent=()):
     return results, lines
 
 
+@pytest.mark.slow  # the transport's own code: on the newest jax only
 def test_strangers_are_turned_away_and_the_job_stays_exact():
     results, lines = run_against_job(
         lambda address, secret, job_id, kept: attacks(address, secret),

@@ -50,33 +50,36 @@ def lines_by_rank(stdout: str) -> dict[int, list[str]]:
     return out
 
 
+# The older supported jax releases run one case of each kind (flat, tiered,
+# exchange, ...); the others differ only in the plan, the links or the
+# launcher, which are jaxring's own code whatever the jax, and run with the
+# slow tier on the newest jax.
+newest_jax_only = pytest.mark.slow
+
 # (processes, devices per process, seed, topology setting, tiers lowered)
 ACROSS_PROCESSES = [
-    (2, 1, 0, "auto", "flat"),
-    (4, 1, 1, "auto", "flat"),
+    pytest.param(2, 1, 0, "auto", "flat", id="2-processes"),
+    pytest.param(4, 1, 1, "auto", "flat", id="4-processes", marks=newest_jax_only),
     # One device per process: the flat ring is the only tier auto finds.
-    (2, 2, 2, "flat", "flat"),
+    pytest.param(2, 2, 2, "flat", "flat", id="2x2-flat", marks=newest_jax_only),
     # auto: the devices of a process, then the processes of the host.
-    (2, 2, 3, "auto", "2x2"),
-    (4, 2, 4, "auto", "2x4"),
+    pytest.param(2, 2, 3, "auto", "2x2", id="2x2-tiered-auto"),
+    pytest.param(4, 2, 4, "auto", "2x4", id="4x2-tiered-auto", marks=newest_jax_only),
     # Explicit tiers: across processes only, and two tiers inside each.
-    (4, 1, 5, "2x2", "2x2"),
-    (2, 4, 6, "2x2x2", "2x2x2"),
+    pytest.param(4, 1, 5, "2x2", "2x2", id="4-processes-tiered-2x2",
+                 marks=newest_jax_only),
+    pytest.param(2, 4, 6, "2x2x2", "2x2x2", id="2x4-tiered-2x2x2", marks=newest_jax_only),
     # Recursive doubling: 3 processes (a ring over the odd factor), 2
     # processes of 2 devices (one exchange in memory, one across), and 4 of
     # 2 (two exchanges across in a row: the second must not overwrite what
     # the first still sends).
-    (3, 1, 8, "exchange", "flat"),
-    (2, 2, 9, "exchange", "flat"),
-    (4, 2, 10, "exchange", "flat"),
+    pytest.param(3, 1, 8, "exchange", "flat", id="3-processes-exchange"),
+    pytest.param(2, 2, 9, "exchange", "flat", id="2x2-exchange", marks=newest_jax_only),
+    pytest.param(4, 2, 10, "exchange", "flat", id="4x2-exchange", marks=newest_jax_only),
 ]
 
 
-@pytest.mark.parametrize(
-    "nproc,devices,seed,topology,tiers", ACROSS_PROCESSES,
-    ids=["2-processes", "4-processes", "2x2-flat", "2x2-tiered-auto",
-         "4x2-tiered-auto", "4-processes-tiered-2x2", "2x4-tiered-2x2x2",
-         "3-processes-exchange", "2x2-exchange", "4x2-exchange"])
+@pytest.mark.parametrize("nproc,devices,seed,topology,tiers", ACROSS_PROCESSES)
 def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
                                                   topology, tiers):
     # 48 cases: every dtype under every op, random sizes, rings and chunks.
@@ -112,10 +115,10 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
     assert all(d == digests[0] for d in digests.values())
 
 
-@pytest.mark.parametrize("tiers,split", [("2x2x2", (2, 4)), ("2x4", (4, 2)),
-                                         ("exchange", (2, 4))],
-                         ids=["2x2x2-over-2-processes", "2x4-over-4-processes",
-                              "exchange-over-2-processes"])
+@pytest.mark.parametrize("tiers,split", [
+    pytest.param("2x2x2", (2, 4), id="2x2x2-over-2-processes"),
+    pytest.param("2x4", (4, 2), id="2x4-over-4-processes", marks=newest_jax_only),
+    pytest.param("exchange", (2, 4), id="exchange-over-2-processes", marks=newest_jax_only)])
 def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
     # The same plan and inputs, once with every rank in one process (every
     # unit moves in memory) and twice split over processes (units that
@@ -143,7 +146,7 @@ def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
     assert digests["memory"] == digests["auto"] == digests["tcp"]
 
 
-@pytest.mark.parametrize("transport", ["tcp", "auto"])
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("auto", marks=newest_jax_only)])
 def test_frames_a_small_socket_buffer_takes_in_parts_arrive_whole(transport):
     # With 4 KiB socket buffers the socket takes a 1 MiB frame in many
     # parts: the device's thread writes the first, the connection's sender
@@ -211,7 +214,7 @@ def test_a_function_only_one_process_lowered_does_not_shift_the_others():
         assert by_rank[rank] and by_rank[rank][-1] == "OK", r.stdout[-3000:] + r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("nproc,devices", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("nproc,devices", [(2, 2), pytest.param(4, 1, marks=newest_jax_only)])
 def test_axis_index_groups_across_processes_match_numpy(nproc, devices):
     r = run_launcher(nproc, "grouped_check.py", devices_per_process=devices)
     by_rank = lines_by_rank(r.stdout)
@@ -221,6 +224,7 @@ def test_axis_index_groups_across_processes_match_numpy(nproc, devices):
             r.stdout[-3000:] + r.stderr[-2000:]
 
 
+@newest_jax_only
 def test_launcher_stops_everyone_when_one_process_fails():
     start = time.monotonic()
     r = run_launcher(3, "exit_code.py", timeout=120)
@@ -273,6 +277,7 @@ def test_launcher_runs_a_module_with_its_own_arguments(tmp_path):
     assert (args.script, args.module, args.args) == (None, "mod", ["x.py"])
 
 
+@newest_jax_only
 def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
     script = tmp_path / "affinity.py"
     script.write_text(
@@ -301,6 +306,7 @@ def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
     assert f"cpus 1 {mine} {mine}" in lines_by_rank(r.stdout)[1]
 
 
+@newest_jax_only
 def test_keep_freed_memory_has_glibc_reuse_a_freed_buffer(tmp_path):
     """--keep-freed-memory: a 64 MiB buffer freed and allocated again lands
     on the pages already touched (no page faults), also when a thread other
@@ -528,6 +534,7 @@ def test_a_dev_shm_too_small_falls_back_to_tcp_saying_so_once():
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                     reason="needs root and ip(8) for network namespaces")
+@newest_jax_only
 def test_processes_in_network_namespaces_share_memory_unless_told_apart():
     """Two processes in two network namespaces of one machine (they share
     /dev/shm) exchange through shared memory; with a JAXRING_HOST_ID per
@@ -639,6 +646,7 @@ def test_link_emulation_is_refused_for_rings_across_processes():
         assert refused and "spans processes" in refused[0], (rank, lines[-5:])
 
 
+@newest_jax_only
 def test_a_failed_tcp_setup_is_reported_again_not_retried():
     r = run_launcher(2, "setup_retry.py")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

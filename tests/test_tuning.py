@@ -200,6 +200,7 @@ def test_tune_command_measures_fits_and_writes_a_table(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # processes and plans: on the newest jax only
 def test_tune_across_processes_measures_both_plans_and_the_job_uses_its_table(tmp_path):
     """Under the launcher (2 processes x 2 devices, one host: tiers 2x2) the
     tuner measures flat and tiered candidates, fits a tier each, and writes

@@ -469,8 +469,8 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     """"ring", "direct" or "exchange" for an operation, from the setting and
     where its ranks run. "auto" takes direct only where it applies: every
     rank in this process (direct reads its peers' memory), no emulated link
-    (which models the ring's transfers) and no tiered plan (a plan of
-    rings). Across processes, and under an emulated link, it takes exchange
+    (which models the transfers of a plan, and direct has none) and no
+    tiered plan (a plan of rings). Across processes, and under an emulated link, it takes exchange
     for an operand of nbytes up to config.exchange_max_bytes, where the
     topology setting is "auto" (a tuple or "flat" asks for the ring
     plan)."""
