@@ -308,3 +308,57 @@ def test_rank_devices_has_minus_one_for_devices_other_processes_own():
     table = cuda_backend.rank_devices([[Device(0, 0), Device(1, None)],
                                        [Device(0, 1), Device(1, None)]])
     assert table.tolist() == [0, -1, 1, -1]
+
+
+class _StoreThatFails:
+    """A key-value client whose blocking get raises what it is given."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def key_value_set(self, key, value):
+        raise AssertionError("only the owner publishes")
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        raise self.error
+
+
+def _check_as_process_1(monkeypatch, client):
+    from jaxring._src import cuda_agreement, jax_compat
+    monkeypatch.setattr(cuda_backend, "job_client", lambda: client)
+    monkeypatch.setattr(jax_compat, "distributed_state", lambda: (1, 2, "x:1"))
+    cuda_agreement.check_same_call(0xABC, "f32[8] sum", owner=0,
+                                   processes=[0, 1], timeout_s=0.2)
+
+
+def test_agreement_tells_a_late_owner_from_a_failed_store(monkeypatch):
+    """The owner not publishing in time is a CollectiveTimeoutError; the
+    store failing (its coordinator gone) is a JaxringError of its own,
+    never reported as a timeout. The first message is the one
+    jax.distributed's client gives, got from a real one-process job in a
+    subprocess."""
+    import subprocess
+    import sys
+    probe = (
+        "import socket, jax\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "jax.distributed.initialize(f'127.0.0.1:{port}', 1, 0)\n"
+        "from jaxring._src import jax_compat\n"
+        "try:\n"
+        "    jax_compat.distributed_client().blocking_key_value_get('absent', 100)\n"
+        "except Exception as e:\n"
+        "    print(str(e).splitlines()[0])\n")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                         text=True, timeout=120)
+    timeout_message = res.stdout.strip()
+    assert timeout_message, res.stderr[-2000:]
+
+    with pytest.raises(jaxring.CollectiveTimeoutError, match="did not lower") as info:
+        _check_as_process_1(monkeypatch, _StoreThatFails(RuntimeError(timeout_message)))
+    assert info.value.peer_process == 0
+
+    with pytest.raises(jaxring.JaxringError, match="key-value store failed") as info:
+        _check_as_process_1(monkeypatch, _StoreThatFails(
+            RuntimeError("UNAVAILABLE: failed to connect to all addresses")))
+    assert not isinstance(info.value, jaxring.CollectiveTimeoutError)
+    assert "UNAVAILABLE" in str(info.value) and info.value.peer_process == 0

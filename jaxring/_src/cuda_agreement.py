@@ -29,8 +29,15 @@ from typing import Iterable
 from jaxring._src import cuda_backend, errors
 
 _KEY = "jaxring/cuda/v1/call/{:x}/{}"
+# How jax.distributed's client says a blocking get ran out of time (its
+# status code, first in the message on every supported jax).
+_DEADLINE = "DEADLINE_EXCEEDED"
 _lock = threading.Lock()
 _lowered = collections.Counter()  # slot id -> lowerings so far, this process
+
+
+def _timed_out(exc: BaseException) -> bool:
+    return str(exc).startswith(_DEADLINE)
 
 
 def check_same_call(slot_id: int, description: str, owner: int,
@@ -38,7 +45,8 @@ def check_same_call(slot_id: int, description: str, owner: int,
     """Publishes (in process `owner`) or checks (in the other `processes`)
     the description of the call at slot `slot_id`. Raises MismatchError if
     the owner lowered another call there, CollectiveTimeoutError if it did
-    not lower one within timeout_s."""
+    not lower one within timeout_s, JaxringError if the key-value store
+    failed."""
     from jaxring._src import jax_compat
     processes = set(processes)
     if len(processes) < 2:
@@ -58,6 +66,14 @@ def check_same_call(slot_id: int, description: str, owner: int,
     try:
         theirs = client.blocking_key_value_get(key, int(timeout_s * 1000))
     except Exception as e:  # the client raises its own error types
+        if not _timed_out(e):
+            # The store itself failed (its coordinator gone, the job shut
+            # down): not a peer that is late, so not a timeout.
+            raise errors.JaxringError(
+                f"jaxring.allreduce: the job's key-value store failed while this "
+                f"process ({me}) waited for process {owner}'s description of "
+                f"the allreduce at this place of the program: {e}",
+                peer_process=owner) from e
         raise errors.CollectiveTimeoutError(
             f"jaxring.allreduce: process {owner} did not lower the allreduce at "
             f"this place of the program within {timeout_s} s (do all processes "
