@@ -2,12 +2,13 @@
 per message size, the algorithm, ring count, chunk size and plan.
 
 Usage:
-    python -m jaxring.tune [--devices 8] [--min-bytes 4K] [--max-bytes 64M]
+    python -m jaxring.tune [--devices 8] [--min-bytes 256] [--max-bytes 64M]
                            [--quick] [--out PATH] [--load PATH]
     python -m jaxring.launch -n 4 -m jaxring.tune [--quick] ...
 
 It times jaxring.allreduce for every candidate (ring counts x chunk sizes,
-and the direct algorithm in one process) at every size, fits the model's
+the direct algorithm in one process, the exchange across processes) at
+every size, fits the model's
 parameters to those times (jaxring/_src/tuning.py), and prints, per size,
 the model's predicted time next to the measured one for every candidate,
 the model's choice and the measured best. The table is written to the cache
@@ -129,8 +130,8 @@ def measure(devices, sizes: list[int], choices, rounds: int, min_time: float):
 
 
 def _name(c) -> str:
-    if c.algorithm == "direct":
-        return "direct"
+    if c.algorithm in ("direct", "exchange"):
+        return c.algorithm
     plan = "tiered" if c.topology == "auto" else "ring"
     return f"{plan} r={c.rings} c={_fmt_bytes(c.chunk_bytes).replace(' ', '')}"
 
@@ -188,7 +189,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, default=None,
                     help="virtual CPU devices (one process; default 8)")
-    ap.add_argument("--min-bytes", type=_parse_bytes, default=4 << 10)
+    # From 256 B: the exchange may win below a few KiB on slow links
+    # (BatchNorm statistics, losses), and the table's smallest size
+    # decides for every message below it.
+    ap.add_argument("--min-bytes", type=_parse_bytes, default=256)
     ap.add_argument("--max-bytes", type=_parse_bytes, default=64 << 20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-time", type=float, default=0.2,

@@ -80,3 +80,46 @@ def test_bad_tiers_are_refused():
         cm.Tier(0, 0.0, 0.0)
     with pytest.raises(ValueError):
         cm.Tier(2, -1.0, 0.0)
+
+
+@pytest.mark.parametrize("p", range(1, 25))
+def test_exchange_steps_are_the_plans(p):
+    assert cm.exchange_tiers(p) == list(_jaxring.exchange_tiers(p))
+
+
+@pytest.mark.parametrize("p", [2, 8, 16])
+@pytest.mark.parametrize("rings", [1, 2])
+def test_exchange_is_the_textbook_recursive_doubling(p, rings):
+    # log2(p) steps, each sending and adding the whole buffer.
+    n, alpha, beta, gamma = 6e6, 1e-5, 1e-9, 2e-10
+    m = cm.Machine((cm.Tier(p, alpha, beta),), gamma)
+    steps = int(math.log2(p))
+    chunks = math.ceil(n / rings / 4096)
+    want = steps * (chunks * alpha + n * beta + n * gamma)
+    assert cm.exchange_time(m, n, rings, 4096) == pytest.approx(want)
+
+
+def test_exchange_with_an_odd_rest_ends_in_a_ring_over_it():
+    n, alpha, beta = 1e6, 1e-5, 1e-9
+    m12 = cm.Machine((cm.Tier(12, alpha, beta),))
+    m3 = cm.Machine((cm.Tier(3, alpha, beta),))
+    step = alpha + n * beta  # one exchange step, one chunk
+    assert cm.exchange_time(m12, n, 1, 1 << 30) == pytest.approx(
+        2 * step + cm.flat_ring_time(m3, n, 1, 1 << 30))
+
+
+def test_exchange_beats_the_ring_where_latency_dominates_only():
+    m = cm.Machine((cm.Tier(8, 50e-6, 1 / 5e6),))  # 50 us, 5 MB/s
+    assert cm.exchange_time(m, 256, 1, 1 << 20) < cm.flat_ring_time(m, 256, 1, 1 << 20)
+    assert cm.exchange_time(m, 64 << 10, 1, 1 << 20) > cm.flat_ring_time(m, 64 << 10, 1, 1 << 20)
+
+
+def test_exchange_steps_cross_the_tier_their_partners_straddle():
+    # 2 ranks per host on a free tier, 4 hosts: partners 1 apart meet on
+    # the host tier (no cost), 2 and 4 apart on the network, whose link the
+    # 2 ranks of a host share.
+    n, alpha, beta = 1e6, 1e-5, 1e-9
+    m = machine((2, 4), alphas=[0.0, alpha], betas=[0.0, beta], shared=[1, 2])
+    assert cm.tier_at_stride(m, 1) is m.tiers[0]
+    assert cm.tier_at_stride(m, 2) is m.tiers[1] and cm.tier_at_stride(m, 4) is m.tiers[1]
+    assert cm.exchange_time(m, n, 1, 1 << 30) == pytest.approx(2 * (alpha + 2 * n * beta))

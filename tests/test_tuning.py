@@ -41,7 +41,7 @@ TRUE_TIERED = Params(call_s=3e-4, alpha_s=1e-4, beta_s_per_byte=8e-9, gamma_s_pe
 def test_fit_recovers_each_tiers_parameters_from_flat_and_tiered_times():
     choices = tuning.candidates(4, in_one_process=False, tiered=True)
     assert {c.topology for c in choices} == {"flat", "auto"}
-    assert all(c.algorithm == "ring" for c in choices)
+    assert [c for c in choices if c.algorithm != "ring"] == [Choice("exchange", 1, 1 << 20)]
     measured = [(c, n, tuning.predict(TRUE_TIERED, c, 4, n)) for c in choices for n in SIZES]
     got = tuning.fit(measured, 4, TRUE_TIERED.gamma_s_per_byte, DIMS)
     assert got.call_s == pytest.approx(TRUE_TIERED.call_s, rel=1e-6)
@@ -56,6 +56,30 @@ def test_fit_recovers_each_tiers_parameters_from_flat_and_tiered_times():
     flat = min((c for c in choices if c.topology == "flat"),
                key=lambda c: tuning.predict(got, c, 4, 64 << 20))
     assert tuning.predict(got, flat, 4, 64 << 20) > 1.3 * tuning.predict(got, big, 4, 64 << 20)
+
+
+def test_exchange_is_measured_across_processes_and_wins_where_steps_cost_most():
+    """The exchange is a candidate where direct is not (ranks in several
+    processes) and differs from the ring (a factor 2 in the world size);
+    its rows fit the same parameters, and the choice follows the link:
+    the exchange for small messages on a slow, high-latency network, the
+    ring for large ones."""
+    assert not any(c.algorithm == "exchange" for c in tuning.candidates(8, True))
+    assert not any(c.algorithm == "exchange" for c in tuning.candidates(3, False))
+    choices = tuning.candidates(8, in_one_process=False)
+    assert Choice("exchange", 1, 1 << 20) in choices
+    slow = dataclasses.replace(TRUE, alpha_s=5e-4, beta_s_per_byte=2e-7)
+    sizes = [256, 1 << 10, 4 << 10, 64 << 10]
+    measured = [(c, n, tuning.predict(slow, c, 8, n)) for c in choices for n in sizes]
+    got = tuning.fit(measured, 8, slow.gamma_s_per_byte)
+    assert (got.alpha_s, got.beta_s_per_byte) == pytest.approx(
+        (slow.alpha_s, slow.beta_s_per_byte), rel=1e-6)
+    picked = tuning.select(got, choices, 8, sizes)
+    assert picked[256].algorithm == "exchange"
+    assert picked[64 << 10].algorithm == "ring"
+    # Where latency is cheap the ring's fewer bytes win already at 4 KiB.
+    fast = dataclasses.replace(TRUE, alpha_s=1e-7)
+    assert tuning.select(fast, choices, 8, [4 << 10])[4 << 10].algorithm == "ring"
 
 
 def test_tier_link_sharing_is_the_product_of_the_tighter_tiers():
@@ -169,6 +193,20 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
         assert _tuned(everything - {"topology"}, 4, 100, 2, 1 << 20, "auto", (2, 2))[3] == (2, 2)
     finally:
         jaxring.config.reset("tuning")
+    # The table's exchange runs where the topology is the table's too; a
+    # topology that was given asks for the ring plan, as it does of "auto".
+    tuning.save(path, tuning.key("cpu", 4, 1), tuning.entry(TRUE, {
+        1024: Choice("exchange", 1, 1 << 20)}))
+    tuning._loaded.clear()
+    jaxring.config.update("tuning", path)
+    try:
+        assert _tuned(everything, 4, 100, 2, 4096, "auto", "auto") == (
+            1, 1 << 20, "exchange", "flat", True)
+        for given in ((2, 2), "flat"):
+            assert _tuned(everything - {"topology"}, 4, 100, 2, 4096, "auto",
+                          given)[2:4] == ("ring", given)
+    finally:
+        jaxring.config.reset("tuning")
     # A table entry whose topology is neither "flat" nor "auto" is refused.
     tuning.save(path, tuning.key("cpu", 4, 1),
                 tuning.entry(TRUE, {1024: Choice("ring", 3, 12345, "2x2")}))
@@ -184,8 +222,9 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
 def test_tune_command_measures_fits_and_writes_a_table(tmp_path):
     out = tmp_path / "tuning.json"
     res = subprocess.run(
-        [sys.executable, "-m", "jaxring.tune", "--devices", "2", "--max-bytes", "16K",
-         "--quick", "--rounds", "1", "--min-time", "0.02", "--out", str(out)],
+        [sys.executable, "-m", "jaxring.tune", "--devices", "2", "--min-bytes", "4K",
+         "--max-bytes", "16K", "--quick", "--rounds", "1", "--min-time", "0.02",
+         "--out", str(out)],
         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "prediction error: median" in res.stdout
@@ -203,26 +242,30 @@ def test_tune_command_measures_fits_and_writes_a_table(tmp_path):
 @pytest.mark.slow  # processes and plans: on the newest jax only
 def test_tune_across_processes_measures_both_plans_and_the_job_uses_its_table(tmp_path):
     """Under the launcher (2 processes x 2 devices, one host: tiers 2x2) the
-    tuner measures flat and tiered candidates, fits a tier each, and writes
-    one table; a job then lowers what the table says, flat or tiered."""
+    tuner measures flat, tiered and exchange candidates, fits a tier each,
+    and writes one table; a job then lowers what the table says: the
+    exchange, or the ring flat or tiered."""
     out = tmp_path / "tuning.json"
     res = subprocess.run(
         [sys.executable, "-m", "jaxring.launch", "-n", "2", "--devices-per-process", "2",
-         "-m", "jaxring.tune", "--quick", "--max-bytes", "16K", "--rounds", "1",
+         "-m", "jaxring.tune", "--quick", "--min-bytes", "4K", "--max-bytes", "16K",
+         "--rounds", "1",
          "--min-time", "0.02", "--out", str(out)],
         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[0] # 4 devices in 2 processes, tiers 2x2" in res.stdout
     assert "tiered r=1" in res.stdout and "ring r=1" in res.stdout
+    assert "  exchange " in res.stdout
     assert "[1] # model" not in res.stdout  # process 0 reports
     tables = tuning.load(str(out))
     entry = tables["cpu/ranks=4/processes=2"]
     params = Params.from_dict(entry["params"])
     assert [(t[0], t[3]) for t in params.tiers] == [(2, 1), (2, 2)]
     assert sorted(entry["choices"]) == ["16384", "4096"]
-    # Make the two sizes differ in plan and rings, so both paths are seen.
-    entry["choices"]["4096"].update(topology="flat", rings=2)
-    entry["choices"]["16384"].update(topology="auto", rings=1)
+    # Make the sizes differ in algorithm, plan and rings, so every path is
+    # seen: the exchange, and the ring tiered.
+    entry["choices"]["4096"].update(algorithm="exchange", topology="flat", rings=2)
+    entry["choices"]["16384"].update(algorithm="ring", topology="auto", rings=1)
     tuning.save(str(out), "cpu/ranks=4/processes=2", entry)
     script = Path(__file__).parent / "multiprocess" / "tuned_lowering.py"
     res = subprocess.run(
@@ -235,4 +278,5 @@ def test_tune_across_processes_measures_both_plans_and_the_job_uses_its_table(tm
         _, _, table, lowered = line.split()
         assert table.split("=")[1] == lowered.split("=")[1], line
     assert any(l.endswith(",flat") for l in lines) and any(l.endswith(",auto") for l in lines)
+    assert any("lowered=exchange," in l for l in lines)
     assert res.stdout.count("DONE") == 2

@@ -1001,6 +1001,10 @@ def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
         # "auto" still takes the ring where direct does not apply (a ring
         # across processes, link emulation).
         algorithm = "auto" if choice.algorithm == "direct" else choice.algorithm
+        if algorithm == "exchange" and "topology" not in tunable:
+            # A topology the caller set asks for the ring plan, as it does
+            # of "auto" (resolve_algorithm).
+            algorithm = "ring"
     if "topology" in tunable:
         # "flat" or "auto": the table never names tiers, so it cannot ask
         # for tiers this layout does not have.

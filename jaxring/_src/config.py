@@ -184,7 +184,9 @@ _OPTIONS = {
                 "measured: 4 processes over 28 Mbit links took 0.52x the "
                 "ring's time at 512 B but 1.25x at 1 KiB; over shared "
                 "memory and loopback the exchange wins up to 64 KiB, so a "
-                "fast network may raise it (docs/allreduce.md)."),
+                "fast network may raise it (docs/allreduce.md). A tuning "
+                "table (python -m jaxring.tune across processes) chooses "
+                "from its own measurements instead."),
         _Option("topology", "JAXRING_TOPOLOGY", "auto", _topology.parse,
                 _topology.is_setting, _topology.REQUIREMENT,
                 "The tiers of the ring plan across processes, tightest "

@@ -25,6 +25,12 @@ between groups at K different ranks, whose link they share when
 ``shared_by`` > 1 (odd rings cross at a group's first rank, even ones at its
 last, so with a link per rank half of them meet).
 
+The exchange (recursive doubling, tiered_plan.h's exchange shape) is a
+sequence of such phases on the whole buffer: one exchange step per factor 2
+of the world size, with partners 1, 2, 4, ... ranks apart, each sending the
+whole part of each ring once, then a ring allreduce over the odd rest. Each
+step runs on the loosest tier its partners straddle.
+
 The model's byte counts come from the plans themselves (TieredPlan's shards
 and phases), so it predicts the schedule jaxring runs. It ignores
 contention between tiers (a tier's phases run one after another) and CPU
@@ -125,6 +131,51 @@ def tiered_time(machine: Machine, nbytes: float, rings: int,
                             machine.gamma_s_per_byte)
         if kind == "reduce_scatter":
             shard = shard / g
+    return total
+
+
+def exchange_tiers(p: int) -> list[int]:
+    """The exchange's steps for p ranks, as tiered_plan.cc's exchange_tiers:
+    a 2 per factor 2 of p, then the odd rest if it is more than 1."""
+    dims = []
+    while p > 1 and p % 2 == 0:
+        dims.append(2)
+        p //= 2
+    if p > 1 or not dims:
+        dims.append(p)
+    return dims
+
+
+def tier_at_stride(machine: Machine, stride: int) -> Tier:
+    """The tier that ranks `stride` apart meet on: ranks are numbered
+    tightest tier first, so it is the loosest tier whose groups are at most
+    `stride` ranks apart."""
+    tier, span = machine.tiers[0], 1
+    for t in machine.tiers:
+        if span > stride:
+            break
+        if t.size > 1:
+            tier = t
+        span *= t.size
+    return tier
+
+
+def exchange_time(machine: Machine, nbytes: float, rings: int,
+                  chunk_bytes: int) -> float:
+    """The exchange (recursive doubling) over the machine's ranks."""
+    total, stride = 0.0, 1
+    for g in exchange_tiers(machine.world_size):
+        tier = tier_at_stride(machine, stride)
+        streams = rings * tier.shared_by
+        if g == 2:
+            # One step that sends and reduces the whole buffer: a phase of
+            # a 2-rank ring over a shard of 2n, whose segment is n per ring.
+            total += phase_time(2, 2 * nbytes, 1, 1, rings, chunk_bytes, tier,
+                                streams, machine.gamma_s_per_byte)
+        elif g > 1:
+            total += phase_time(g, nbytes, 2 * (g - 1), g - 1, rings, chunk_bytes,
+                                tier, streams, machine.gamma_s_per_byte)
+        stride *= g
     return total
 
 

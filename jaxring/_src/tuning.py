@@ -10,6 +10,11 @@ is (algorithm, rings, chunk_bytes, topology). Its predicted time is
   where the ranks run) with each tier's (alpha, beta) and the reduction cost
   gamma. ``call_s`` is the fixed cost of one call (dispatch, joining,
   completion), which on CPU is the largest term below about a megabyte;
+* exchange: ``call_s`` plus ``cost_model.exchange_time`` with the same
+  parameters: it crosses the same links, in log2(n) steps of the whole
+  buffer instead of 2(n-1) of a slice, so it wins where the steps' latency
+  outweighs the bytes. Measured across processes only (in one process
+  direct takes the small sizes), for world sizes with a factor 2;
 * direct: ``direct_call_s + nbytes * direct_s_per_byte``.
 
 In one process there is one tier, with ``alpha_s`` and ``beta_s_per_byte``.
@@ -46,7 +51,7 @@ VERSION = 1
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    algorithm: str       # "ring" or "direct"
+    algorithm: str       # "ring", "exchange" or "direct"
     rings: int
     chunk_bytes: int
     # "flat": one ring over every rank; "auto": the tiered plan over the
@@ -77,13 +82,19 @@ def candidates(world: int, in_one_process: bool, quick: bool = False,
                tiered: bool = False) -> list[Choice]:
     """The choices the tuner measures: ring counts x chunk sizes (each as a
     flat ring and, with ``tiered``, as the tiered plan), and the direct
-    algorithm where every rank is in this process."""
+    algorithm where every rank is in this process, the exchange where they
+    are not (and the world size has a factor 2: otherwise the exchange is
+    the ring)."""
     rings = (1, 2) if quick else (1, 2, 4)
     chunks = (256 << 10, 1 << 20) if quick else (64 << 10, 256 << 10, 1 << 20, 4 << 20)
     plans = ("flat", "auto") if tiered else ("flat",)
     out = [Choice("ring", r, c, t) for t, r, c in itertools.product(plans, rings, chunks)]
     if in_one_process and world > 1:
         out.append(Choice("direct", 2, 1 << 20))
+    if not in_one_process and world % 2 == 0:
+        # One ring: its buffers are small where it wins, and more rings
+        # would only split them further.
+        out.append(Choice("exchange", 1, 1 << 20))
     return out
 
 
@@ -101,15 +112,23 @@ def _layout(params: Params, world: int) -> list[tuple[int, int]]:
     return [(world, 1)]
 
 
-def _ring_terms(choice: Choice, layout, nbytes: float, gamma: float):
-    """The ring's time as a linear function of the tiers' parameters: the
-    coefficients of (alpha_0, beta_0, alpha_1, beta_1, ...), and the
-    reduction's part."""
+def _plan_time(choice: Choice):
+    """The cost model's function for a ring or exchange choice."""
+    if choice.algorithm == "exchange":
+        return cost_model.exchange_time
+    return cost_model.tiered_time if choice.topology == "auto" else cost_model.flat_ring_time
+
+
+def _plan_terms(choice: Choice, layout, nbytes: float, gamma: float):
+    """The plan's time (ring or exchange) as a linear function of the
+    tiers' parameters: the coefficients of (alpha_0, beta_0, alpha_1,
+    beta_1, ...), and the reduction's part."""
+    plan = _plan_time(choice)
+
     def t(values, g):
         tiers = tuple(cost_model.Tier(size, values[2 * i], values[2 * i + 1], shared)
                       for i, (size, shared) in enumerate(layout))
         m = cost_model.Machine(tiers, g)
-        plan = cost_model.tiered_time if choice.topology == "auto" else cost_model.flat_ring_time
         return plan(m, nbytes, choice.rings, choice.chunk_bytes)
     k = 2 * len(layout)
     coefficients = [t([1.0 if j == i else 0.0 for j in range(k)], 0.0) for i in range(k)]
@@ -127,7 +146,7 @@ def predict(params: Params, choice: Choice, world: int, nbytes: float) -> float:
         return 0.0
     if choice.algorithm == "direct":
         return params.direct_call_s + nbytes * params.direct_s_per_byte
-    coefficients, g = _ring_terms(choice, _layout(params, world), nbytes,
+    coefficients, g = _plan_terms(choice, _layout(params, world), nbytes,
                                   params.gamma_s_per_byte)
     return params.call_s + g + sum(c * v for c, v in zip(coefficients, _tier_values(params)))
 
@@ -162,19 +181,19 @@ def fit(measurements: Iterable[tuple[Choice, float, float]], world: int,
     :func:`shared_links`; without it there is one tier of ``world`` ranks."""
     layout = (list(zip(dims, shared_links(dims))) if len(dims) > 1
               else [(world, 1)])
-    ring_rows, ring_t, ring_w, direct_rows, direct_t = [], [], [], [], []
+    plan_rows, plan_t, plan_w, direct_rows, direct_t = [], [], [], [], []
     for choice, nbytes, seconds in measurements:
         if choice.algorithm == "direct":
             direct_rows.append([1.0, nbytes])
             direct_t.append(seconds)
             continue
-        coefficients, g = _ring_terms(choice, layout, nbytes, gamma_s_per_byte)
-        ring_rows.append([1.0, *coefficients])
-        ring_t.append(seconds - g)  # the rest the fit must explain
-        ring_w.append(1.0 / max(seconds, 1e-9))
+        coefficients, g = _plan_terms(choice, layout, nbytes, gamma_s_per_byte)
+        plan_rows.append([1.0, *coefficients])
+        plan_t.append(seconds - g)  # the rest the fit must explain
+        plan_w.append(1.0 / max(seconds, 1e-9))
     call, tier_values, d_call, d_byte = 0.0, [0.0] * (2 * len(layout)), 0.0, 0.0
-    if ring_rows:
-        r, t, w = np.array(ring_rows), np.array(ring_t), np.array(ring_w)
+    if plan_rows:
+        r, t, w = np.array(plan_rows), np.array(plan_t), np.array(plan_w)
         call, *tier_values = _nonnegative_fit(r * w[:, None], t * w)
     if direct_rows:
         r, t = np.array(direct_rows), np.array(direct_t)

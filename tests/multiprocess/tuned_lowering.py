@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxring
+from jaxring import _jaxring
 from jaxring._src import tuning
 
 
@@ -33,11 +34,12 @@ def main():
             lambda idx: np.full((1, count), idx[0].start + 1, np.float32))
         hlo = f.lower(x).as_text()
         attrs = {k: int(re.search(rf"{k} = (\d+)", hlo).group(1))
-                 for k in ("num_rings", "chunk_bytes")}
+                 for k in ("num_rings", "chunk_bytes", "algorithm")}
+        algorithm = {v: k for k, v in _jaxring.ALGORITHMS.items()}[attrs["algorithm"]]
         tiered = re.search(r"topology = dense<([^>]*)>", hlo).group(1) != ""
         c = tuning.lookup(table, size)
-        print(f"CHOICE {size} table={c.rings},{c.chunk_bytes},{c.topology} "
-              f"lowered={attrs['num_rings']},{attrs['chunk_bytes']},"
+        print(f"CHOICE {size} table={c.algorithm},{c.rings},{c.chunk_bytes},{c.topology} "
+              f"lowered={algorithm},{attrs['num_rings']},{attrs['chunk_bytes']},"
               f"{'auto' if tiered else 'flat'}", flush=True)
         out = f(x)
         for shard in out.addressable_shards:
