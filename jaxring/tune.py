@@ -8,8 +8,8 @@ Usage:
 
 It times jaxring.allreduce for every candidate (ring counts x chunk sizes,
 the direct algorithm in one process, the exchange across processes) at
-every size, fits the model's
-parameters to those times (jaxring/_src/tuning.py), and prints, per size,
+every size, fits the model's parameters to those times
+(jaxring/_src/tuning.py), and prints, per size,
 the model's predicted time next to the measured one for every candidate,
 the model's choice and the measured best. The table is written to the cache
 (~/.cache/jaxring/tuning.json, or --out), under a key for this topology,

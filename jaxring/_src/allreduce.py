@@ -470,10 +470,10 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     where its ranks run. "auto" takes direct only where it applies: every
     rank in this process (direct reads its peers' memory), no emulated link
     (which models the transfers of a plan, and direct has none) and no
-    tiered plan (a plan of rings). Across processes, and under an emulated link, it takes exchange
-    for an operand of nbytes up to config.exchange_max_bytes, where the
-    topology setting is "auto" (a tuple or "flat" asks for the ring
-    plan)."""
+    tiered plan (a plan of rings). Across processes, and under an emulated
+    link, it takes exchange for an operand of nbytes up to
+    config.exchange_max_bytes, where the topology setting is "auto" (a
+    tuple or "flat" asks for the ring plan)."""
     across = distributed.spans_processes(rank_process)
     emulated = bool(link)
     if algorithm == "auto":
