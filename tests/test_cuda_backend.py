@@ -331,7 +331,7 @@ def _check_as_process_1(monkeypatch, client):
                                    processes=[0, 1], timeout_s=0.2)
 
 
-def test_agreement_tells_a_late_owner_from_a_failed_store(monkeypatch):
+def test_agreement_tells_a_late_owner_from_a_failed_store(monkeypatch, tmp_path):
     """The owner not publishing in time is a CollectiveTimeoutError; the
     store failing (its coordinator gone) is a JaxringError of its own,
     never reported as a timeout. The first message is the one
@@ -347,11 +347,13 @@ def test_agreement_tells_a_late_owner_from_a_failed_store(monkeypatch):
         "try:\n"
         "    jax_compat.distributed_client().blocking_key_value_get('absent', 100)\n"
         "except Exception as e:\n"
-        "    print(str(e).splitlines()[0])\n")
+        "    print('MESSAGE', str(e).splitlines()[0])\n")
+    # Run outside the checkout, so that the installed jaxring is imported.
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True,
-                         text=True, timeout=120)
-    timeout_message = res.stdout.strip()
-    assert timeout_message, res.stderr[-2000:]
+                         text=True, timeout=120, cwd=tmp_path)
+    timeout_message = next((l.split(" ", 1)[1] for l in res.stdout.splitlines()
+                            if l.startswith("MESSAGE ")), None)
+    assert timeout_message, res.stdout[-2000:] + res.stderr[-2000:]
 
     with pytest.raises(jaxring.CollectiveTimeoutError, match="did not lower") as info:
         _check_as_process_1(monkeypatch, _StoreThatFails(RuntimeError(timeout_message)))
