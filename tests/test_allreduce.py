@@ -541,6 +541,7 @@ def test_config_update_and_validation():
         jaxring.config.rings = 2
 
 
+@pytest.mark.slow  # the settings' parsing, in new processes: on the newest jax only
 def test_environment_variables(script):
     res = script("""
         import jaxring

@@ -44,6 +44,7 @@ def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path)
         assert len(r[1].split()) == 9 and all(float(v) > 0 for v in r[1].split()), r
 
 
+@pytest.mark.slow  # the script's table: on the newest jax only
 def test_overlap_benchmark_prints_every_variant_and_the_bound(tmp_path):
     """benchmarks/overlap_cnn.py on a small CNN: every variant is timed and
     the ratios (with and without gang start) and the bound are printed."""

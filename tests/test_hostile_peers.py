@@ -28,7 +28,9 @@ import pytest
 
 from test_multiprocess import Job
 
-pytestmark = pytest.mark.multiprocess
+# The TCP transport's own code, whatever the jax: with the slow tier, on the
+# newest jax only.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 MAGIC = 0x4A52494E
 VERSION = 5
@@ -371,7 +373,6 @@ def run_against_job(make_attacks, concurrent=()):
     return results, lines
 
 
-@pytest.mark.slow  # the transport's own code: on the newest jax only
 def test_strangers_are_turned_away_and_the_job_stays_exact():
     results, lines = run_against_job(
         lambda address, secret, job_id, kept: attacks(address, secret),

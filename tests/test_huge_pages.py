@@ -16,9 +16,11 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
-    reason="this kernel has no transparent huge pages")
+pytestmark = [
+    pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                       reason="this kernel has no transparent huge pages"),
+    pytest.mark.slow,  # the C++ buffers' own code: on the newest jax only
+]
 
 PROBE = r'''
 import jaxring

@@ -575,6 +575,7 @@ def test_jaxring_transport_tcp_keeps_processes_on_sockets():
         job.kill_all()
 
 
+@newest_jax_only
 def test_stopped_peer_times_out_on_every_survivor():
     """A peer that stops responding (SIGSTOP, sockets open) is caught by the
     operation's deadline."""
@@ -658,6 +659,7 @@ def test_a_failed_tcp_setup_is_reported_again_not_retried():
     assert "process 1 did not publish its TCP address" in second[0], lines
 
 
+@newest_jax_only
 def test_a_job_with_fewer_cores_than_ranks_runs_one_ring_unless_told_otherwise():
     # Every process of the job on one CPU: 0.5 cores per rank on any machine.
     # The default ring count drops to one; a count that was passed or set

@@ -219,6 +219,7 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
         jaxring.config.reset("tuning")
 
 
+@pytest.mark.slow  # the command's measuring loop: on the newest jax only
 def test_tune_command_measures_fits_and_writes_a_table(tmp_path):
     out = tmp_path / "tuning.json"
     res = subprocess.run(
