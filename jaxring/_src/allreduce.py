@@ -192,6 +192,29 @@ def _transpose(ct, x, **params):
 ad.primitive_transposes[allreduce_p] = _transpose
 
 
+def _to_low(x, **params):
+    """The sum of a value of a high type (jax >= 0.12.1: one typed unreduced)
+    as a sum of its low form, which holds each device's part typed varying
+    over the same axes: summed to an invariant result, that is the reduced
+    value the high equation types."""
+    aval = compat.typeof(x)
+    low = compat.low_value(x)
+    if compat.typeof(low).shape != aval.shape:
+        # An operand unreduced over a mesh axis outside the manual ones has
+        # its parts stacked along new leading dimensions in its low form.
+        raise NotImplementedError(
+            f"jaxring.allreduce over {params['axes']}: the value "
+            f"({aval.str_short(True)}) is unreduced over mesh axes outside "
+            "the shard_map's manual axes, which jaxring cannot sum; reduce "
+            "it with lax.psum or jax.sharding.reshard first.")
+    out_aval, _ = _abstract_eval(aval, **params)
+    summed = allreduce_p.bind(low, **{**params, "unreduced": False, "invariant": True})
+    return compat.high_value(out_aval, summed)
+
+
+compat.define_high_rule(allreduce_p, _to_low)
+
+
 def _local_reduce(op: str, x, dim: int):
     return {"sum": lax.reduce_sum, "prod": lax.reduce_prod,
             "min": lax.reduce_min, "max": lax.reduce_max}[op](x, (dim,))

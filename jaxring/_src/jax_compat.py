@@ -107,7 +107,34 @@ def closed_parts(closed) -> tuple:
     return closed.jaxpr, closed.consts
 
 
-# ---- private, each checked on jax 0.10.2, 0.11.2 and 0.12.0.1 ---------------
+# ---- private, each checked on jax 0.10.2, 0.11.2, 0.12.0.1 and 0.12.1 -------
+
+def define_high_rule(primitive, to_low) -> None:
+    """Give primitive the rule JAX needs where its operand has a *high* type.
+
+    From jax 0.12.1 a value typed unreduced over a manual axis is a high type:
+    before compiling, JAX rewrites each equation that takes one through the
+    primitive's ``to_lojax`` rule, into equations on the value's low form (the
+    same array, typed varying over those axes). Earlier releases never find a
+    high operand, so the rule is unused there. ``Primitive.is_high`` and
+    ``to_lojax`` exist, with these signatures, on all four; neither is
+    documented."""
+    primitive.is_high = lambda *avals, **params: any(
+        getattr(a, "is_high", False) for a in avals)
+    primitive.to_lojax = to_low
+
+
+def low_value(x):
+    """The low form of a value of a high type (see define_high_rule)."""
+    (low,) = typeof(x).lower_val(x)
+    return low
+
+
+def high_value(aval, low):
+    """The value of type aval whose low form is low; low itself where aval
+    is not a high type."""
+    return aval.raise_val(low)
+
 
 # A primitive that communicates over named axes declares the effect, as
 # lax.psum does, so that JAX keeps it inside the map that binds the axes.
@@ -151,7 +178,7 @@ def distributed_state():
 # Lowering caches of one module that call_sites makes refuse jaxring ops
 # (their names on every supported version). call_sites wraps the public
 # mlir.ModuleContext.__init__ to install them; the same patch works on
-# 0.10.2, 0.11.2 and 0.12.0.1, which tests/test_allreduce.py
+# 0.10.2, 0.11.2, 0.12.0.1 and 0.12.1, which tests/test_allreduce.py
 # (test_every_call_gets_its_own_op_id) checks on each.
 MODULE_CONTEXT_CACHES = ("cached_primitive_lowerings", "lowering_cache")
 
