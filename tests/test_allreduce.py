@@ -659,7 +659,7 @@ def _algorithm_ids_in(lowered_text):
 def test_auto_algorithm_is_direct_in_one_process_and_modelled_under_link_emulation():
     mesh = mesh_of(4)
     x = put(np.ones(4 * 8, np.float32), mesh, P("i"))
-    large = put(np.ones(4 * 1024, np.float32), mesh, P("i"))  # 4 KiB per device
+    large = put(np.ones(4 * 16384, np.float32), mesh, P("i"))  # 64 KiB per device
 
     def lowered(operand=x, **kw):
         f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i", **kw),
@@ -670,7 +670,8 @@ def test_auto_algorithm_is_direct_in_one_process_and_modelled_under_link_emulati
     assert _algorithm_ids_in(lowered(algorithm="ring")) == [0]
     jaxring.config.update("cpu_link", "10Gbit,1us")
     try:
-        # The ring, or the exchange up to exchange_max_bytes (512 B).
+        # The ring, or the exchange up to exchange_max_bytes (512 B) and
+        # where the link's model predicts it faster (about 10 KiB here).
         assert _algorithm_ids_in(lowered(large)) == [0]
         assert _algorithm_ids_in(lowered()) == [3]
         with pytest.raises(ValueError, match="no transfers for cpu_link to emulate"):
@@ -727,6 +728,44 @@ def test_direct_refused_across_processes():
     assert resolve_algorithm("exchange", ((0, 1e9, 0.0),), one) == "exchange"
     with pytest.raises(ValueError, match="picks its own tiers"):
         resolve_algorithm("exchange", (), two, tiered=True)
+
+
+def test_auto_under_one_emulated_link_takes_the_exchange_where_its_model_does():
+    from jaxring._src import cost_model
+    from jaxring._src.allreduce import resolve_algorithm
+    from jaxring._src.config import parse_links
+    one = np.zeros(8, np.int64)
+    slow = parse_links("41Mbit,50us")
+
+    def pick(nbytes, link=slow, **kw):
+        return resolve_algorithm("auto", link, one, nbytes=nbytes, world=8, rings=2,
+                                 chunk_bytes=1 << 20, **kw)
+
+    def model_says_exchange(nbytes, link=slow):
+        m = cost_model.emulated_machine(link, 8)
+        return (cost_model.exchange_time(m, nbytes, 2, 1 << 20)
+                < cost_model.flat_ring_time(m, nbytes, 2, 1 << 20))
+    # 41 Mbit with 50 us: the model's crossover lies between 1 and 8 KiB,
+    # above the default exchange_max_bytes (512).
+    assert model_says_exchange(1024) and not model_says_exchange(8192)
+    assert pick(1024) == "exchange" and pick(8192) == "ring"
+    assert pick(1024, topology="flat") == "ring"
+    # A fast link without latency: the model never prefers the exchange,
+    # and the default threshold still applies.
+    fast = parse_links("100Gbit")
+    assert not model_says_exchange(256, fast)
+    assert pick(512, fast) == "exchange" and pick(1024, fast) == "ring"
+    # Tiers: the flat ring's model does not hold across them; the threshold
+    # alone decides.
+    assert pick(1024, parse_links("4:100Gbit,2us;1Gbit,20us")) == "ring"
+    # An exchange_max_bytes set explicitly is the rule, even to the default.
+    for limit in (0, 512):
+        jaxring.config.update("exchange_max_bytes", limit)
+        try:
+            assert pick(1024) == "ring"
+        finally:
+            jaxring.config.reset("exchange_max_bytes")
+    assert pick(1024) == "exchange"
 
 
 def test_exchange_takes_no_explicit_tiers_and_lowers_as_exchange():

@@ -1,5 +1,6 @@
 """jaxring-bench: its table and its plot, on a few small sizes."""
 
+import pathlib
 import subprocess
 import sys
 
@@ -64,3 +65,17 @@ def test_overlap_benchmark_prints_every_variant_and_the_bound(tmp_path):
                  "bound for any schedule, max(compute, comm) / serialized", "bucket_mb=0.25", "best: bucket_mb="):
         assert line in out, out
     assert (tmp_path / "t.json").stat().st_size > 0
+
+
+@pytest.mark.slow  # jaxring's own script: on the newest jax only
+def test_exchange_crossover_prints_measured_and_modelled_ratios(tmp_path):
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "exchange_crossover.py"
+    res = subprocess.run(
+        [sys.executable, str(script), "--links", "41Mbit,50us", "--devices", "4",
+         "--sizes", "256", "64K", "--calls", "2", "--rounds", "1"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [l.split("|") for l in res.stdout.splitlines() if l.rstrip().endswith(("ring", "exchange"))]
+    assert [r[0].strip() for r in rows] == ["256 B", "64 KiB"], res.stdout
+    # The model's choice on this link: the exchange for 256 B, the ring for 64 KiB.
+    assert [r[-1].strip() for r in rows] == ["exchange", "ring"], res.stdout

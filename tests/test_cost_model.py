@@ -114,6 +114,20 @@ def test_exchange_beats_the_ring_where_latency_dominates_only():
     assert cm.exchange_time(m, 64 << 10, 1, 1 << 20) > cm.flat_ring_time(m, 64 << 10, 1, 1 << 20)
 
 
+def test_emulated_machine_is_the_link_emulation_of_config():
+    one = cm.emulated_machine(((0, 5e6, 50e-6),), 8)
+    assert one == cm.Machine((cm.Tier(8, 50e-6, 1 / 5e6, 1),))
+    # A tier's link belongs to a group of the tier below: a host's 4 ranks
+    # share the one 1 Gbit link (link_pacing.h).
+    two = cm.emulated_machine(((4, 12.5e9, 2e-6), (0, 125e6, 20e-6)), 8)
+    assert two.dims == (4, 2)
+    assert [t.shared_by for t in two.tiers] == [1, 4]
+    assert [t.alpha_s for t in two.tiers] == [2e-6, 20e-6]
+    assert two.tiers[1].beta_s_per_byte == pytest.approx(8e-9)
+    # Tiers that do not divide the world: no machine.
+    assert cm.emulated_machine(((4, 1e9, 0.0), (0, 1e9, 0.0)), 6) is None
+
+
 def test_exchange_steps_cross_the_tier_their_partners_straddle():
     # 2 ranks per host on a free tier, 4 hosts: partners 1 apart meet on
     # the host tier (no cost), 2 and 4 apart on the network, whose link the

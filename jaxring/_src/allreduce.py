@@ -28,8 +28,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxring._src import (call_sites, cuda_agreement, cuda_backend, distributed, runtime,
-                         timeline)
+from jaxring._src import (call_sites, cost_model, cuda_agreement, cuda_backend,
+                         distributed, runtime, timeline)
 from jaxring._src import topology as _topology
 from jaxring._src import tuning as _tuning
 from jaxring._src import wire_format
@@ -488,7 +488,8 @@ def _reduce_op_id(op: str) -> np.int64:
 
 
 def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
-                      nbytes: int | None = None, topology: Any = "auto") -> str:
+                      nbytes: int | None = None, topology: Any = "auto",
+                      world: int = 0, rings: int = 1, chunk_bytes: int = 1 << 20) -> str:
     """"ring", "direct" or "exchange" for an operation, from the setting and
     where its ranks run. "auto" takes direct only where it applies: every
     rank in this process (direct reads its peers' memory), no emulated link
@@ -496,14 +497,21 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     tiered plan (a plan of rings). Across processes, and under an emulated
     link, it takes exchange for an operand of nbytes up to
     config.exchange_max_bytes, where the topology setting is "auto" (a
-    tuple or "flat" asks for the ring plan)."""
+    tuple or "flat" asks for the ring plan). Under one emulated link (not
+    tiers) whose exchange_max_bytes was left unset, also where the cost
+    model of that link predicts the exchange faster than the ring for the
+    world's ranks: the link is known exactly there, as a tuning table
+    knows a measured one."""
     across = distributed.spans_processes(rank_process)
     emulated = bool(link)
     if algorithm == "auto":
-        limit = config.exchange_max_bytes  # 0: never
-        if ((across or emulated) and topology == "auto" and nbytes is not None
-                and 0 < limit and nbytes <= limit):
-            return "exchange"
+        if (across or emulated) and topology == "auto" and nbytes is not None:
+            limit = config.exchange_max_bytes  # 0: never
+            if 0 < limit and nbytes <= limit:
+                return "exchange"
+            if (emulated and not config.is_explicit("exchange_max_bytes")
+                    and _exchange_faster_on(link, world, nbytes, rings, chunk_bytes)):
+                return "exchange"
         return "ring" if across or emulated or tiered else "direct"
     if algorithm == "nccl":
         raise ValueError(
@@ -530,6 +538,21 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
             "emulate; use algorithm='ring' or 'auto' with cpu_link, or unset "
             "cpu_link.")
     return algorithm
+
+
+def _exchange_faster_on(link: tuple, world: int, nbytes: int, rings: int,
+                        chunk_bytes: int) -> bool:
+    """Whether the cost model of the emulated link predicts the exchange
+    faster than the flat ring for nbytes over world ranks. One link only:
+    across tiers the model paces a flat ring at its slowest hop at every
+    step, where the ring's critical path crosses the slow hops only now and
+    then (with "4:100Gbit,2us;1Gbit,20us" it predicted the exchange faster
+    up to 12 KiB; it was slower from 4 KiB)."""
+    machine = cost_model.emulated_machine(link, world)
+    if machine is None or len(link) != 1 or world < 2:
+        return False
+    return (cost_model.exchange_time(machine, nbytes, rings, chunk_bytes)
+            < cost_model.flat_ring_time(machine, nbytes, rings, chunk_bytes))
 
 
 def allreduce_label(op, axes, groups=None) -> str:
@@ -594,7 +617,8 @@ def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
     nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize
                  for a in ctx.avals_in)
     chosen = resolve_algorithm(algorithm, link, rank_process, tiered=bool(tiers),
-                               nbytes=nbytes, topology=topology)
+                               nbytes=nbytes, topology=topology, world=world,
+                               rings=rings, chunk_bytes=chunk_bytes)
     if chosen == "exchange":
         tiers = ()
     mesh = (world, tuple(rank_process), tuple(ring.group_sizes))

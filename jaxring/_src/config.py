@@ -173,8 +173,10 @@ _OPTIONS = {
                 "CPU, direct when every rank of the operation is in this "
                 "process and cpu_link is off; across processes and under "
                 "cpu_link, exchange for buffers of at most "
-                "exchange_max_bytes (unless topology names tiers or "
-                "\"flat\") and the ring otherwise; on GPU, the ring."),
+                "exchange_max_bytes, and under a cpu_link of one link also "
+                "where that link's cost model predicts it faster (unless "
+                "topology names tiers or \"flat\"), and the ring "
+                "otherwise; on GPU, the ring."),
         _Option("exchange_max_bytes", "JAXRING_EXCHANGE_MAX_BYTES", 512, int,
                 _int_in(0, MAX_CHUNK_BYTES), "an int from 0 to 2**40",
                 "With algorithm \"auto\", an allreduce across processes "
@@ -186,7 +188,10 @@ _OPTIONS = {
                 "memory and loopback the exchange wins up to 64 KiB, so a "
                 "fast network may raise it (docs/allreduce.md). A tuning "
                 "table (python -m jaxring.tune across processes) chooses "
-                "from its own measurements instead."),
+                "from its own measurements instead. Left unset under a "
+                "cpu_link of one link, the exchange also runs where that "
+                "link's cost model predicts it faster; set, it is the "
+                "rule."),
         _Option("topology", "JAXRING_TOPOLOGY", "auto", _topology.parse,
                 _topology.is_setting, _topology.REQUIREMENT,
                 "The tiers of the ring plan across processes, tightest "

@@ -179,6 +179,25 @@ def exchange_time(machine: Machine, nbytes: float, rings: int,
     return total
 
 
+def emulated_machine(links: Sequence[tuple[int, float, float]],
+                     world: int) -> Machine | None:
+    """The machine that cpu_link emulates for an operation of `world` ranks:
+    links as config.parse_links gives them, (size, bytes/s, latency s) per
+    tier, tightest first, the last of size 0 (the rest of the ranks). A
+    tier's link belongs to a group of the tier below, so every rank of that
+    group shares it (link_pacing.h). None where the tiers do not divide the
+    world."""
+    inner = math.prod(size for size, _, _ in links[:-1])
+    if not links or world < 1 or world % inner:
+        return None
+    tiers, below = [], 1
+    for i, (size, rate, latency) in enumerate(links):
+        size = size if i + 1 < len(links) else world // inner
+        tiers.append(Tier(size, latency, 1.0 / rate, shared_by=below))
+        below *= size
+    return Machine(tuple(tiers))
+
+
 def tier_bytes(machine: Machine, nbytes: float) -> list[float]:
     """Bytes one rank sends on each tier under the tiered plan:
     2(d_i - 1)/d_i * n / (d_0 ... d_(i-1))."""
