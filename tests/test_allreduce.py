@@ -755,6 +755,11 @@ def test_auto_under_one_emulated_link_takes_the_exchange_where_its_model_does():
     fast = parse_links("100Gbit")
     assert not model_says_exchange(256, fast)
     assert pick(512, fast) == "exchange" and pick(1024, fast) == "ring"
+    # The model counts no CPU time: it chooses the exchange up to 16 KiB only.
+    latent = parse_links("100Gbit,5us")
+    assert model_says_exchange(16385, latent) and model_says_exchange(65536, latent)
+    assert pick(16384, latent) == "exchange"
+    assert pick(16385, latent) == "ring" and pick(65536, latent) == "ring"
     # Tiers: the flat ring's model does not hold across them; the threshold
     # alone decides.
     assert pick(1024, parse_links("4:100Gbit,2us;1Gbit,20us")) == "ring"

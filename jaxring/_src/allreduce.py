@@ -208,7 +208,10 @@ def _to_low(x, **params):
             "the shard_map's manual axes, which jaxring cannot sum; reduce "
             "it with lax.psum or jax.sharding.reshard first.")
     out_aval, _ = _abstract_eval(aval, **params)
-    summed = allreduce_p.bind(low, **{**params, "unreduced": False, "invariant": True})
+    # The low form is varying where the high one was unreduced, so a sum of
+    # an unreduced operand gives an invariant result, as its high type says.
+    summed = allreduce_p.bind(low, **{**params, "unreduced": False,
+                                      "invariant": params["invariant"] or params["unreduced"]})
     return compat.high_value(out_aval, summed)
 
 
@@ -500,8 +503,8 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     tuple or "flat" asks for the ring plan). Under one emulated link (not
     tiers) whose exchange_max_bytes was left unset, also where the cost
     model of that link predicts the exchange faster than the ring for the
-    world's ranks: the link is known exactly there, as a tuning table
-    knows a measured one."""
+    world's ranks, up to MODELLED_EXCHANGE_MAX_BYTES: the link is known
+    exactly there, as a tuning table knows a measured one."""
     across = distributed.spans_processes(rank_process)
     emulated = bool(link)
     if algorithm == "auto":
@@ -540,6 +543,15 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     return algorithm
 
 
+# The largest buffer for which the model may choose the exchange. It counts
+# no CPU time, and the exchange copies and reduces the whole buffer at each
+# of its steps: on a fast link with latency (100Gbit,5us at 8 ranks) it
+# predicted the exchange faster up to 512 KiB, which measured 0.85x of the
+# ring at 128 KiB and 0.44x at 512 KiB. Up to 16 KiB it was at least 0.95x
+# of the ring wherever the model chose it.
+MODELLED_EXCHANGE_MAX_BYTES = 16 << 10
+
+
 def _exchange_faster_on(link: tuple, world: int, nbytes: int, rings: int,
                         chunk_bytes: int) -> bool:
     """Whether the cost model of the emulated link predicts the exchange
@@ -549,7 +561,8 @@ def _exchange_faster_on(link: tuple, world: int, nbytes: int, rings: int,
     then (with "4:100Gbit,2us;1Gbit,20us" it predicted the exchange faster
     up to 12 KiB; it was slower from 4 KiB)."""
     machine = cost_model.emulated_machine(link, world)
-    if machine is None or len(link) != 1 or world < 2:
+    if (machine is None or len(link) != 1 or world < 2
+            or nbytes > MODELLED_EXCHANGE_MAX_BYTES):
         return False
     return (cost_model.exchange_time(machine, nbytes, rings, chunk_bytes)
             < cost_model.flat_ring_time(machine, nbytes, rings, chunk_bytes))
@@ -820,6 +833,11 @@ def _to_wire_form(leaf, restore, wire: np.dtype):
 def _check_unreduced(aval, axes: tuple, groups, op: str) -> bool:
     """Whether aval is typed unreduced over axes, which jaxring then sums as
     lax.psum does; raises where lax.psum would not take it."""
+    kind = compat.unreduced_kind(aval)
+    if compat.unreduced_axes(aval) and kind not in (None, "sum"):
+        # A part of a max (or min) not yet taken, over these axes or others:
+        # a sum over any axis would mix the two reductions.
+        _refuse_unreduced(aval, op, groups, kind)
     unreduced = compat.unreduced_axes(aval) & set(axes)
     if not unreduced:
         return False
@@ -829,16 +847,19 @@ def _check_unreduced(aval, axes: tuple, groups, op: str) -> bool:
             f"{sorted(unreduced, key=str)} but not over the other axes "
             f"({aval.str_short(True)}); reduce each kind of axis apart, as "
             "lax.psum requires.")
-    kind = compat.unreduced_kind(aval)
-    if op != "sum" or groups is not None or kind not in (None, "sum"):
-        raise TypeError(
-            f"jaxring.allreduce: an unreduced value ({aval.str_short(True)}) "
-            "can only be summed over its unreduced axes, without "
-            f"axis_index_groups (got op={op!r}"
-            + (f", axis_index_groups={[list(g) for g in groups]}" if groups else "")
-            + (f", unreduced kind {kind}" if kind not in (None, "sum") else "")
-            + "), as with lax.psum.")
+    if op != "sum" or groups is not None:
+        _refuse_unreduced(aval, op, groups, kind)
     return True
+
+
+def _refuse_unreduced(aval, op: str, groups, kind):
+    raise TypeError(
+        f"jaxring.allreduce: an unreduced value ({aval.str_short(True)}) "
+        "can only be summed over its unreduced axes, without "
+        f"axis_index_groups (got op={op!r}"
+        + (f", axis_index_groups={[list(g) for g in groups]}" if groups else "")
+        + (f", unreduced kind {kind}" if kind not in (None, "sum") else "")
+        + "), as with lax.psum.")
 
 
 def _reduce_leaf_group(leaves, axes, groups, op, rings, chunk_bytes, timeout_s,
@@ -873,6 +894,11 @@ def _reduce_leaf_group(leaves, axes, groups, op, rings, chunk_bytes, timeout_s,
                     f"over {missing} (see jax.typeof(x).vma); apply "
                     "jax.lax.pcast(x, axes, to='varying') first.")
             leaf = compat.pvary(leaf, missing)
+        if compat.unreduced_axes(compat.typeof(leaf)):
+            # Unreduced over other axes: an operation of its own, as a
+            # fused buffer has one type.
+            out[i] = _fused_allreduce([leaf], params)[0]
+            continue
         fused.append((i, leaf))
     if fused:
         idx, fused_leaves = zip(*fused)
@@ -928,8 +954,9 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
       algorithm: ``"ring"``, ``"direct"`` (all ranks in one process),
         ``"exchange"`` (recursive doubling: fewer, larger steps, for small
         buffers; CPU) or ``"auto"`` (default ``jaxring.config.algorithm``,
-        itself ``"auto"``: direct in one process without ``cpu_link``, ring
-        otherwise).
+        itself ``"auto"``: direct in one process without ``cpu_link``;
+        otherwise the exchange for small buffers, the ring for the rest; see
+        ``jaxring.config.exchange_max_bytes``).
       topology: the ring plan's tiers across processes, tightest first, e.g.
         ``(4, 2)`` for 4 devices in each of 2 processes; ``"flat"`` for one
         ring; ``"auto"`` (default ``jaxring.config.topology``) derives them

@@ -173,7 +173,8 @@ _OPTIONS = {
                 "CPU, direct when every rank of the operation is in this "
                 "process and cpu_link is off; across processes and under "
                 "cpu_link, exchange for buffers of at most "
-                "exchange_max_bytes, and under a cpu_link of one link also "
+                "exchange_max_bytes, and, with exchange_max_bytes left "
+                "unset under a cpu_link of one link, also up to 16 KiB "
                 "where that link's cost model predicts it faster (unless "
                 "topology names tiers or \"flat\"), and the ring "
                 "otherwise; on GPU, the ring."),
@@ -189,9 +190,9 @@ _OPTIONS = {
                 "fast network may raise it (docs/allreduce.md). A tuning "
                 "table (python -m jaxring.tune across processes) chooses "
                 "from its own measurements instead. Left unset under a "
-                "cpu_link of one link, the exchange also runs where that "
-                "link's cost model predicts it faster; set, it is the "
-                "rule."),
+                "cpu_link of one link, the exchange also runs up to 16 KiB "
+                "where that link's cost model predicts it faster; set, it "
+                "is the rule."),
         _Option("topology", "JAXRING_TOPOLOGY", "auto", _topology.parse,
                 _topology.is_setting, _topology.REQUIREMENT,
                 "The tiers of the ring plan across processes, tightest "

@@ -52,6 +52,9 @@ from jaxring._src.step_trace import retrace_in_order, trace_step, uses, where
 
 # Primitives whose top-level equations overlap rewrites (when their axes match).
 _PSUM_NAMES = ("psum", "psum_invariant")
+# lax.psum of a value typed unreduced (jax 0.12): found, to be reported as
+# left where it is.
+_UNREDUCED_PSUM_NAMES = ("unreduced_psum",)
 
 
 class OverlapWarning(UserWarning):
@@ -79,11 +82,17 @@ class OverlapOptions:
 def _axes_of(eqn) -> tuple | None:
     """The axes an eqn sums over if it is a sum-allreduce, else None."""
     name = eqn.primitive.name
-    if name in _PSUM_NAMES:
+    if name in _PSUM_NAMES or name in _UNREDUCED_PSUM_NAMES:
         return tuple(eqn.params["axes"])
     if name == _ar.allreduce_p.name and eqn.params["op"] == "sum":
         return tuple(eqn.params["axes"])
     return None
+
+
+def _typed_unreduced(aval) -> bool:
+    """Whether aval is unreduced over any axis, manual or (in its sharding,
+    jax 0.12.1's high type) not."""
+    return bool(compat.unreduced_axes(aval)) or bool(getattr(aval, "is_high", False))
 
 
 def _matches(axes: tuple, want: tuple | None) -> bool:
@@ -123,7 +132,11 @@ def _find_reductions(jaxpr, want, wire=None) -> tuple[list[Reduction], list[str]
                             f"overlap(axis_name={want!r}) rewrites reductions over "
                             "exactly those axes")
             continue
-        if eqn.params.get("unreduced"):
+        if eqn.params.get("unreduced") or any(
+                _typed_unreduced(v.aval) for v in eqn.invars
+                if not isinstance(v, compat.Literal)):
+            # Over the summed axes or others: a bucket is one buffer of one
+            # type, and a split-phase start takes varying values only.
             left.append(f"a sum of a value typed unreduced ({where(eqn)}): "
                         "jaxring.overlap's buckets do not carry unreduced values")
             continue
