@@ -116,7 +116,7 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
 
 
 @pytest.mark.parametrize("tiers,split", [
-    pytest.param("2x2x2", (2, 4), id="2x2x2-over-2-processes"),
+    pytest.param("2x2x2", (2, 4), id="2x2x2-over-2-processes", marks=newest_jax_only),
     pytest.param("2x4", (4, 2), id="2x4-over-4-processes", marks=newest_jax_only),
     pytest.param("exchange", (2, 4), id="exchange-over-2-processes", marks=newest_jax_only)])
 def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
@@ -146,7 +146,8 @@ def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
     assert digests["memory"] == digests["auto"] == digests["tcp"]
 
 
-@pytest.mark.parametrize("transport", ["tcp", pytest.param("auto", marks=newest_jax_only)])
+@newest_jax_only
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_frames_a_small_socket_buffer_takes_in_parts_arrive_whole(transport):
     # With 4 KiB socket buffers the socket takes a 1 MiB frame in many
     # parts: the device's thread writes the first, the connection's sender
@@ -175,6 +176,7 @@ def test_frames_a_small_socket_buffer_takes_in_parts_arrive_whole(transport):
     assert digests[""] == digests["4096"]
 
 
+@newest_jax_only
 def test_a_socket_buffer_outside_its_range_is_refused():
     r = run_launcher(2, "allreduce_check.py", 0, 1, "flat",
                      env={"JAXRING_TCP_SOCKET_BUFFER": "12"})
@@ -509,6 +511,7 @@ def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm():
     assert jaxring_segments() - before == set()
 
 
+@newest_jax_only
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="needs root and unshare(1) to give the job a tiny /dev/shm")
 def test_a_dev_shm_too_small_falls_back_to_tcp_saying_so_once():
