@@ -146,6 +146,45 @@ def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
     assert digests["memory"] == digests["auto"] == digests["tcp"]
 
 
+@pytest.mark.parametrize("split", [
+    pytest.param((2, 2), id="2-processes-of-2"),
+    pytest.param((4, 1), id="4-processes", marks=newest_jax_only)])
+def test_direct_across_processes_gives_the_bits_of_direct_in_memory(split):
+    # algorithm="direct" across the processes of this host runs over the
+    # host segment: every rank's share summed over the ranks in rank order,
+    # as the direct algorithm in one process sums it, so the bits are the
+    # same for every dtype and op (sizes up to 12 MiB: many chunks), and no
+    # data frame crosses a socket.
+    digests = {}
+    for n, d in ((1, 4), split):
+        r = run_launcher(n, "allreduce_check.py", 11, 24, "direct", devices_per_process=d)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        by_rank = lines_by_rank(r.stdout)
+        assert sorted(by_rank) == list(range(n))
+        for lines in by_rank.values():
+            assert lines.count("DONE") == 1, lines[-5:]
+            for want in ("ALGORITHM direct", "SMALL_ALGORITHM direct", "TOPOLOGY flat"):
+                assert want in lines, (want, lines[-5:])
+            # Available across processes, and nothing left pending.
+            assert f"HOST_DIRECT {n > 1} 0" in lines, lines[-5:]
+            assert "DATA_FRAMES 0 0 0" in lines, lines[-5:]
+        checks = {tuple(l for l in lines if l.startswith("CHECK"))
+                  for lines in by_rank.values()}
+        assert len(checks) == 1  # every process got the same bits
+        digests[n] = checks.pop()
+        assert len(digests[n]) == 24
+    assert digests[1] == digests[split[0]]
+
+
+def test_direct_across_processes_is_refused_where_there_is_no_host_segment():
+    r = run_launcher(2, "allreduce_check.py", 0, 1, "direct",
+                     env={"JAXRING_TRANSPORT": "tcp"})
+    out = " ".join((r.stdout + r.stderr).split())
+    assert r.returncode != 0
+    assert "ValueError: jaxring: algorithm='direct' across processes" in out, out[-2000:]
+    assert "JAXRING_TRANSPORT=tcp keeps every byte" in out, out[-2000:]
+
+
 @newest_jax_only
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_frames_a_small_socket_buffer_takes_in_parts_arrive_whole(transport):
@@ -504,6 +543,33 @@ def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm():
         for rank in (0, 1):
             raised = job.raised_at(rank, 30)
             assert raised - killed_at < 15, (rank, raised - killed_at)
+            message = next(l for l in job.lines[rank] if l.startswith("RAISED"))
+            assert message.split()[2:4] == ["PeerLostError", "peer=2:"], message
+    finally:
+        job.kill_all()
+    assert jaxring_segments() - before == set()
+
+
+@newest_jax_only
+def test_killed_peer_in_a_direct_allreduce_is_named_and_leaves_nothing_in_dev_shm():
+    """Three processes run 4 MiB direct allreduces over the host segment;
+    it is out of /dev/shm's names once set up. A process killed mid-op makes
+    both survivors raise PeerLostError naming it (seen on its pid, well
+    before the 30 s timeout), and /dev/shm still holds nothing of the job."""
+    before = jaxring_segments()
+    job = Job(3, 30.0, args=(1 << 20, "direct"))
+    try:
+        job.wait_ready()
+        for rank in range(3):
+            ready = next(l for l in job.lines[rank] if l.startswith("READY"))
+            assert "direct=True" in ready, ready
+        assert jaxring_segments() - before == set()
+        time.sleep(0.1)
+        killed_at = time.time()
+        job.procs[2].kill()
+        for rank in (0, 1):
+            raised = job.raised_at(rank, 40)
+            assert raised - killed_at < 5, (rank, raised - killed_at)
             message = next(l for l in job.lines[rank] if l.startswith("RAISED"))
             assert message.split()[2:4] == ["PeerLostError", "peer=2:"], message
     finally:

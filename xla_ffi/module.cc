@@ -6,11 +6,15 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 
 #include "cpu/allreduce_handler.h"
 #include "cpu/buffer_pool.h"
 #include "cpu/gang_start.h"
+#include "cpu/host_direct.h"
+#include "cpu/host_segment.h"
 #include "cpu/inprocess_plan_host.h"
 #include "cpu/inprocess_transport.h"
 #include "cpu/socket_io.h"
@@ -24,6 +28,16 @@
 namespace nb = nanobind;
 
 namespace {
+
+// The host segment between host_segment_attach and host_segment_commit.
+std::mutex& pending_segment_mu() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
+std::unique_ptr<jaxring::HostSegment>& pending_segment() {
+  static auto* s = new std::unique_ptr<jaxring::HostSegment>();
+  return *s;
+}
 
 template <typename T>
 nb::capsule encapsulate_ffi(T* fn) {
@@ -301,6 +315,46 @@ NB_MODULE(_jaxring, m) {
     d["pending_ops"] = i.pending_ops;
     return d;
   }, "The TCP transport's state, for jaxring.transport_info().");
+  // The host segment, for algorithm="direct" across the processes of one
+  // host (set up by jaxring._src.distributed).
+  m.def("host_segment_attach", [](nb::bytes job_id, int process, int processes,
+                                  int ranks, const std::string& name) {
+    std::string error;
+    const std::string id(job_id.c_str(), job_id.size());
+    std::unique_ptr<jaxring::HostSegment> s =
+        name.empty() ? jaxring::HostSegment::create(id, process, processes, ranks, &error)
+                     : jaxring::HostSegment::open(name, id, process, &error);
+    if (!s) throw std::runtime_error(error);
+    std::lock_guard<std::mutex> lock(pending_segment_mu());
+    pending_segment() = std::move(s);
+    return pending_segment()->name();
+  }, nb::arg("job_id"), nb::arg("process"), nb::arg("processes"), nb::arg("ranks"),
+        nb::arg("name"),
+        "Creates (name '') or maps the host segment; returns its name. It is "
+        "used once host_segment_commit says every process of the host has it.");
+  m.def("host_segment_commit", [](int process, const std::string& missing) {
+    std::unique_ptr<jaxring::HostSegment> s;
+    {
+      std::lock_guard<std::mutex> lock(pending_segment_mu());
+      s = std::move(pending_segment());
+    }
+    if (s) s->unlink();  // every process of the host mapped it, or gave up
+    if (s && missing.empty()) s->watch_peers(process);
+    jaxring::set_host_segment(missing.empty() ? std::move(s) : nullptr, process,
+                              missing.empty() && !s ? "it was never mapped" : missing);
+  }, nb::arg("process"), nb::arg("missing"),
+        "Ends the host segment's set-up: with missing == '' it is used, else "
+        "dropped, and missing says why direct across processes is unavailable.");
+  m.def("host_segment_info", [] {
+    nb::dict d;
+    jaxring::HostSegment* s = jaxring::host_segment();
+    d["available"] = s != nullptr;
+    d["missing"] = jaxring::host_segment_missing();
+    d["chunk_bytes"] = s ? s->chunk_bytes() : 0;
+    d["ranks"] = s ? s->ranks() : 0;
+    d["pending_ops"] = jaxring::host_direct_pending();
+    return d;
+  }, "The host segment's state, for jaxring.transport_info().");
   m.def("tcp_auth_library", &jaxring::tcp_auth_library,
         "The library that authenticates TCP peers, or '' if none was built in.");
   m.def("tcp_process_index", &jaxring::tcp_process_index,

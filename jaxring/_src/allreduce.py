@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring._src import (call_sites, cost_model, cuda_agreement, cuda_backend,
                          distributed, runtime, timeline)
+from jaxring._src import host_segment
 from jaxring._src import topology as _topology
 from jaxring._src import tuning as _tuning
 from jaxring._src import wire_format
@@ -525,11 +526,12 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
             "jaxring: algorithm='exchange' picks its own tiers (one exchange per "
             "factor 2 of the world size), so it takes no tiered topology; use "
             "topology='flat' or 'auto' with it, or algorithm='ring'.")
-    if algorithm == "direct" and across:
+    if algorithm == "direct" and across and host_segment.unavailable():
         raise ValueError(
-            "jaxring: algorithm='direct' reads its peers' buffers, so every "
-            "rank must be in one process; this operation spans processes. "
-            "Use algorithm='ring' or 'auto'.")
+            "jaxring: algorithm='direct' across processes runs over shared "
+            "memory that every process of a job on one host maps, which this "
+            f"job does not have: {host_segment.unavailable()}. Use "
+            "algorithm='ring' or 'auto'.")
     if algorithm == "direct" and tiered:
         raise ValueError(
             "jaxring: algorithm='direct' has no tiers, and a tiered topology "
@@ -624,7 +626,7 @@ def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
             "sizes, which run as flat rings; use topology='flat' or 'auto'.")
     tiers = (() if len(ring.group_sizes)
              else _topology.resolve(topology, world, rank_process))
-    if algorithm == "exchange" and topology == "auto":
+    if algorithm in ("exchange", "direct") and topology == "auto":
         tiers = ()  # the tiers "auto" finds are the ring plan's
     # Every operand: a split-phase start reduces a bucket of them as one.
     nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize

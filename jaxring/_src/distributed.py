@@ -40,7 +40,7 @@ import threading
 
 import numpy as np
 
-from jaxring._src import crowding
+from jaxring._src import crowding, host_segment
 
 _PREFIX = "jaxring/tcp/v2/"
 _ADDRESS_KEY = _PREFIX + "address/{}"
@@ -305,6 +305,9 @@ def _set_up_tcp_transport(timeout_s: float) -> None:
         if q != me and record.get("host") == my_host:
             same_host.append(q)
     _jaxring.tcp_set_peers(addresses, same_host)
+    host_segment.set_up(client, me, n, jax.device_count(), job_id,
+                        one_host=len(same_host) == n - 1, use_shm=use_shm,
+                        timeout_ms=timeout_ms)
     _secret_source = source
     _cores_per_rank = crowding.cores_per_rank(records)
     for q, a in enumerate(addresses):
@@ -345,7 +348,10 @@ def transport_info() -> dict:
     one could not). ``cores_per_rank``: the fewest cores per rank over the
     job's machines, from the records every process published (``None``
     before the set-up); below 2, an allreduce across processes whose ring
-    count was left to the default runs one ring.
+    count was left to the default runs one ring. ``host_direct``: whether
+    ``algorithm="direct"`` can run across this job's processes over the
+    host segment (``available``; where not, ``unavailable`` says why), its
+    ``chunk_bytes``, and ``pending_ops``.
 
     Example:
         >>> jaxring.transport_info()["listening"]
@@ -387,7 +393,16 @@ def transport_info() -> dict:
                             raw["data_frames_finished_by_sender_thread"]},
         "socket_buffer": (raw["socket_buffer"] or None) if raw["listening"] else None,
         "cores_per_rank": cores if raw["listening"] and cores != math.inf else None,
+        "host_direct": _host_direct_info(),
     }
+
+
+def _host_direct_info() -> dict:
+    """transport_info()["host_direct"]."""
+    from jaxring import _jaxring
+    raw = _jaxring.host_segment_info()
+    return {"available": raw["available"], "unavailable": host_segment.unavailable(),
+            "chunk_bytes": raw["chunk_bytes"] or None, "pending_ops": raw["pending_ops"]}
 
 
 def default_rings_across_processes(configured: int) -> int:

@@ -1,5 +1,6 @@
 """Run by tests/test_multiprocess.py: a long sequence of allreduces that the
-test interrupts by killing one process. Each survivor must raise a
+test interrupts by killing one process. Arguments: the timeout, the
+element count, and the algorithm ("auto" unless given). Each survivor must raise a
 jaxring.JaxringError; it prints RAISED with the wall-clock time, the error's
 type, the peer it names and its message, then exits without waiting
 for jax.distributed's shutdown (the job is broken)."""
@@ -16,10 +17,11 @@ import jaxring
 
 timeout_s = float(sys.argv[1])
 count = int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 16
+algorithm = sys.argv[3] if len(sys.argv) > 3 else "auto"
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("x",))
 f = jax.jit(jax.shard_map(
-    lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s),
+    lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s, algorithm=algorithm),
     mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
 x = np.ones((devices.size, count), np.float32)
 arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
@@ -32,8 +34,10 @@ try:
             out.block_until_ready()
             steps += 1
             if steps == 20:
-                links = len(jaxring.transport_info()["shm_outbound"])
-                print(f"READY {os.getpid()} shm_links={links}", flush=True)
+                info = jaxring.transport_info()
+                links = len(info["shm_outbound"])
+                direct = info["host_direct"]["available"]
+                print(f"READY {os.getpid()} direct={direct} shm_links={links}", flush=True)
 except Exception as e:  # what a training loop would see
     message = " ".join(str(e).split())
     print(f"RAISED {time.time():.3f} {type(e).__name__} "

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "../failure.h"
+#include "host_direct.h"
 #include "inprocess_plan_host.h"
 #include "tcp_transport.h"
 
@@ -15,11 +16,11 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
       process_of_rank.empty() ||
       std::all_of(process_of_rank.begin(), process_of_rank.end(),
                   [&](int p) { return p == process_of_rank.front(); });
-  if (desc.algorithm == Algorithm::kDirect && (!one_process || desc.emulated())) {
+  if (desc.algorithm == Algorithm::kDirect && desc.emulated()) {
     // Python refuses this at trace time; this guards hand-written calls.
     done(tagged(FailureKind::kInvalid, -1,
-                "jaxring allreduce: algorithm=direct reads its peers' buffers, so "
-                "it needs every rank in one process and no link emulation"));
+                "jaxring allreduce: algorithm=direct has no transfers for link "
+                "emulation to model"));
   } else if (desc.algorithm == Algorithm::kDirect && desc.topology.size() > 1) {
     // Python refuses this at trace time; this guards hand-written calls.
     done(tagged(FailureKind::kInvalid, -1,
@@ -30,6 +31,10 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
     done(tagged(FailureKind::kInvalid, -1,
                 "jaxring allreduce: algorithm=exchange picks its own tiers; a "
                 "tiered topology runs the ring plan"));
+  } else if (desc.algorithm == Algorithm::kDirect && !one_process) {
+    // Across the processes of one host: over the host segment.
+    host_direct_allreduce(key, desc, rank, process_of_rank, in, out, timeout_s,
+                          std::move(done));
   } else if (one_process && !desc.emulated() &&
              (desc.topology.size() > 1 || desc.algorithm == Algorithm::kExchange)) {
     // A tiered plan or the exchange plan on real memory: the plan executor.

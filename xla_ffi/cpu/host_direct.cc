@@ -1,0 +1,392 @@
+#include "host_direct.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "../failure.h"
+#include "../reduce.h"
+#include "deadline.h"
+#include "host_segment.h"
+
+namespace jaxring {
+
+namespace {
+
+// How long an idle or waiting worker sleeps at most: the deadlines and the
+// peers' pids are looked at this often.
+constexpr int64_t kPollNs = 20'000'000;
+
+enum class Stage { kClaim, kCopyIn, kWaitInputs, kWaitResult };
+
+struct Task {
+  OpKey key;
+  OpDesc desc;
+  int rank = 0;
+  std::vector<int> processes;  // the operation's, each once, this one included
+  const char* in = nullptr;
+  char* out = nullptr;
+  Clock::time_point deadline;
+  double timeout_s = 0;
+  Completion done;
+  Stage stage = Stage::kClaim;
+  int entry = -1;
+  int64_t round = 0;
+  int64_t rounds = 0;
+  int64_t target = 0;  // arrivals that pass the barrier waited for
+};
+
+int entry_of(const OpKey& key) {
+  const uint64_t h = static_cast<uint64_t>(key.op_id) * 0x9E3779B97F4A7C15ull ^
+                     static_cast<uint64_t>(key.group) * 0xC2B2AE3D27D4EB4Full;
+  return static_cast<int>((h >> 32) % kHostEntries);
+}
+
+bool holds(const HostEntry& e, const OpKey& key) {
+  return e.run_id == key.run_id && e.op_id == key.op_id && e.group == key.group;
+}
+
+std::string entry_desc(const HostEntry& e) {
+  ElemType t = static_cast<ElemType>(e.elem_type);
+  ReduceOp op = static_cast<ReduceOp>(e.reduce_op);
+  return std::to_string(e.count) + " elements, type " +
+         std::to_string(e.elem_type) + " (" +
+         (e.elem_type >= 0 && e.elem_type <= static_cast<int>(ElemType::kU64)
+              ? elem_type_name(t) : "?") +
+         "), op " + std::to_string(e.reduce_op) + " (" +
+         (e.reduce_op >= 0 && e.reduce_op <= 3 ? reduce_op_name(op) : "?") +
+         "), world " + std::to_string(e.world);
+}
+
+class Worker {
+ public:
+  Worker(HostSegment* seg, int me) : seg_(seg), me_(me) {
+    std::thread([this] { loop(); }).detach();
+  }
+
+  void submit(Task t) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      incoming_.push_back(std::move(t));
+      ++pending_;
+    }
+    seg_->ring(me_);
+  }
+
+  int64_t pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pending_;
+  }
+
+ private:
+  void loop() {
+    std::list<Task> active;
+    for (;;) {
+      const uint32_t seen = seg_->doorbell(me_).load(std::memory_order_acquire);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        while (!incoming_.empty()) {
+          active.push_back(std::move(incoming_.front()));
+          incoming_.pop_front();
+        }
+      }
+      bool progressed = false;
+      for (auto it = active.begin(); it != active.end();) {
+        bool finished = false;
+        progressed |= advance(*it, &finished);
+        if (finished) {
+          it = active.erase(it);
+          std::lock_guard<std::mutex> lock(mu_);
+          --pending_;
+        } else {
+          ++it;
+        }
+      }
+      if (!progressed) seg_->wait(me_, seen, kPollNs);
+    }
+  }
+
+  void ring_processes(const std::vector<int>& processes) {
+    for (int q : processes) seg_->ring(q);
+  }
+  void ring_host() {
+    for (int q = 0; q < seg_->processes(); ++q) seg_->ring(q);
+  }
+
+  // The chunk of round r: its byte offset and size.
+  int64_t chunk_bytes(const Task& t, int64_t r) const {
+    const int64_t total = t.desc.count * elem_bytes(t.desc.type);
+    return std::min(seg_->chunk_bytes(), total - r * seg_->chunk_bytes());
+  }
+
+  // One more arrival at the barrier t.target names; the last rings everyone.
+  void arrive(Task& t) {
+    HostEntry& e = seg_->entry(t.entry);
+    if (e.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1 == t.target) {
+      ring_processes(t.processes);
+    }
+  }
+
+  // The rank leaves the entry; the last to leave frees it.
+  void depart(Task& t) {
+    HostEntry& e = seg_->entry(t.entry);
+    if (e.departures.fetch_add(1, std::memory_order_acq_rel) + 1 == t.desc.world_size) {
+      e.state.store(kEntryFree, std::memory_order_release);
+      ring_host();
+    }
+    t.entry = -1;
+  }
+
+  bool finish(Task& t, const std::optional<std::string>& error, bool* finished) {
+    if (t.entry >= 0) depart(t);
+    Completion done = std::move(t.done);
+    done(error);
+    *finished = true;
+    return true;
+  }
+
+  // Fails the operation for this rank and, once it holds the entry, for
+  // every rank: the first failure is the one every rank reports.
+  bool fail(Task& t, FailureKind kind, int peer, const std::string& why, bool* finished) {
+    const std::string message = tagged(kind, peer, why);
+    if (t.entry >= 0) {
+      HostEntry& e = seg_->entry(t.entry);
+      int32_t none = 0;
+      if (e.failed_by.compare_exchange_strong(none, -1)) {
+        const size_t n = std::min(message.size(), sizeof(e.error) - 1);
+        std::memcpy(e.error, message.data(), n);
+        e.error[n] = '\0';
+        e.failed_by.store(me_ + 1, std::memory_order_release);
+        ring_processes(t.processes);
+      } else {
+        return failed_elsewhere(t, finished);
+      }
+    }
+    return finish(t, message, finished);
+  }
+
+  // A peer failed the operation: its error, retagged by this process from
+  // what it may say (its text is only text).
+  bool failed_elsewhere(Task& t, bool* finished) {
+    HostEntry& e = seg_->entry(t.entry);
+    const int32_t by = e.failed_by.load(std::memory_order_acquire);
+    if (by <= 0) return false;  // still being written
+    char text[sizeof(e.error)];
+    std::memcpy(text, e.error, sizeof(text));
+    text[sizeof(text) - 1] = '\0';
+    FailureKind kind;
+    int peer;
+    std::string rest;
+    if (!parse_tag(text, &kind, &peer, &rest)) kind = FailureKind::kInternal;
+    if (peer < -1 || peer >= seg_->processes()) peer = -1;
+    if (kind == FailureKind::kTimeout || kind == FailureKind::kPeerLost ||
+        kind == FailureKind::kMismatch) {
+      // Keep the peer it names: that is the process to look at.
+    } else {
+      peer = by - 1;
+    }
+    return finish(t, tagged(kind, peer, "process " + std::to_string(by - 1) +
+                                            " failed this allreduce: " + rest),
+                  finished);
+  }
+
+  // Whether a wait has run out: the deadline, or a peer process gone.
+  bool waited_too_long(Task& t, const std::string& what, bool* finished) {
+    for (int q : t.processes) {
+      if (q != me_ && seg_->exited(q)) {
+        return fail(t, FailureKind::kPeerLost, q,
+                    "process " + std::to_string(q) + " (pid " +
+                        std::to_string(seg_->pid_of(q)) +
+                        ") exited during a direct allreduce over the host segment",
+                    finished);
+      }
+    }
+    if (Clock::now() > t.deadline) {
+      return fail(t, FailureKind::kTimeout, -1,
+                  "jaxring allreduce (direct across processes, rank " +
+                      std::to_string(t.rank) + "): " + what + " for more than " +
+                      std::to_string(t.timeout_s) + " s",
+                  finished);
+    }
+    return false;
+  }
+
+  bool claim(Task& t, bool* finished) {
+    const int index = entry_of(t.key);
+    HostEntry& e = seg_->entry(index);
+    uint32_t state = e.state.load(std::memory_order_acquire);
+    if (state == kEntryFree) {
+      if (!e.state.compare_exchange_strong(state, kEntryClaiming)) return false;
+      e.run_id = t.key.run_id;
+      e.op_id = t.key.op_id;
+      e.group = t.key.group;
+      e.elem_type = static_cast<int32_t>(t.desc.type);
+      e.reduce_op = static_cast<int32_t>(t.desc.op);
+      e.world = t.desc.world_size;
+      e.count = t.desc.count;
+      e.arrivals.store(0);
+      e.departures.store(0);
+      e.error[0] = '\0';
+      e.failed_by.store(0);
+      e.state.store(kEntryActive, std::memory_order_release);
+      t.entry = index;
+      ring_processes(t.processes);
+    } else if (state == kEntryActive && holds(e, t.key)) {
+      t.entry = index;
+      if (e.elem_type != static_cast<int32_t>(t.desc.type) ||
+          e.reduce_op != static_cast<int32_t>(t.desc.op) ||
+          e.world != t.desc.world_size || e.count != t.desc.count) {
+        HostEntry mine{};
+        mine.elem_type = static_cast<int32_t>(t.desc.type);
+        mine.reduce_op = static_cast<int32_t>(t.desc.op);
+        mine.world = t.desc.world_size;
+        mine.count = t.desc.count;
+        return fail(t, FailureKind::kMismatch, -1,
+                    "jaxring allreduce: the ranks of one operation disagree: rank " +
+                        std::to_string(t.rank) + " has " + entry_desc(mine) +
+                        ", a peer has " + entry_desc(e),
+                    finished);
+      }
+    } else {
+      return waited_too_long(t, "waited for another allreduce to leave the host "
+                                "segment's entry this one needs", finished);
+    }
+    t.stage = Stage::kCopyIn;
+    return true;
+  }
+
+  // Runs the task as far as its peers allow. Returns whether it moved.
+  bool advance(Task& t, bool* finished) {
+    bool moved = false;
+    for (;;) {
+      if (t.stage == Stage::kClaim) {
+        if (!claim(t, finished)) return moved;
+        if (*finished) return true;
+        moved = true;
+        continue;
+      }
+      HostEntry& e = seg_->entry(t.entry);
+      if (e.failed_by.load(std::memory_order_acquire) != 0) {
+        return failed_elsewhere(t, finished) || moved;
+      }
+      const int64_t chunk = seg_->chunk_bytes();
+      const int p = t.desc.world_size;
+      if (t.stage == Stage::kCopyIn) {
+        if (t.round == t.rounds) return finish(t, std::nullopt, finished);
+        std::memcpy(seg_->slot(t.entry, t.rank), t.in + t.round * chunk,
+                    static_cast<size_t>(chunk_bytes(t, t.round)));
+        t.target = int64_t{p} * (2 * t.round + 1);
+        t.stage = Stage::kWaitInputs;
+        arrive(t);
+        moved = true;
+        continue;
+      }
+      if (e.arrivals.load(std::memory_order_acquire) < t.target) {
+        if (waited_too_long(t, "waited for the other ranks' data", finished)) return true;
+        return moved;
+      }
+      if (t.stage == Stage::kWaitInputs) {
+        // This rank's share of the chunk, summed over the slots in rank order.
+        const int64_t esize = elem_bytes(t.desc.type);
+        const int64_t n = chunk_bytes(t, t.round) / esize;
+        const int64_t lo = n * t.rank / p, hi = n * (t.rank + 1) / p;
+        if (hi > lo) {
+          char* dst = seg_->slot(t.entry, seg_->ranks()) + lo * esize;
+          reduce(t.desc.type, t.desc.op, dst, seg_->slot(t.entry, 0) + lo * esize,
+                 seg_->slot(t.entry, 1) + lo * esize, hi - lo);
+          for (int r = 2; r < p; ++r) {
+            reduce(t.desc.type, t.desc.op, dst, dst, seg_->slot(t.entry, r) + lo * esize,
+                   hi - lo);
+          }
+        }
+        t.target = int64_t{p} * (2 * t.round + 2);
+        t.stage = Stage::kWaitResult;
+        arrive(t);
+      } else {
+        std::memcpy(t.out + t.round * chunk, seg_->slot(t.entry, seg_->ranks()),
+                    static_cast<size_t>(chunk_bytes(t, t.round)));
+        ++t.round;
+        t.stage = Stage::kCopyIn;
+      }
+      moved = true;
+    }
+  }
+
+  HostSegment* const seg_;
+  const int me_;
+  std::mutex mu_;
+  std::deque<Task> incoming_;
+  int64_t pending_ = 0;
+};
+
+std::mutex& worker_mu() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
+Worker* g_worker = nullptr;  // leaked on purpose, like the other workers
+
+}  // namespace
+
+void host_direct_allreduce(const OpKey& key, const OpDesc& desc, int rank,
+                           const std::vector<int>& process_of_rank, const void* in,
+                           void* out, double timeout_s, Completion done) {
+  HostSegment* seg = host_segment();
+  const int me = host_segment_process();
+  if (seg == nullptr) {
+    done(tagged(FailureKind::kInvalid, -1,
+                "jaxring allreduce: algorithm=direct across processes needs the "
+                "host segment, which this process does not have: " +
+                    host_segment_missing()));
+    return;
+  }
+  std::vector<int> processes;
+  for (int q : process_of_rank) {
+    if (std::find(processes.begin(), processes.end(), q) == processes.end()) {
+      processes.push_back(q);
+    }
+  }
+  const bool fits =
+      desc.world_size >= 2 && desc.world_size <= seg->ranks() && rank >= 0 &&
+      rank < desc.world_size &&
+      static_cast<int>(process_of_rank.size()) >= desc.world_size &&
+      std::all_of(processes.begin(), processes.end(),
+                  [&](int q) { return q >= 0 && q < seg->processes(); });
+  if (!fits) {
+    done(tagged(FailureKind::kInvalid, -1,
+                "jaxring allreduce: algorithm=direct across processes runs among "
+                "the processes of one host, at most " + std::to_string(seg->ranks()) +
+                " ranks; this operation has " + std::to_string(desc.world_size)));
+    return;
+  }
+  Task t;
+  t.key = key;
+  t.desc = desc;
+  t.rank = rank;
+  t.processes = std::move(processes);
+  t.in = static_cast<const char*>(in);
+  t.out = static_cast<char*>(out);
+  t.timeout_s = timeout_s;
+  t.deadline = after_seconds(timeout_s);
+  t.done = std::move(done);
+  const int64_t total = desc.count * elem_bytes(desc.type);
+  t.rounds = (total + seg->chunk_bytes() - 1) / seg->chunk_bytes();
+  Worker* w;
+  {
+    std::lock_guard<std::mutex> lock(worker_mu());
+    if (g_worker == nullptr) g_worker = new Worker(seg, me);
+    w = g_worker;
+  }
+  w->submit(std::move(t));
+}
+
+int64_t host_direct_pending() {
+  std::lock_guard<std::mutex> lock(worker_mu());
+  return g_worker == nullptr ? 0 : g_worker->pending();
+}
+
+}  // namespace jaxring

@@ -1,0 +1,336 @@
+#include "host_segment.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <new>
+
+namespace jaxring {
+
+namespace {
+
+constexpr uint64_t kHostMagic = 0x4a52484f53545347ull;  // "JRHOSTSG"
+constexpr size_t kHeaderBytes = 8192;
+constexpr size_t kEntriesBytes = 8192;
+constexpr size_t kJobIdBytes = 64;
+// Per-process pid watch: not yet opened, cannot be watched (another pid
+// namespace, or gone before set-up ended), or watched by kill(pid, 0).
+constexpr int kPidUnopened = -1;
+constexpr int kPidUnwatchable = -2;
+constexpr int kPidByKill = -3;
+
+struct Bell {
+  std::atomic<uint32_t> word;
+  char pad[60];
+};
+
+std::string hex(const std::string& bytes) {
+  static const char digits[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out += digits[c >> 4];
+    out += digits[c & 15];
+  }
+  return out;
+}
+
+size_t layout_bytes(int ranks, int64_t chunk) {
+  return kHeaderBytes + kEntriesBytes +
+         static_cast<size_t>(kHostEntries) * static_cast<size_t>(ranks + 1) *
+             static_cast<size_t>(chunk);
+}
+
+// The largest chunk (a multiple of 4 KiB, at most kHostMaxChunkBytes) whose
+// segment fits the budget; 0 if even kHostMinChunkBytes does not.
+int64_t chunk_for(int ranks) {
+  const int64_t room = kHostSegmentBudget - static_cast<int64_t>(kHeaderBytes + kEntriesBytes);
+  int64_t chunk = room / (int64_t{kHostEntries} * (ranks + 1));
+  chunk = std::min(chunk, kHostMaxChunkBytes) / 4096 * 4096;
+  return chunk < kHostMinChunkBytes ? 0 : chunk;
+}
+
+int pidfd_open(int pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#else
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+std::mutex& global_mu() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
+// Leaked on purpose: workers may use the segment during interpreter exit.
+HostSegment* g_segment = nullptr;
+std::string* g_missing = new std::string("the transport between processes is not set up");
+int g_process = -1;
+
+}  // namespace
+
+struct HostSegment::Header {
+  uint64_t magic;
+  uint64_t bytes;
+  uint32_t job_bytes;
+  int32_t processes;
+  int32_t ranks;
+  int32_t pad;
+  int64_t chunk_bytes;
+  char job[kJobIdBytes];
+  std::atomic<int32_t> mapped;
+  std::atomic<int32_t> pid[kHostMaxProcesses];
+  alignas(64) Bell bells[kHostMaxProcesses];
+};
+static_assert(sizeof(HostSegment::Header) <= kHeaderBytes, "host segment header");
+static_assert(sizeof(HostEntry) * kHostEntries <= kEntriesBytes, "host entries");
+static_assert(std::atomic<int64_t>::is_always_lock_free &&
+                  std::atomic<uint32_t>::is_always_lock_free,
+              "the segment's atomics must work across processes");
+
+std::string host_segment_prefix(const std::string& job_id) {
+  return "/jaxring-" + hex(job_id) + "-host-";
+}
+
+HostSegment::HostSegment(std::string name, void* base, size_t bytes, bool owner)
+    : name_(std::move(name)),
+      base_(base),
+      bytes_(bytes),
+      named_(owner),
+      header_(static_cast<Header*>(base)) {
+  chunk_bytes_ = header_->chunk_bytes;
+  pidfds_.assign(kHostMaxProcesses, kPidUnopened);
+}
+
+HostSegment::~HostSegment() {
+  unlink();
+  for (int fd : pidfds_) {
+    if (fd >= 0) ::close(fd);
+  }
+  ::munmap(base_, bytes_);
+}
+
+void HostSegment::unlink() {
+  if (named_) ::shm_unlink(name_.c_str());
+  named_ = false;
+}
+
+std::unique_ptr<HostSegment> HostSegment::create(const std::string& job_id, int process,
+                                                 int processes, int ranks,
+                                                 std::string* error) {
+  if (processes < 2 || processes > kHostMaxProcesses || ranks < processes ||
+      ranks > kHostMaxProcesses || process < 0 || process >= processes ||
+      job_id.size() > kJobIdBytes) {
+    *error = "the host segment serves 2 to " + std::to_string(kHostMaxProcesses) +
+             " processes and ranks; this host has " + std::to_string(processes) +
+             " processes and " + std::to_string(ranks) + " ranks";
+    return nullptr;
+  }
+  const int64_t chunk = chunk_for(ranks);
+  if (chunk == 0) {
+    *error = "too many ranks on this host for the host segment's budget";
+    return nullptr;
+  }
+  std::string nonce(16, '\0');
+  if (::getrandom(nonce.data(), nonce.size(), 0) != static_cast<ssize_t>(nonce.size())) {
+    *error = "no random bytes for the host segment's name";
+    return nullptr;
+  }
+  const std::string name = host_segment_prefix(job_id) + hex(nonce);
+  const size_t bytes = layout_bytes(ranks, chunk);
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    *error = "cannot create " + name + " in /dev/shm: " + std::strerror(errno);
+    return nullptr;
+  }
+  // Reserve every page now: a write to a page tmpfs cannot back is SIGBUS.
+  const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  void* base = rc == 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                       : MAP_FAILED;
+  const int map_errno = errno;
+  ::close(fd);
+  if (base == MAP_FAILED) {
+    ::shm_unlink(name.c_str());
+    *error = rc != 0 ? "/dev/shm cannot hold " + std::to_string(bytes) +
+                           " bytes for the host segment: " + std::strerror(rc)
+                     : "cannot map " + name + ": " + std::strerror(map_errno);
+    return nullptr;
+  }
+  // The file is zero-filled: every entry is free, every counter 0.
+  Header* h = new (base) Header();
+  h->magic = kHostMagic;
+  h->bytes = bytes;
+  h->job_bytes = static_cast<uint32_t>(job_id.size());
+  std::memcpy(h->job, job_id.data(), job_id.size());
+  h->processes = processes;
+  h->ranks = ranks;
+  h->chunk_bytes = chunk;
+  for (int e = 0; e < kHostEntries; ++e) {
+    new (static_cast<char*>(base) + kHeaderBytes + e * sizeof(HostEntry)) HostEntry();
+  }
+  std::unique_ptr<HostSegment> s(new HostSegment(name, base, bytes, true));
+  s->note_mapped(process);
+  return s;
+}
+
+std::unique_ptr<HostSegment> HostSegment::open(const std::string& name,
+                                               const std::string& job_id, int process,
+                                               std::string* error) {
+  const std::string prefix = host_segment_prefix(job_id);
+  bool named_right = name.size() == prefix.size() + 32 &&
+                     name.compare(0, prefix.size(), prefix) == 0;
+  for (size_t i = prefix.size(); named_right && i < name.size(); ++i) {
+    named_right = std::isxdigit(static_cast<unsigned char>(name[i])) &&
+                  !std::isupper(static_cast<unsigned char>(name[i]));
+  }
+  if (!named_right) {
+    *error = "the host segment's published name is not one of this job's";
+    return nullptr;
+  }
+  const int fd = ::shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0);
+  if (fd < 0) {
+    *error = "cannot open " + name + " (is /dev/shm shared between the "
+             "processes of this host?): " + std::strerror(errno);
+    return nullptr;
+  }
+  struct stat st{};
+  void* base = MAP_FAILED;
+  size_t bytes = 0;
+  if (::fstat(fd, &st) != 0) {
+    *error = std::string("cannot stat the host segment: ") + std::strerror(errno);
+  } else if (st.st_uid != ::geteuid() || (st.st_mode & 0777) != 0600 ||
+             st.st_size < static_cast<off_t>(kHeaderBytes + kEntriesBytes)) {
+    *error = "the host segment " + name + " is not this user's, not owner-only, "
+             "or too small";
+  } else {
+    bytes = static_cast<size_t>(st.st_size);
+    base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) *error = std::string("cannot map it: ") + std::strerror(errno);
+  }
+  ::close(fd);
+  if (base == MAP_FAILED) return nullptr;
+  const Header* h = static_cast<const Header*>(base);
+  const bool fits = h->magic == kHostMagic && h->bytes == bytes &&
+                    h->job_bytes == job_id.size() &&
+                    std::memcmp(h->job, job_id.data(), job_id.size()) == 0 &&
+                    h->processes >= 2 && h->processes <= kHostMaxProcesses &&
+                    h->ranks >= h->processes && h->ranks <= kHostMaxProcesses &&
+                    process >= 0 && process < h->processes &&
+                    h->chunk_bytes == chunk_for(h->ranks) &&
+                    bytes == layout_bytes(h->ranks, h->chunk_bytes);
+  if (!fits) {
+    ::munmap(base, bytes);
+    *error = "the host segment " + name + " is not this job's, or not laid out "
+             "as this build lays it out";
+    return nullptr;
+  }
+  std::unique_ptr<HostSegment> s(new HostSegment(name, base, bytes, false));
+  s->note_mapped(process);
+  return s;
+}
+
+int HostSegment::processes() const { return header_->processes; }
+int HostSegment::ranks() const { return header_->ranks; }
+
+HostEntry& HostSegment::entry(int e) {
+  return *reinterpret_cast<HostEntry*>(static_cast<char*>(base_) + kHeaderBytes +
+                                       e * sizeof(HostEntry));
+}
+
+char* HostSegment::slot(int e, int r) {
+  const size_t per_entry = static_cast<size_t>(header_->ranks + 1) * chunk_bytes_;
+  return static_cast<char*>(base_) + kHeaderBytes + kEntriesBytes +
+         static_cast<size_t>(e) * per_entry + static_cast<size_t>(r) * chunk_bytes_;
+}
+
+std::atomic<uint32_t>& HostSegment::doorbell(int process) {
+  return header_->bells[process].word;
+}
+
+void HostSegment::ring(int process) {
+  std::atomic<uint32_t>& w = doorbell(process);
+  w.fetch_add(1, std::memory_order_acq_rel);
+  // Not FUTEX_PRIVATE: the word is shared with other processes.
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAKE, 1 << 30, nullptr,
+            nullptr, 0);
+}
+
+void HostSegment::wait(int process, uint32_t seen, int64_t ns) {
+  timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&doorbell(process)), FUTEX_WAIT,
+            seen, &ts, nullptr, 0);
+}
+
+void HostSegment::note_mapped(int process) {
+  header_->pid[process].store(static_cast<int32_t>(::getpid()));
+  header_->mapped.fetch_add(1);
+}
+
+int HostSegment::mapped() const { return header_->mapped.load(); }
+
+int HostSegment::pid_of(int q) const {
+  return q >= 0 && q < header_->processes ? header_->pid[q].load() : 0;
+}
+
+bool HostSegment::exited(int q) {
+  if (q < 0 || q >= header_->processes) return false;
+  int& fd = pidfds_[q];
+  if (fd == kPidUnopened) {
+    const int pid = pid_of(q);
+    if (pid <= 0) return false;  // not mapped yet
+    fd = pidfd_open(pid);
+    if (fd < 0) {
+      // ENOSYS: an old kernel (watch by kill); ESRCH: no such process here,
+      // which may be another pid namespace: never blamed on the pid.
+      fd = errno == ENOSYS && ::kill(pid, 0) == 0 ? kPidByKill : kPidUnwatchable;
+    }
+  }
+  if (fd == kPidUnwatchable) return false;
+  if (fd == kPidByKill) return ::kill(pid_of(q), 0) != 0 && errno == ESRCH;
+  pollfd p{fd, POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0;
+}
+
+void HostSegment::watch_peers(int me) {
+  for (int q = 0; q < header_->processes; ++q) {
+    if (q != me) (void)exited(q);
+  }
+}
+
+HostSegment* host_segment() {
+  std::lock_guard<std::mutex> lock(global_mu());
+  return g_segment;
+}
+
+std::string host_segment_missing() {
+  std::lock_guard<std::mutex> lock(global_mu());
+  return *g_missing;
+}
+
+int host_segment_process() {
+  std::lock_guard<std::mutex> lock(global_mu());
+  return g_process;
+}
+
+void set_host_segment(std::unique_ptr<HostSegment> segment, int process,
+                      const std::string& missing) {
+  std::lock_guard<std::mutex> lock(global_mu());
+  if (g_segment != nullptr) return;  // set once; the first one stays mapped
+  g_segment = segment.release();
+  g_process = process;
+  *g_missing = g_segment != nullptr ? "" : missing;
+}
+
+}  // namespace jaxring
