@@ -234,9 +234,10 @@ def test_a_socket_buffer_is_read_in_ascii_digits_only(monkeypatch):
     assert distributed.socket_buffer_choice() == 4096
 
 
-def test_different_programs_fail_fast_on_every_rank():
+@pytest.mark.parametrize("algorithm", ["auto", "direct"])
+def test_different_programs_fail_fast_on_every_rank(algorithm):
     timeout_s = 60
-    r = run_launcher(2, "mismatch.py", timeout_s)
+    r = run_launcher(2, "mismatch.py", timeout_s, env={"JAXRING_ALGORITHM": algorithm})
     by_rank = lines_by_rank(r.stdout)
     for rank in (0, 1):
         raised = [l for l in by_rank[rank] if l.startswith("RAISED")]
@@ -672,16 +673,22 @@ def test_stopped_peer_times_out_on_every_survivor():
         job.kill_all()
 
 
-def test_overlap_across_processes_matches_gloo_pmean():
+@pytest.mark.parametrize("algorithm", ["auto", "direct"])
+def test_overlap_across_processes_matches_gloo_pmean(algorithm):
     # 2 processes x 2 devices: buckets ride TCP between the processes and
-    # memory inside each; the reference is lax.pmean over JAX's Gloo.
-    r = run_launcher(2, "overlap_check.py", devices_per_process=2)
+    # memory inside each (or, with direct, the host segment: several buckets
+    # in flight at once hold entries of it); the reference is lax.pmean over
+    # JAX's Gloo.
+    r = run_launcher(2, "overlap_check.py", devices_per_process=2,
+                     env={"JAXRING_ALGORITHM": algorithm})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for rank, lines in lines_by_rank(r.stdout).items():
         diff = [l for l in lines if l.startswith("DIFF")]
         assert diff, lines[-5:]
         loss_diff, param_diff = map(float, diff[0].split()[1:])
         assert loss_diff < 1e-5 and param_diff < 1e-5, (rank, diff)
+        frames = int(next(l for l in lines if l.startswith("DATA_FRAMES")).split()[1])
+        assert (frames == 0) == (algorithm == "direct"), (rank, frames)
 
 
 def test_documented_script_gives_the_same_result_under_the_launcher(tmp_path):

@@ -60,3 +60,5 @@ loss_diff = max(abs(a - b) for a, b in zip(l0, l1))
 param_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(p0, p1))
 print(f"LOSSES {l0} {l1}", flush=True)
 print(f"DIFF {loss_diff:.3e} {param_diff:.3e}", flush=True)
+frames = jaxring.transport_info()["data_frames"]
+print(f"DATA_FRAMES {frames['device_thread'] + frames['sender_thread']}", flush=True)

@@ -21,6 +21,9 @@ namespace {
 // How long an idle or waiting worker sleeps at most: the deadlines and the
 // peers' pids are looked at this often.
 constexpr int64_t kPollNs = 20'000'000;
+// How long a rank waits without progress before it looks for peers at the
+// same call site in another program (and how often it looks again).
+constexpr auto kMismatchProbeAfter = std::chrono::seconds(1);
 
 enum class Stage { kClaim, kCopyIn, kWaitInputs, kWaitResult };
 
@@ -39,6 +42,8 @@ struct Task {
   int64_t round = 0;
   int64_t rounds = 0;
   int64_t target = 0;  // arrivals that pass the barrier waited for
+  Clock::time_point last_progress = Clock::now();
+  Clock::time_point next_probe;
 };
 
 int entry_of(const OpKey& key) {
@@ -51,16 +56,35 @@ bool holds(const HostEntry& e, const OpKey& key) {
   return e.run_id == key.run_id && e.op_id == key.op_id && e.group == key.group;
 }
 
+// A direct allreduce as OpDesc::describe names an operation, without the
+// ring plan's rings and chunks. The type and op may come from a peer, so
+// they are checked before they are named.
+std::string describe_direct(int32_t elem_type, int32_t reduce_op, int64_t count,
+                            int32_t world) {
+  ReduceOp op;
+  if (elem_type < 0 || elem_type > static_cast<int>(ElemType::kU64) ||
+      !reduce_op_from_int(reduce_op, &op)) {
+    return "an operation this build does not know";
+  }
+  return std::to_string(count) + " x " +
+         elem_type_name(static_cast<ElemType>(elem_type)) + ", op=" +
+         reduce_op_name(op) + ", world=" + std::to_string(world) + ", algorithm=direct";
+}
+
 std::string entry_desc(const HostEntry& e) {
-  ElemType t = static_cast<ElemType>(e.elem_type);
-  ReduceOp op = static_cast<ReduceOp>(e.reduce_op);
-  return std::to_string(e.count) + " elements, type " +
-         std::to_string(e.elem_type) + " (" +
-         (e.elem_type >= 0 && e.elem_type <= static_cast<int>(ElemType::kU64)
-              ? elem_type_name(t) : "?") +
-         "), op " + std::to_string(e.reduce_op) + " (" +
-         (e.reduce_op >= 0 && e.reduce_op <= 3 ? reduce_op_name(op) : "?") +
-         "), world " + std::to_string(e.world);
+  return describe_direct(e.elem_type, e.reduce_op, e.count, e.world);
+}
+
+std::string desc_of(const OpDesc& d) {
+  return describe_direct(static_cast<int32_t>(d.type), static_cast<int32_t>(d.op),
+                         d.count, d.world_size);
+}
+
+int lowest_process(uint64_t mask) {
+  for (int q = 0; q < 64; ++q) {
+    if (mask & (uint64_t{1} << q)) return q;
+  }
+  return -1;
 }
 
 class Worker {
@@ -98,7 +122,10 @@ class Worker {
       bool progressed = false;
       for (auto it = active.begin(); it != active.end();) {
         bool finished = false;
-        progressed |= advance(*it, &finished);
+        if (advance(*it, &finished)) {
+          it->last_progress = Clock::now();
+          progressed = true;
+        }
         if (finished) {
           it = active.erase(it);
           std::lock_guard<std::mutex> lock(mu_);
@@ -154,18 +181,8 @@ class Worker {
   // every rank: the first failure is the one every rank reports.
   bool fail(Task& t, FailureKind kind, int peer, const std::string& why, bool* finished) {
     const std::string message = tagged(kind, peer, why);
-    if (t.entry >= 0) {
-      HostEntry& e = seg_->entry(t.entry);
-      int32_t none = 0;
-      if (e.failed_by.compare_exchange_strong(none, -1)) {
-        const size_t n = std::min(message.size(), sizeof(e.error) - 1);
-        std::memcpy(e.error, message.data(), n);
-        e.error[n] = '\0';
-        e.failed_by.store(me_ + 1, std::memory_order_release);
-        ring_processes(t.processes);
-      } else {
-        return failed_elsewhere(t, finished);
-      }
+    if (t.entry >= 0 && !mark_failed(seg_->entry(t.entry), message)) {
+      return failed_elsewhere(t, finished);
     }
     return finish(t, message, finished);
   }
@@ -206,7 +223,14 @@ class Worker {
                     finished);
       }
     }
-    if (Clock::now() > t.deadline) {
+    const auto now = Clock::now();
+    if (now > t.last_progress + kMismatchProbeAfter && now > t.next_probe) {
+      t.next_probe = now + kMismatchProbeAfter;
+      std::string why;
+      const int other = in_another_program(t, &why);
+      if (other >= 0) return fail(t, FailureKind::kMismatch, other, why, finished);
+    }
+    if (now > t.deadline) {
       return fail(t, FailureKind::kTimeout, -1,
                   "jaxring allreduce (direct across processes, rank " +
                       std::to_string(t.rank) + "): " + what + " for more than " +
@@ -214,6 +238,58 @@ class Worker {
                   finished);
     }
     return false;
+  }
+
+  // A peer at this call site in another program: an entry of the same
+  // slot, held for another operation, whose first barrier waits (as this
+  // one's does) and whose processes are none of this one's. A peer merely
+  // ahead, in the next program, holds such an entry only once this
+  // operation passed its first barrier, and one in this program joins
+  // this entry. Marks that entry failed too, so its ranks learn why, and
+  // returns the process named (-1: none found).
+  int in_another_program(Task& t, std::string* why) {
+    if (t.desc.slot_id == 0) return -1;
+    uint64_t mine = uint64_t{1} << me_;
+    if (t.entry >= 0) {
+      const HostEntry& e = seg_->entry(t.entry);
+      if (e.arrivals.load(std::memory_order_acquire) >= t.desc.world_size) return -1;
+      mine = e.joined.load(std::memory_order_acquire);
+    }
+    for (int f = 0; f < kHostEntries; ++f) {
+      HostEntry& other = seg_->entry(f);
+      if (f == t.entry || other.state.load(std::memory_order_acquire) != kEntryActive ||
+          other.slot_id != t.desc.slot_id || holds(other, t.key) ||
+          other.arrivals.load(std::memory_order_acquire) >= other.world ||
+          (other.joined.load(std::memory_order_acquire) & mine) != 0 ||
+          other.failed_by.load(std::memory_order_acquire) != 0) {
+        continue;
+      }
+      const int q = lowest_process(other.joined.load(std::memory_order_acquire));
+      if (q < 0) continue;
+      *why = "jaxring allreduce (op " + std::to_string(t.key.op_id) + ", group " +
+             std::to_string(t.key.group) +
+             "): the processes run different programs: this process calls it "
+             "with " + desc_of(t.desc) + " but process " + std::to_string(q) +
+             " with " + entry_desc(other) +
+             ". Every process must run the same program with the same shapes, "
+             "dtypes and ops.";
+      mark_failed(other, tagged(FailureKind::kMismatch, me_, *why));
+      return q;
+    }
+    return -1;
+  }
+
+  // Records `message` as the entry's failure unless one is there already;
+  // the ranks in it learn it at their next look.
+  bool mark_failed(HostEntry& e, const std::string& message) {
+    int32_t none = 0;
+    if (!e.failed_by.compare_exchange_strong(none, -1)) return false;
+    const size_t n = std::min(message.size(), sizeof(e.error) - 1);
+    std::memcpy(e.error, message.data(), n);
+    e.error[n] = '\0';
+    e.failed_by.store(me_ + 1, std::memory_order_release);
+    ring_host();
+    return true;
   }
 
   bool claim(Task& t, bool* finished) {
@@ -229,6 +305,8 @@ class Worker {
       e.reduce_op = static_cast<int32_t>(t.desc.op);
       e.world = t.desc.world_size;
       e.count = t.desc.count;
+      e.slot_id = t.desc.slot_id;
+      e.joined.store(uint64_t{1} << me_);
       e.arrivals.store(0);
       e.departures.store(0);
       e.error[0] = '\0';
@@ -238,18 +316,16 @@ class Worker {
       ring_processes(t.processes);
     } else if (state == kEntryActive && holds(e, t.key)) {
       t.entry = index;
+      e.joined.fetch_or(uint64_t{1} << me_);
       if (e.elem_type != static_cast<int32_t>(t.desc.type) ||
           e.reduce_op != static_cast<int32_t>(t.desc.op) ||
           e.world != t.desc.world_size || e.count != t.desc.count) {
-        HostEntry mine{};
-        mine.elem_type = static_cast<int32_t>(t.desc.type);
-        mine.reduce_op = static_cast<int32_t>(t.desc.op);
-        mine.world = t.desc.world_size;
-        mine.count = t.desc.count;
-        return fail(t, FailureKind::kMismatch, -1,
-                    "jaxring allreduce: the ranks of one operation disagree: rank " +
-                        std::to_string(t.rank) + " has " + entry_desc(mine) +
-                        ", a peer has " + entry_desc(e),
+        const int peer = lowest_process(e.joined.load() & ~(uint64_t{1} << me_));
+        return fail(t, FailureKind::kMismatch, peer,
+                    "jaxring allreduce (op " + std::to_string(t.key.op_id) +
+                        "): the ranks of one operation disagree: this process "
+                        "calls it with " + desc_of(t.desc) + ", process " +
+                        std::to_string(peer) + " with " + entry_desc(e),
                     finished);
       }
     } else {

@@ -55,6 +55,10 @@ struct HostEntry {
   int64_t run_id, op_id, group;
   int32_t elem_type, reduce_op, world, pad1;
   int64_t count;
+  // The call site (OpDesc::slot_id), to tell a peer in another program.
+  int64_t slot_id;
+  // The processes whose ranks joined, one bit each.
+  std::atomic<uint64_t> joined;
   // Arrivals at the operation's barriers, over all ranks: barrier b is
   // passed once it reached world * (b + 1).
   alignas(64) std::atomic<int64_t> arrivals;
@@ -64,7 +68,7 @@ struct HostEntry {
   // 0, or 1 + the process that failed the operation for every rank, with
   // its tagged message (NUL-terminated, read bounded).
   std::atomic<int32_t> failed_by;
-  char error[448];
+  char error[432];
 };
 
 class HostSegment {
