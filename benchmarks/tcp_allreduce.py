@@ -14,7 +14,11 @@ shared-memory rings) and JAXRING_TRANSPORT=tcp (TCP loopback). In each,
 every process times `jaxring.allreduce` and `lax.psum` (JAX's cross-process
 CPU collectives, `jax_cpu_collectives_implementation="gloo"`) on the same
 arrays, in alternating rounds, and checks that they agree before timing;
-Gloo, timed in both jobs, is the reference that ties them together. A last
+Gloo, timed in both jobs, is the reference that ties them together. The
+auto job also times `algorithm="direct"` over the host segment ("shm
+direct", where the job has one: every process on this host), and the
+tables give it against the job's default (xdir/shm), Gloo and the
+in-process direct job (xdir/direct). A last
 job runs the same sizes in one process with as many virtual devices,
 `algorithm="direct"`: each byte is read and written once, in memory, which
 no link between processes can beat (the physical bound). Process 0 reports
@@ -114,6 +118,11 @@ def worker(args) -> None:
                "gloo": program(jax.lax.psum)}
     else:
         fns = {"jaxring": program(jaxring.allreduce), "gloo": program(jax.lax.psum)}
+        if os.environ.get("JAXRING_TRANSPORT") == "auto":
+            # The direct algorithm over the host segment, where the job has
+            # one (every process on this host, /dev/shm large enough).
+            fns["host_direct"] = program(
+                lambda v, a: jaxring.allreduce(v, a, algorithm="direct"))
         if args.exchange:
             for name in ("ring", "exchange"):
                 fns[name] = program(
@@ -127,6 +136,13 @@ def worker(args) -> None:
                           for k, d in enumerate(jax.local_devices())])
         x = jax.make_array_from_process_local_data(
             NamedSharding(mesh, P("i")), local, (n, count))
+        if size == args.min_bytes and "host_direct" in fns:
+            try:
+                fns["host_direct"](x)
+            except ValueError as e:  # no host segment: say why, time the rest
+                if jax.process_index() == 0:
+                    print(f"no direct column: {e}", flush=True)
+                del fns["host_direct"]
         outs = {k: np.asarray(f(x).addressable_data(0)) for k, f in fns.items()}
         if not all(np.array_equal(outs[k], outs["gloo"]) for k in outs):
             raise SystemExit(f"jaxring and the reference disagree at {size} bytes")
@@ -152,7 +168,8 @@ def worker(args) -> None:
 # "direct" (the one-process job).
 COLUMNS = (("shm", "auto", "jaxring"), ("tcp", "tcp", "jaxring"),
            ("gloo", "auto", "gloo"), ("gloo (tcp job)", "tcp", "gloo"),
-           ("direct", "direct", "jaxring"), ("shm ring", "auto", "ring"),
+           ("direct", "direct", "jaxring"), ("shm direct", "auto", "host_direct"),
+           ("shm ring", "auto", "ring"),
            ("shm exchange", "auto", "exchange"), ("tcp ring", "tcp", "ring"),
            ("tcp exchange", "tcp", "exchange"))
 
@@ -175,6 +192,11 @@ def table(jobs: dict[str, list[dict]], n: int, launcher: str = "") -> str:
         ratios.append(("shm/tcp", ("auto", "jaxring"), ("tcp", "jaxring")))
     if "auto" in jobs and "direct" in jobs:
         ratios.append(("shm/direct", ("auto", "jaxring"), ("direct", "jaxring")))
+    if ("shm direct", "auto", "host_direct") in cols:
+        ratios.append(("xdir/shm", ("auto", "host_direct"), ("auto", "jaxring")))
+        ratios.append(("xdir/gloo", ("auto", "host_direct"), ("auto", "gloo")))
+        if "direct" in jobs:
+            ratios.append(("xdir/direct", ("auto", "host_direct"), ("direct", "jaxring")))
     for title, job in (("shm", "auto"), ("tcp", "tcp")):
         if (title + " exchange", job, "exchange") in cols:
             ratios.append((f"{title} exch/ring", (job, "exchange"), (job, "ring")))

@@ -55,6 +55,7 @@ size_t layout_bytes(int ranks, int64_t chunk) {
 // The largest chunk (a multiple of 4 KiB, at most kHostMaxChunkBytes) whose
 // segment fits the budget; 0 if even kHostMinChunkBytes does not.
 int64_t chunk_for(int ranks) {
+  if (const char* e = getenv("JAXRING_EXPERIMENT_HOST_CHUNK")) return atoll(e);
   const int64_t room = kHostSegmentBudget - static_cast<int64_t>(kHeaderBytes + kEntriesBytes);
   int64_t chunk = room / (int64_t{kHostEntries} * (ranks + 1));
   chunk = std::min(chunk, kHostMaxChunkBytes) / 4096 * 4096;
