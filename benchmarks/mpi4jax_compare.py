@@ -10,7 +10,8 @@ CPU device per process). Each process joins jax.distributed (process 0's
 coordinator address travels over MPI) and times, in alternating rounds on
 the same values, `jaxring.allreduce` over a mesh of the N processes (with
 JAXRING_TRANSPORT as set: `auto`, the default, exchanges through shared
-memory) and `mpi4jax.allreduce` on Open MPI with the byte transfer layer
+memory; JAXRING_ALGORITHM=direct runs the direct algorithm over the host
+segment) and `mpi4jax.allreduce` on Open MPI with the byte transfer layer
 `--mpi-btl` (`vader`, Open MPI 4's shared memory; `sm` on Open MPI 5;
 `tcp` for loopback). Both results are checked against the exact sum before
 timing. Process 0 prints busbw for both and jaxring/mpi4jax per size.
@@ -123,6 +124,7 @@ def table(rows: list[dict], btl: str, transport: str) -> str:
             f"{'jaxring/mpi4jax':>15}")
     lines = [f"# {n} processes, 1 CPU device each, float32, busbw, median of "
              f"alternating rounds; jaxring JAXRING_TRANSPORT={transport}, "
+             f"JAXRING_ALGORITHM={os.environ.get('JAXRING_ALGORITHM', 'auto')}, "
              f"Open MPI btl self,{btl}", head, "-" * len(head)]
     for r in rows:
         lines.append(f"{fmt_bytes(r['bytes']):>10} | {r['jaxring_busbw']:>12.3f} | "

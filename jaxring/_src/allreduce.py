@@ -953,7 +953,8 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
       chunk_bytes: pipelining unit (default ``jaxring.config.chunk_bytes``).
       timeout_s: seconds to wait for peers before failing
         (default ``jaxring.config.timeout_s``).
-      algorithm: ``"ring"``, ``"direct"`` (all ranks in one process),
+      algorithm: ``"ring"``, ``"direct"`` (all ranks in one process, or
+        in processes of one host, over shared memory they all map),
         ``"exchange"`` (recursive doubling: fewer, larger steps, for small
         buffers; CPU) or ``"auto"`` (default ``jaxring.config.algorithm``,
         itself ``"auto"``: direct in one process without ``cpu_link``;

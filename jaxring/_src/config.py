@@ -160,10 +160,11 @@ _OPTIONS = {
                 lambda v: v in ALGORITHMS,
                 'one of "auto", "ring", "direct", "nccl", "exchange"',
                 "How the ranks combine their buffers. \"ring\": the chunked "
-                "multi-ring schedule. \"direct\" (devices of one process "
-                "only): each rank reduces its segment of every rank's input "
-                "and writes it into every rank's output, which moves each "
-                "byte through memory about half as often as a ring. "
+                "multi-ring schedule. \"direct\" (devices of one process, or "
+                "processes of one host over a shared-memory segment they "
+                "all map): each rank reduces its segment of every rank's "
+                "input and writes it into every rank's output, which moves "
+                "each byte through memory about half as often as a ring. "
                 "\"nccl\" (CUDA only): NCCL's own allreduce per chunk on the "
                 "same rings, the built-in reference. \"exchange\" (CPU): "
                 "recursive doubling, log2(n) exchanges of the whole buffer "
