@@ -1,21 +1,19 @@
 #include "host_segment.h"
 
-#include <fcntl.h>
 #include <linux/futex.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
-#include <sys/random.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
 #include <new>
+
+#include "shm_segment.h"
 
 namespace jaxring {
 
@@ -35,16 +33,6 @@ struct Bell {
   std::atomic<uint32_t> word;
   char pad[60];
 };
-
-std::string hex(const std::string& bytes) {
-  static const char digits[] = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : bytes) {
-    out += digits[c >> 4];
-    out += digits[c & 15];
-  }
-  return out;
-}
 
 size_t layout_bytes(int ranks, int64_t chunk) {
   return kHeaderBytes + kEntriesBytes +
@@ -144,31 +132,11 @@ std::unique_ptr<HostSegment> HostSegment::create(const std::string& job_id, int 
     *error = "too many ranks on this host for the host segment's budget";
     return nullptr;
   }
-  std::string nonce(16, '\0');
-  if (::getrandom(nonce.data(), nonce.size(), 0) != static_cast<ssize_t>(nonce.size())) {
-    *error = "no random bytes for the host segment's name";
-    return nullptr;
-  }
-  const std::string name = host_segment_prefix(job_id) + hex(nonce);
+  const std::string name = random_segment_name(host_segment_prefix(job_id), error);
+  if (name.empty()) return nullptr;
   const size_t bytes = layout_bytes(ranks, chunk);
-  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) {
-    *error = "cannot create " + name + " in /dev/shm: " + std::strerror(errno);
-    return nullptr;
-  }
-  // Reserve every page now: a write to a page tmpfs cannot back is SIGBUS.
-  const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  void* base = rc == 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
-                       : MAP_FAILED;
-  const int map_errno = errno;
-  ::close(fd);
-  if (base == MAP_FAILED) {
-    ::shm_unlink(name.c_str());
-    *error = rc != 0 ? "/dev/shm cannot hold " + std::to_string(bytes) +
-                           " bytes for the host segment: " + std::strerror(rc)
-                     : "cannot map " + name + ": " + std::strerror(map_errno);
-    return nullptr;
-  }
+  void* base = create_segment(name, bytes, "the host segment", error);
+  if (base == nullptr) return nullptr;
   // The file is zero-filled: every entry is free, every counter 0.
   Header* h = new (base) Header();
   h->magic = kHostMagic;
@@ -189,39 +157,14 @@ std::unique_ptr<HostSegment> HostSegment::create(const std::string& job_id, int 
 std::unique_ptr<HostSegment> HostSegment::open(const std::string& name,
                                                const std::string& job_id, int process,
                                                std::string* error) {
-  const std::string prefix = host_segment_prefix(job_id);
-  bool named_right = name.size() == prefix.size() + 32 &&
-                     name.compare(0, prefix.size(), prefix) == 0;
-  for (size_t i = prefix.size(); named_right && i < name.size(); ++i) {
-    named_right = std::isxdigit(static_cast<unsigned char>(name[i])) &&
-                  !std::isupper(static_cast<unsigned char>(name[i]));
-  }
-  if (!named_right) {
+  if (!is_segment_name(name, host_segment_prefix(job_id))) {
     *error = "the host segment's published name is not one of this job's";
     return nullptr;
   }
-  const int fd = ::shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0);
-  if (fd < 0) {
-    *error = "cannot open " + name + " (is /dev/shm shared between the "
-             "processes of this host?): " + std::strerror(errno);
-    return nullptr;
-  }
-  struct stat st{};
-  void* base = MAP_FAILED;
   size_t bytes = 0;
-  if (::fstat(fd, &st) != 0) {
-    *error = std::string("cannot stat the host segment: ") + std::strerror(errno);
-  } else if (st.st_uid != ::geteuid() || (st.st_mode & 0777) != 0600 ||
-             st.st_size < static_cast<off_t>(kHeaderBytes + kEntriesBytes)) {
-    *error = "the host segment " + name + " is not this user's, not owner-only, "
-             "or too small";
-  } else {
-    bytes = static_cast<size_t>(st.st_size);
-    base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) *error = std::string("cannot map it: ") + std::strerror(errno);
-  }
-  ::close(fd);
-  if (base == MAP_FAILED) return nullptr;
+  void* base = open_segment(name, kHeaderBytes + kEntriesBytes, "the host segment", &bytes,
+                            error);
+  if (base == nullptr) return nullptr;
   const Header* h = static_cast<const Header*>(base);
   const bool fits = h->magic == kHostMagic && h->bytes == bytes &&
                     h->job_bytes == job_id.size() &&

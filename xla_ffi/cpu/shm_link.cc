@@ -1,20 +1,17 @@
 #include "shm_link.h"
 
-#include <fcntl.h>
 #include <linux/futex.h>
 #include <poll.h>
 #include <sys/mman.h>
-#include <sys/random.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <new>
 
+#include "shm_segment.h"
 #include "socket_io.h"
 
 namespace jaxring {
@@ -28,16 +25,6 @@ constexpr uint64_t kControlMagic = 0x4a52494e47524e47ull;  // "JRINGRNG"
 // How long a full ring's sender sleeps between looks at its peer and its
 // operation (the receiver wakes it earlier when it frees room).
 constexpr int64_t kRoomWaitNs = 2'000'000;
-
-std::string hex(const std::string& bytes) {
-  static const char digits[] = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : bytes) {
-    out += digits[c >> 4];
-    out += digits[c & 15];
-  }
-  return out;
-}
 
 std::string link_prefix(const std::string& job_id, int from, int to, int channel) {
   return ShmRing::job_prefix(job_id) + std::to_string(from) + "-" +
@@ -112,31 +99,11 @@ void ShmRing::unlink() {
 
 std::unique_ptr<ShmRing> ShmRing::create(const std::string& job_id, int from, int to,
                                          int channel, std::string* error) {
-  std::string nonce(16, '\0');
-  if (::getrandom(nonce.data(), nonce.size(), 0) != static_cast<ssize_t>(nonce.size())) {
-    *error = "no random bytes for a shared-memory segment's name";
-    return nullptr;
-  }
-  const std::string name = link_prefix(job_id, from, to, channel) + hex(nonce);
+  const std::string name = random_segment_name(link_prefix(job_id, from, to, channel), error);
+  if (name.empty()) return nullptr;
   const size_t bytes = map_bytes_for(kShmRingBytes);
-  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) {
-    *error = "cannot create " + name + " in /dev/shm: " + std::strerror(errno);
-    return nullptr;
-  }
-  // Reserve every page now: a write to a page tmpfs cannot back is SIGBUS.
-  const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  void* base = rc == 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
-                       : MAP_FAILED;
-  const int map_errno = errno;
-  ::close(fd);
-  if (base == MAP_FAILED) {
-    ::shm_unlink(name.c_str());
-    *error = rc != 0 ? "/dev/shm cannot hold " + std::to_string(bytes) +
-                           " bytes for a shared-memory link: " + std::strerror(rc)
-                     : "cannot map " + name + ": " + std::strerror(map_errno);
-    return nullptr;
-  }
+  void* base = create_segment(name, bytes, "a shared-memory link", error);
+  if (base == nullptr) return nullptr;
   Control* c = new (base) Control();
   c->magic = kControlMagic;
   c->capacity = static_cast<uint64_t>(kShmRingBytes);
@@ -155,35 +122,19 @@ std::unique_ptr<ShmRing> ShmRing::open(const ShmOffer& offer, const std::string&
     return nullptr;
   }
   const std::string name(offer.name, offer.name_bytes);
-  bool named_right = name.size() == prefix.size() + 32 && name.compare(0, prefix.size(), prefix) == 0;
-  for (size_t i = prefix.size(); named_right && i < name.size(); ++i) {
-    named_right = std::isxdigit(static_cast<unsigned char>(name[i])) && !std::isupper(name[i]);
-  }
-  if (!named_right) {
+  if (!is_segment_name(name, prefix)) {
     *error = "a shared-memory offer names a segment not of this link";
     return nullptr;
   }
-  const size_t bytes = map_bytes_for(kShmRingBytes);
-  const int fd = ::shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0);
-  if (fd < 0) {
-    *error = "cannot open " + name + " (is /dev/shm shared between the two "
-             "processes?): " + std::strerror(errno);
+  size_t bytes = 0;
+  void* base = open_segment(name, map_bytes_for(kShmRingBytes), "the shared-memory segment",
+                            &bytes, error);
+  if (base == nullptr) return nullptr;
+  if (bytes != map_bytes_for(kShmRingBytes)) {
+    ::munmap(base, bytes);
+    *error = "the shared-memory segment " + name + " is not of the offered size";
     return nullptr;
   }
-  struct stat st{};
-  void* base = MAP_FAILED;
-  if (::fstat(fd, &st) != 0) {
-    *error = std::string("cannot stat the shared-memory segment: ") + std::strerror(errno);
-  } else if (st.st_uid != ::geteuid() || (st.st_mode & 0777) != 0600 ||
-             st.st_size != static_cast<off_t>(bytes)) {
-    *error = "the shared-memory segment " + name +
-             " is not this user's, not owner-only, or not of the offered size";
-  } else {
-    base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) *error = std::string("cannot map it: ") + std::strerror(errno);
-  }
-  ::close(fd);
-  if (base == MAP_FAILED) return nullptr;
   const Control* c = static_cast<const Control*>(base);
   if (c->magic != kControlMagic || c->capacity != static_cast<uint64_t>(kShmRingBytes)) {
     ::munmap(base, bytes);
