@@ -176,6 +176,18 @@ def test_direct_across_processes_gives_the_bits_of_direct_in_memory(split):
     assert digests[1] == digests[split[0]]
 
 
+@newest_jax_only
+def test_direct_groups_waiting_for_stragglers_are_not_another_program():
+    # Two groups of one call site wait at once, one for processes 2.5 s
+    # late: more than the 1 s after which a rank looks for peers in another
+    # program, which must not take the other group for one.
+    r = run_launcher(4, "direct_straggler.py", 2.5)
+    by_rank = lines_by_rank(r.stdout)
+    assert sorted(by_rank) == list(range(4)), r.stdout[-3000:] + r.stderr[-3000:]
+    for rank, lines in by_rank.items():
+        assert lines == ["OK"], (rank, lines)
+
+
 def test_direct_across_processes_is_refused_where_there_is_no_host_segment():
     r = run_launcher(2, "allreduce_check.py", 0, 1, "direct",
                      env={"JAXRING_TRANSPORT": "tcp"})

@@ -4,9 +4,10 @@ across the processes of a job that all run on one host
 
 Set up once, with the TCP transport, through the job's key-value store:
 process 0 creates the segment and publishes its name, every other process
-maps it, and every process publishes whether it could. The segment is used
-only where every process mapped it, so the processes agree on whether
-direct is available; process 0 then removes its name from /dev/shm."""
+maps it and publishes whether it could, and process 0 publishes the
+decision every process follows: the segment is used only if every process
+mapped it. Every process then removes the name from its view (process 0
+from /dev/shm)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import threading
 _PREFIX = "jaxring/host_segment/v1/"
 _NAME_KEY = _PREFIX + "name"
 _STATUS_KEY = _PREFIX + "status/{}"
+_DECISION_KEY = _PREFIX + "decision"
 
 _lock = threading.Lock()
 _missing: str | None = "the transport between processes is not set up yet"
@@ -64,16 +66,24 @@ def _attach_everywhere(client, me, processes, ranks, job_id, timeout_ms) -> str:
                 mine = str(e)
         else:
             mine = str(record.get("error", "no name"))
-    client.key_value_set(_STATUS_KEY.format(me), mine or "ok")
-    for q in range(processes):
-        if q == me:
-            continue
+    if me != 0:
+        client.key_value_set(_STATUS_KEY.format(me), mine or "ok")
+        try:
+            decision = client.blocking_key_value_get(_DECISION_KEY, timeout_ms)
+            return "" if decision == "ok" else decision
+        except Exception as e:
+            return f"process 0 did not publish whether the host segment is used: {e}"
+    # Process 0 decides for everyone, so that no process runs direct while
+    # another refuses it (each would otherwise judge the others' answers
+    # under its own timeout).
+    for q in range(1, processes):
         try:
             theirs = client.blocking_key_value_get(_STATUS_KEY.format(q), timeout_ms)
         except Exception as e:
             theirs = f"it did not say whether it mapped the segment: {e}"
         if theirs != "ok" and not mine:
             mine = f"process {q}: {theirs}"
+    client.key_value_set(_DECISION_KEY, mine or "ok")
     return mine
 
 

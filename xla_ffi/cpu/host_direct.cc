@@ -53,8 +53,17 @@ int entry_of(const OpKey& key) {
   return static_cast<int>((h >> 32) % kHostEntries);
 }
 
-bool holds(const HostEntry& e, const OpKey& key) {
-  return e.run_id == key.run_id && e.op_id == key.op_id && e.group == key.group;
+// An entry's fields, copied out at one state word (Worker::snapshot).
+struct EntryFields {
+  int64_t run_id = 0, op_id = 0, group = 0, count = 0, slot_id = 0;
+  int32_t elem_type = 0, reduce_op = 0, world = 0;
+};
+
+// Whether the ranks of an operation agree on what it is.
+bool fields_agree(const EntryFields& f, const OpDesc& d) {
+  return f.elem_type == static_cast<int32_t>(d.type) &&
+         f.reduce_op == static_cast<int32_t>(d.op) && f.count == d.count &&
+         f.world == d.world_size;
 }
 
 // A direct allreduce as OpDesc::describe names an operation, without the
@@ -72,8 +81,8 @@ std::string describe_direct(int32_t elem_type, int32_t reduce_op, int64_t count,
          reduce_op_name(op) + ", world=" + std::to_string(world) + ", algorithm=direct";
 }
 
-std::string entry_desc(const HostEntry& e) {
-  return describe_direct(e.elem_type, e.reduce_op, e.count, e.world);
+std::string fields_desc(const EntryFields& f) {
+  return describe_direct(f.elem_type, f.reduce_op, f.count, f.world);
 }
 
 std::string desc_of(const OpDesc& d) {
@@ -129,8 +138,6 @@ class Worker {
         }
         if (finished) {
           it = active.erase(it);
-          std::lock_guard<std::mutex> lock(mu_);
-          --pending_;
         } else {
           ++it;
         }
@@ -160,18 +167,35 @@ class Worker {
     }
   }
 
-  // The rank leaves the entry; the last to leave frees it.
+  // The rank leaves the entry. The last rank to leave frees it: once the
+  // whole world joined and left, or once the operation failed and every
+  // rank that joined left (a rank that never came must not keep the entry
+  // from the operations after it).
   void depart(Task& t) {
+    namespace es = entry_state;
     HostEntry& e = seg_->entry(t.entry);
-    if (e.departures.fetch_add(1, std::memory_order_acq_rel) + 1 == t.desc.world_size) {
-      e.state.store(kEntryFree, std::memory_order_release);
-      ring_host();
+    const int world = e.world.load(std::memory_order_relaxed);
+    uint64_t s = e.state.load(std::memory_order_acquire);
+    for (;;) {
+      const int left = es::departed(s) + 1;
+      const bool last = left == es::joined(s) &&
+                        (left >= world || e.failed_by.load(std::memory_order_acquire) != 0);
+      const uint64_t next = last ? es::make(es::generation(s), es::kFree, 0, 0)
+                                 : es::make(es::generation(s), es::kind(s), es::joined(s), left);
+      if (e.state.compare_exchange_weak(s, next, std::memory_order_acq_rel)) {
+        if (last) ring_host();
+        break;
+      }
     }
     t.entry = -1;
   }
 
   bool finish(Task& t, const std::optional<std::string>& error, bool* finished) {
     if (t.entry >= 0) depart(t);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --pending_;
+    }
     Completion done = std::move(t.done);
     done(error);
     *finished = true;
@@ -179,10 +203,12 @@ class Worker {
   }
 
   // Fails the operation for this rank and, once it holds the entry, for
-  // every rank: the first failure is the one every rank reports.
+  // every rank: the first failure recorded is the one every rank reports
+  // (this one's, if the one being recorded cannot be read yet).
   bool fail(Task& t, FailureKind kind, int peer, const std::string& why, bool* finished) {
     const std::string message = tagged(kind, peer, why);
-    if (t.entry >= 0 && !mark_failed(seg_->entry(t.entry), message)) {
+    if (t.entry >= 0 && !mark_failed(seg_->entry(t.entry), message) &&
+        seg_->entry(t.entry).failed_by.load(std::memory_order_acquire) > 0) {
       return failed_elsewhere(t, finished);
     }
     return finish(t, message, finished);
@@ -193,7 +219,6 @@ class Worker {
   bool failed_elsewhere(Task& t, bool* finished) {
     HostEntry& e = seg_->entry(t.entry);
     const int32_t by = e.failed_by.load(std::memory_order_acquire);
-    if (by <= 0) return false;  // still being written
     char text[sizeof(e.error)];
     std::memcpy(text, e.error, sizeof(text));
     text[sizeof(text) - 1] = '\0';
@@ -201,6 +226,12 @@ class Worker {
     int peer;
     std::string rest;
     if (!parse_tag(text, &kind, &peer, &rest)) kind = FailureKind::kInternal;
+    if (by < 1 || by > seg_->processes()) {
+      return finish(t, tagged(FailureKind::kInternal, -1,
+                              "a peer marked this allreduce failed in a way this "
+                              "process cannot read"),
+                    finished);
+    }
     if (peer < -1 || peer >= seg_->processes()) peer = -1;
     if (kind == FailureKind::kTimeout || kind == FailureKind::kPeerLost ||
         kind == FailureKind::kMismatch) {
@@ -213,7 +244,8 @@ class Worker {
                   finished);
   }
 
-  // Whether a wait has run out: the deadline, or a peer process gone.
+  // Whether a wait has run out: the deadline, a peer process gone, or a
+  // peer in another program.
   bool waited_too_long(Task& t, const std::string& what, bool* finished) {
     for (int q : t.processes) {
       if (q != me_ && seg_->exited(q)) {
@@ -241,12 +273,32 @@ class Worker {
     return false;
   }
 
+  // The fields of entry f as they were at one state word (false: it is
+  // being claimed, or changed while read).
+  bool snapshot(HostEntry& e, EntryFields* out, uint64_t* state) {
+    const uint64_t s = e.state.load(std::memory_order_acquire);
+    if (entry_state::kind(s) != entry_state::kActive) return false;
+    out->run_id = e.run_id.load(std::memory_order_relaxed);
+    out->op_id = e.op_id.load(std::memory_order_relaxed);
+    out->group = e.group.load(std::memory_order_relaxed);
+    out->count = e.count.load(std::memory_order_relaxed);
+    out->slot_id = e.slot_id.load(std::memory_order_relaxed);
+    out->elem_type = e.elem_type.load(std::memory_order_relaxed);
+    out->reduce_op = e.reduce_op.load(std::memory_order_relaxed);
+    out->world = e.world.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    *state = e.state.load(std::memory_order_relaxed);
+    return entry_state::generation(*state) == entry_state::generation(s) &&
+           entry_state::kind(*state) == entry_state::kActive;
+  }
+
   // A peer at this call site in another program: an entry of the same
-  // slot, held for another operation, whose first barrier waits (as this
-  // one's does) and whose processes are none of this one's. A peer merely
-  // ahead, in the next program, holds such an entry only once this
-  // operation passed its first barrier, and one in this program joins
-  // this entry. Marks that entry failed too, so its ranks learn why, and
+  // slot and group, held for another operation with another description,
+  // whose first barrier waits (as this one's does), whose processes are
+  // this operation's but none that joined this one. A peer merely ahead,
+  // in the next program, holds such an entry only once this operation
+  // passed its first barrier; another group of this call site is another
+  // group. Marks that entry failed too, so its ranks learn why, and
   // returns the process named (-1: none found).
   int in_another_program(Task& t, std::string* why) {
     if (t.desc.slot_id == 0) return -1;
@@ -254,27 +306,36 @@ class Worker {
     if (t.entry >= 0) {
       const HostEntry& e = seg_->entry(t.entry);
       if (e.arrivals.load(std::memory_order_acquire) >= t.desc.world_size) return -1;
-      mine = e.joined.load(std::memory_order_acquire);
+      mine = e.joined_processes.load(std::memory_order_acquire);
     }
+    uint64_t ours = 0;
+    for (int q : t.processes) ours |= uint64_t{1} << q;
     for (int f = 0; f < kHostEntries; ++f) {
+      if (f == t.entry) continue;
       HostEntry& other = seg_->entry(f);
-      if (f == t.entry || other.state.load(std::memory_order_acquire) != kEntryActive ||
-          other.slot_id != t.desc.slot_id || holds(other, t.key) ||
-          other.arrivals.load(std::memory_order_acquire) >= other.world ||
-          (other.joined.load(std::memory_order_acquire) & mine) != 0 ||
+      EntryFields o;
+      uint64_t state;
+      if (!snapshot(other, &o, &state)) continue;
+      const uint64_t theirs = other.joined_processes.load(std::memory_order_acquire);
+      if (o.slot_id != t.desc.slot_id || o.group != t.key.group ||
+          (o.run_id == t.key.run_id && o.op_id == t.key.op_id) ||
+          fields_agree(o, t.desc) || theirs == 0 || (theirs & ~ours) != 0 ||
+          (theirs & mine) != 0 ||
+          other.arrivals.load(std::memory_order_acquire) >= o.world ||
           other.failed_by.load(std::memory_order_acquire) != 0) {
         continue;
       }
-      const int q = lowest_process(other.joined.load(std::memory_order_acquire));
-      if (q < 0) continue;
+      const int q = lowest_process(theirs);
       *why = "jaxring allreduce (op " + std::to_string(t.key.op_id) + ", group " +
              std::to_string(t.key.group) +
              "): the processes run different programs: this process calls it "
              "with " + desc_of(t.desc) + " but process " + std::to_string(q) +
-             " with " + entry_desc(other) +
+             " with " + fields_desc(o) +
              ". Every process must run the same program with the same shapes, "
              "dtypes and ops.";
-      mark_failed(other, tagged(FailureKind::kMismatch, me_, *why));
+      if (other.state.load(std::memory_order_acquire) == state) {
+        mark_failed(other, tagged(FailureKind::kMismatch, me_, *why));
+      }
       return q;
     }
     return -1;
@@ -293,48 +354,69 @@ class Worker {
     return true;
   }
 
+  // Takes the operation's entry, or joins the ranks that took it. Returns
+  // whether the task moved; false while another operation holds the entry
+  // (or it is being claimed).
   bool claim(Task& t, bool* finished) {
+    namespace es = entry_state;
     const int index = entry_of(t.key);
     HostEntry& e = seg_->entry(index);
-    uint32_t state = e.state.load(std::memory_order_acquire);
-    if (state == kEntryFree) {
-      if (!e.state.compare_exchange_strong(state, kEntryClaiming)) return false;
-      e.run_id = t.key.run_id;
-      e.op_id = t.key.op_id;
-      e.group = t.key.group;
-      e.elem_type = static_cast<int32_t>(t.desc.type);
-      e.reduce_op = static_cast<int32_t>(t.desc.op);
-      e.world = t.desc.world_size;
-      e.count = t.desc.count;
-      e.slot_id = t.desc.slot_id;
-      e.joined.store(uint64_t{1} << me_);
-      e.arrivals.store(0);
-      e.departures.store(0);
-      e.error[0] = '\0';
-      e.failed_by.store(0);
-      e.state.store(kEntryActive, std::memory_order_release);
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      uint64_t s = e.state.load(std::memory_order_acquire);
+      if (es::kind(s) == es::kFree) {
+        const uint64_t gen = es::generation(s) + 1;
+        if (!e.state.compare_exchange_strong(s, es::make(gen, es::kClaiming, 0, 0),
+                                             std::memory_order_acq_rel)) {
+          continue;
+        }
+        e.run_id.store(t.key.run_id, std::memory_order_relaxed);
+        e.op_id.store(t.key.op_id, std::memory_order_relaxed);
+        e.group.store(t.key.group, std::memory_order_relaxed);
+        e.count.store(t.desc.count, std::memory_order_relaxed);
+        e.slot_id.store(t.desc.slot_id, std::memory_order_relaxed);
+        e.elem_type.store(static_cast<int32_t>(t.desc.type), std::memory_order_relaxed);
+        e.reduce_op.store(static_cast<int32_t>(t.desc.op), std::memory_order_relaxed);
+        e.world.store(t.desc.world_size, std::memory_order_relaxed);
+        e.joined_processes.store(uint64_t{1} << me_, std::memory_order_relaxed);
+        e.arrivals.store(0, std::memory_order_relaxed);
+        e.error[0] = '\0';
+        e.failed_by.store(0, std::memory_order_relaxed);
+        e.state.store(es::make(gen, es::kActive, 1, 0), std::memory_order_release);
+        t.entry = index;
+        t.stage = Stage::kCopyIn;
+        ring_processes(t.processes);
+        return true;
+      }
+      EntryFields held;
+      uint64_t state;
+      if (!snapshot(e, &held, &state) || held.run_id != t.key.run_id ||
+          held.op_id != t.key.op_id || held.group != t.key.group) {
+        break;  // another operation's, or being claimed: wait for it
+      }
+      // Joins the operation whose fields were just read, if the entry is
+      // still that claim's (the compare-and-swap fails otherwise).
+      if (!e.state.compare_exchange_strong(
+              state, es::make(es::generation(state), es::kActive, es::joined(state) + 1,
+                              es::departed(state)),
+              std::memory_order_acq_rel)) {
+        continue;
+      }
+      e.joined_processes.fetch_or(uint64_t{1} << me_, std::memory_order_acq_rel);
       t.entry = index;
-      ring_processes(t.processes);
-    } else if (state == kEntryActive && holds(e, t.key)) {
-      t.entry = index;
-      e.joined.fetch_or(uint64_t{1} << me_);
-      if (e.elem_type != static_cast<int32_t>(t.desc.type) ||
-          e.reduce_op != static_cast<int32_t>(t.desc.op) ||
-          e.world != t.desc.world_size || e.count != t.desc.count) {
-        const int peer = lowest_process(e.joined.load() & ~(uint64_t{1} << me_));
+      if (!fields_agree(held, t.desc)) {
+        const int peer = lowest_process(e.joined_processes.load() & ~(uint64_t{1} << me_));
         return fail(t, FailureKind::kMismatch, peer,
                     "jaxring allreduce (op " + std::to_string(t.key.op_id) +
                         "): the ranks of one operation disagree: this process "
                         "calls it with " + desc_of(t.desc) + ", process " +
-                        std::to_string(peer) + " with " + entry_desc(e),
+                        std::to_string(peer) + " with " + fields_desc(held),
                     finished);
       }
-    } else {
-      return waited_too_long(t, "waited for another allreduce to leave the host "
-                                "segment's entry this one needs", finished);
+      t.stage = Stage::kCopyIn;
+      return true;
     }
-    t.stage = Stage::kCopyIn;
-    return true;
+    return waited_too_long(t, "waited for another allreduce to leave the host "
+                              "segment's entry this one needs", finished);
   }
 
   // Runs the task as far as its peers allow. Returns whether it moved.
@@ -348,8 +430,11 @@ class Worker {
         continue;
       }
       HostEntry& e = seg_->entry(t.entry);
-      if (e.failed_by.load(std::memory_order_acquire) != 0) {
-        return failed_elsewhere(t, finished) || moved;
+      const int32_t failed_by = e.failed_by.load(std::memory_order_acquire);
+      if (failed_by > 0) return failed_elsewhere(t, finished);
+      if (failed_by < 0) {  // a peer is writing why; its deadline still holds
+        return waited_too_long(t, "waited for a peer to record why it failed", finished) ||
+               moved;
       }
       if (t.stage == Stage::kCopyIn && t.round == t.rounds) {
         return finish(t, std::nullopt, finished);

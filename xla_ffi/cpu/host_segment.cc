@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -43,11 +44,17 @@ size_t layout_bytes(int ranks, int64_t chunk) {
 // The largest chunk (a multiple of 4 KiB, at most kHostMaxChunkBytes) whose
 // segment fits the budget; 0 if even kHostMinChunkBytes does not.
 int64_t chunk_for(int ranks) {
-  if (const char* e = getenv("JAXRING_EXPERIMENT_HOST_CHUNK")) return atoll(e);
   const int64_t room = kHostSegmentBudget - static_cast<int64_t>(kHeaderBytes + kEntriesBytes);
   int64_t chunk = room / (int64_t{kHostEntries} * (ranks + 1));
   chunk = std::min(chunk, kHostMaxChunkBytes) / 4096 * 4096;
   return chunk < kHostMinChunkBytes ? 0 : chunk;
+}
+
+// The inode of this process's pid namespace (0 if unknown): pids of
+// processes in another namespace name other processes here.
+uint64_t pid_namespace() {
+  struct stat st{};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
 }
 
 int pidfd_open(int pid) {
@@ -81,6 +88,7 @@ struct HostSegment::Header {
   char job[kJobIdBytes];
   std::atomic<int32_t> mapped;
   std::atomic<int32_t> pid[kHostMaxProcesses];
+  std::atomic<uint64_t> pid_namespace[kHostMaxProcesses];
   alignas(64) Bell bells[kHostMaxProcesses];
 };
 static_assert(sizeof(HostSegment::Header) <= kHeaderBytes, "host segment header");
@@ -93,14 +101,18 @@ std::string host_segment_prefix(const std::string& job_id) {
   return "/jaxring-" + hex(job_id) + "-host-";
 }
 
-HostSegment::HostSegment(std::string name, void* base, size_t bytes, bool owner)
+HostSegment::HostSegment(std::string name, void* base, size_t bytes, bool owner,
+                         int processes, int ranks, int64_t chunk_bytes)
     : name_(std::move(name)),
       base_(base),
       bytes_(bytes),
       named_(owner),
-      header_(static_cast<Header*>(base)) {
-  chunk_bytes_ = header_->chunk_bytes;
+      header_(static_cast<Header*>(base)),
+      processes_(processes),
+      ranks_(ranks),
+      chunk_bytes_(chunk_bytes) {
   pidfds_.assign(kHostMaxProcesses, kPidUnopened);
+  pids_.assign(kHostMaxProcesses, 0);
 }
 
 HostSegment::~HostSegment() {
@@ -149,7 +161,8 @@ std::unique_ptr<HostSegment> HostSegment::create(const std::string& job_id, int 
   for (int e = 0; e < kHostEntries; ++e) {
     new (static_cast<char*>(base) + kHeaderBytes + e * sizeof(HostEntry)) HostEntry();
   }
-  std::unique_ptr<HostSegment> s(new HostSegment(name, base, bytes, true));
+  std::unique_ptr<HostSegment> s(
+      new HostSegment(name, base, bytes, true, processes, ranks, chunk));
   s->note_mapped(process);
   return s;
 }
@@ -165,28 +178,31 @@ std::unique_ptr<HostSegment> HostSegment::open(const std::string& name,
   void* base = open_segment(name, kHeaderBytes + kEntriesBytes, "the host segment", &bytes,
                             error);
   if (base == nullptr) return nullptr;
-  const Header* h = static_cast<const Header*>(base);
+  // Each value read once, checked, and kept: the header is shared.
+  const volatile Header* h = static_cast<const volatile Header*>(base);
+  const int processes = h->processes, ranks = h->ranks;
+  const int64_t chunk = h->chunk_bytes;
+  char job[kJobIdBytes];
+  for (size_t i = 0; i < kJobIdBytes; ++i) job[i] = h->job[i];
   const bool fits = h->magic == kHostMagic && h->bytes == bytes &&
                     h->job_bytes == job_id.size() &&
-                    std::memcmp(h->job, job_id.data(), job_id.size()) == 0 &&
-                    h->processes >= 2 && h->processes <= kHostMaxProcesses &&
-                    h->ranks >= h->processes && h->ranks <= kHostMaxProcesses &&
-                    process >= 0 && process < h->processes &&
-                    h->chunk_bytes == chunk_for(h->ranks) &&
-                    bytes == layout_bytes(h->ranks, h->chunk_bytes);
+                    std::memcmp(job, job_id.data(), job_id.size()) == 0 &&
+                    processes >= 2 && processes <= kHostMaxProcesses &&
+                    ranks >= processes && ranks <= kHostMaxProcesses &&
+                    process >= 0 && process < processes && chunk == chunk_for(ranks) &&
+                    bytes == layout_bytes(ranks, chunk);
   if (!fits) {
     ::munmap(base, bytes);
     *error = "the host segment " + name + " is not this job's, or not laid out "
              "as this build lays it out";
     return nullptr;
   }
-  std::unique_ptr<HostSegment> s(new HostSegment(name, base, bytes, false));
+  std::unique_ptr<HostSegment> s(
+      new HostSegment(name, base, bytes, false, processes, ranks, chunk));
   s->note_mapped(process);
   return s;
 }
 
-int HostSegment::processes() const { return header_->processes; }
-int HostSegment::ranks() const { return header_->ranks; }
 
 HostEntry& HostSegment::entry(int e) {
   return *reinterpret_cast<HostEntry*>(static_cast<char*>(base_) + kHeaderBytes +
@@ -194,7 +210,7 @@ HostEntry& HostSegment::entry(int e) {
 }
 
 char* HostSegment::slot(int e, int r) {
-  const size_t per_entry = static_cast<size_t>(header_->ranks + 1) * chunk_bytes_;
+  const size_t per_entry = static_cast<size_t>(ranks_ + 1) * chunk_bytes_;
   return static_cast<char*>(base_) + kHeaderBytes + kEntriesBytes +
          static_cast<size_t>(e) * per_entry + static_cast<size_t>(r) * chunk_bytes_;
 }
@@ -218,6 +234,7 @@ void HostSegment::wait(int process, uint32_t seen, int64_t ns) {
 }
 
 void HostSegment::note_mapped(int process) {
+  header_->pid_namespace[process].store(pid_namespace());
   header_->pid[process].store(static_cast<int32_t>(::getpid()));
   header_->mapped.fetch_add(1);
 }
@@ -225,30 +242,33 @@ void HostSegment::note_mapped(int process) {
 int HostSegment::mapped() const { return header_->mapped.load(); }
 
 int HostSegment::pid_of(int q) const {
-  return q >= 0 && q < header_->processes ? header_->pid[q].load() : 0;
+  return q >= 0 && q < processes_ ? header_->pid[q].load() : 0;
 }
 
 bool HostSegment::exited(int q) {
-  if (q < 0 || q >= header_->processes) return false;
+  if (q < 0 || q >= processes_) return false;
   int& fd = pidfds_[q];
   if (fd == kPidUnopened) {
     const int pid = pid_of(q);
     if (pid <= 0) return false;  // not mapped yet
-    fd = pidfd_open(pid);
-    if (fd < 0) {
-      // ENOSYS: an old kernel (watch by kill); ESRCH: no such process here,
-      // which may be another pid namespace: never blamed on the pid.
-      fd = errno == ENOSYS && ::kill(pid, 0) == 0 ? kPidByKill : kPidUnwatchable;
+    pids_[q] = pid;
+    if (header_->pid_namespace[q].load() != pid_namespace()) {
+      fd = kPidUnwatchable;  // its pid names another process here, or none
+    } else {
+      fd = pidfd_open(pid);
+      // ENOSYS: an old kernel (watch by kill); ESRCH: gone before set-up
+      // ended, which the deadline catches.
+      if (fd < 0) fd = errno == ENOSYS && ::kill(pid, 0) == 0 ? kPidByKill : kPidUnwatchable;
     }
   }
   if (fd == kPidUnwatchable) return false;
-  if (fd == kPidByKill) return ::kill(pid_of(q), 0) != 0 && errno == ESRCH;
+  if (fd == kPidByKill) return ::kill(pids_[q], 0) != 0 && errno == ESRCH;
   pollfd p{fd, POLLIN, 0};
   return ::poll(&p, 1, 0) > 0;
 }
 
 void HostSegment::watch_peers(int me) {
-  for (int q = 0; q < header_->processes; ++q) {
+  for (int q = 0; q < processes_; ++q) {
     if (q != me) (void)exited(q);
   }
 }

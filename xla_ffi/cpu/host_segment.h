@@ -45,30 +45,45 @@ constexpr int64_t kHostSegmentBudget = int64_t{48} << 20;
 constexpr int64_t kHostMaxChunkBytes = int64_t{1} << 20;
 constexpr int64_t kHostMinChunkBytes = int64_t{64} << 10;
 
-// The state of one entry (an operation holding a part of the segment).
-enum HostEntryState : uint32_t { kEntryFree = 0, kEntryClaiming = 1, kEntryActive = 2 };
+// An entry's state word: which claim of the entry it is and how far its
+// operation is. It changes only by compare-and-swap, so a rank that read
+// the entry's fields joins only if the word did not change meanwhile: the
+// fields it read are those of the operation it joins. Bits 0-1: the kind;
+// 2-9: ranks that joined; 10-17: ranks that left; 32-63: the generation,
+// one more at every claim.
+namespace entry_state {
+enum Kind : uint64_t { kFree = 0, kClaiming = 1, kActive = 2 };
+inline uint64_t kind(uint64_t s) { return s & 3; }
+inline int joined(uint64_t s) { return static_cast<int>((s >> 2) & 0xff); }
+inline int departed(uint64_t s) { return static_cast<int>((s >> 10) & 0xff); }
+inline uint64_t generation(uint64_t s) { return s >> 32; }
+inline uint64_t make(uint64_t generation, uint64_t kind, int joined, int departed) {
+  return generation << 32 | static_cast<uint64_t>(departed & 0xff) << 10 |
+         static_cast<uint64_t>(joined & 0xff) << 2 | kind;
+}
+}  // namespace entry_state
 
+// One operation's part of the segment. The fields below the state word
+// are written by the claimer before it publishes the entry Active, and
+// stay until the next claim; they are atomics only so that a reader racing
+// a claim reads some value (which its compare-and-swap then discards).
 struct HostEntry {
-  std::atomic<uint32_t> state;
-  uint32_t pad0;
+  std::atomic<uint64_t> state;
   // The operation's identity and what its ranks must agree on.
-  int64_t run_id, op_id, group;
-  int32_t elem_type, reduce_op, world, pad1;
-  int64_t count;
+  std::atomic<int64_t> run_id, op_id, group, count;
   // The call site (OpDesc::slot_id), to tell a peer in another program.
-  int64_t slot_id;
+  std::atomic<int64_t> slot_id;
+  std::atomic<int32_t> elem_type, reduce_op, world;
   // The processes whose ranks joined, one bit each.
-  std::atomic<uint64_t> joined;
+  std::atomic<uint64_t> joined_processes;
   // Arrivals at the operation's barriers, over all ranks: barrier b is
   // passed once it reached world * (b + 1).
   alignas(64) std::atomic<int64_t> arrivals;
-  // Ranks that left the operation (finished or failed); the last one frees
-  // the entry.
-  std::atomic<int32_t> departures;
-  // 0, or 1 + the process that failed the operation for every rank, with
-  // its tagged message (NUL-terminated, read bounded).
+  // 0; -1 while a process writes its failure; else 1 + the process that
+  // failed the operation for every rank, with its tagged message
+  // (NUL-terminated, read bounded).
   std::atomic<int32_t> failed_by;
-  char error[432];
+  char error[436];
 };
 
 class HostSegment {
@@ -94,8 +109,10 @@ class HostSegment {
   // Removes the name (creator; idempotent). The mappings stay valid.
   void unlink();
 
-  int processes() const;
-  int ranks() const;
+  // Read from the header once, when it was checked: a peer that rewrites
+  // the header later changes nothing this process computes.
+  int processes() const { return processes_; }
+  int ranks() const { return ranks_; }
   int64_t chunk_bytes() const { return chunk_bytes_; }
   HostEntry& entry(int e);
   // Entry e's slot for rank r (r == ranks(): the result).
@@ -109,8 +126,10 @@ class HostSegment {
   void wait(int process, uint32_t seen, int64_t ns);
 
   // Whether process q has exited: checked on its pid (a pidfd where the
-  // kernel has them), which it wrote here when it mapped the segment.
-  // Processes not yet known count as alive. One thread only (the worker).
+  // kernel has them), which it wrote here when it mapped the segment with
+  // the id of its pid namespace. Processes not yet known, and those in
+  // another pid namespace (whose pids mean nothing here), count as alive.
+  // One thread only (the worker).
   bool exited(int q);
   int pid_of(int q) const;
   // Records this process's pid, counted in mapped().
@@ -123,15 +142,19 @@ class HostSegment {
   struct Header;
 
  private:
-  HostSegment(std::string name, void* base, size_t bytes, bool owner);
+  HostSegment(std::string name, void* base, size_t bytes, bool owner, int processes,
+              int ranks, int64_t chunk_bytes);
 
   const std::string name_;
   void* const base_;
   const size_t bytes_;
   bool named_;
   Header* header_;
-  int64_t chunk_bytes_ = 0;
+  const int processes_;
+  const int ranks_;
+  const int64_t chunk_bytes_;
   std::vector<int> pidfds_;  // per process; -1: none (yet)
+  std::vector<int> pids_;    // per process, as read when its pidfd was opened
 };
 
 // The name prefix of a job's host segments ("/jaxring-<job id hex>-host-").
