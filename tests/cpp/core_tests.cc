@@ -22,6 +22,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <future>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -36,6 +37,8 @@
 
 #include "cpu/buffer_pool.h"
 #include "cpu/gang_start.h"
+#include "cpu/host_direct.h"
+#include "cpu/host_segment.h"
 #include "cpu/inprocess_plan_host.h"
 #include "cpu/link_pacing.h"
 #include "cpu/inprocess_transport.h"
@@ -535,6 +538,120 @@ void run_tcp_test() {
   }
 }
 
+// One rank of a direct allreduce across processes over the host segment:
+// waits for its completion (at most 60 s) and returns its error, or "".
+std::string host_direct_sum(int me, int64_t op_id, const std::vector<float>& in,
+                            std::vector<float>* out, double timeout_s) {
+  jaxring::OpDesc d;
+  d.type = jaxring::ElemType::kF32;
+  d.count = static_cast<int64_t>(in.size());
+  d.world_size = 2;
+  d.algorithm = jaxring::Algorithm::kDirect;
+  d.slot_id = op_id;
+  auto done = std::make_shared<std::promise<std::string>>();
+  std::future<std::string> result = done->get_future();
+  jaxring::host_direct_allreduce(jaxring::OpKey{1, op_id, 0}, d, me, {0, 1}, in.data(),
+                                 out->data(), timeout_s,
+                                 [done](const std::optional<std::string>& e) {
+                                   done->set_value(e ? *e : "");
+                                 });
+  if (result.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    return "no completion within 60 s";
+  }
+  return result.get();
+}
+
+// Process `me` of two, in the host segment `shared` (process 0's, inherited
+// through fork; process 1 maps it by name, as a peer does). Returns its
+// failures.
+int host_direct_process(int me, std::unique_ptr<jaxring::HostSegment> shared,
+                        const std::string& job) {
+  std::string error;
+  std::unique_ptr<jaxring::HostSegment> seg =
+      me == 0 ? std::move(shared) : jaxring::HostSegment::open(shared->name(), job, 1, &error);
+  if (me == 1) (void)shared.release();  // process 0's object: not this one's to unmap
+  CHECK(seg != nullptr);
+  if (!seg) return failures;
+  while (seg->mapped() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (me == 0) seg->unlink();
+  seg->watch_peers(me);
+  // The header, to rewrite it as a broken peer would (its sizes sit at
+  // bytes 20 and 24, before the entries at 8 KiB).
+  char* header = reinterpret_cast<char*>(&seg->entry(0)) - 8192;
+  jaxring::set_host_segment(std::move(seg), me, "");
+  auto pattern = [](int64_t i) { return static_cast<float>(i % 7 + 1); };
+  auto check_sum = [&](int64_t op_id, int64_t count) {
+    std::vector<float> in(count), out(count, -1.0f);
+    for (int64_t i = 0; i < count; ++i) in[i] = (me + 1) * pattern(i);
+    const std::string e = host_direct_sum(me, op_id, in, &out, 30.0);
+    CHECK(e.empty());
+    for (int64_t i = 0; i < count; ++i) {
+      if (out[i] != 3 * pattern(i)) {
+        CHECK(out[i] == 3 * pattern(i));
+        break;
+      }
+    }
+  };
+  // Empty, short, and more than one 1 MiB chunk.
+  for (int64_t count : {0, 1, 1000, 300001}) check_sum(10 + count % 97, count);
+  // 12 operations in flight at once over 8 entries, started in opposite
+  // orders: those that share an entry take turns, none waits for ever.
+  {
+    std::vector<std::thread> ops;
+    for (int k = 0; k < 12; ++k) {
+      const int64_t op = me == 0 ? 100 + k : 111 - k;
+      ops.emplace_back([&, op] { check_sum(op, 5000 + op); });
+    }
+    for (auto& t : ops) t.join();
+  }
+  // Ranks that disagree on the count fail, both, saying so.
+  {
+    std::vector<float> in(me == 0 ? 100 : 200, 1.0f), out(in.size());
+    const std::string e = host_direct_sum(me, 300, in, &out, 30.0);
+    CHECK(e.find("kind=mismatch") != std::string::npos);
+    CHECK(e.find("100 x float32") != std::string::npos &&
+          e.find("200 x float32") != std::string::npos);
+  }
+  // A peer that rewrites the segment's sizes changes nothing here.
+  if (me == 1) {
+    reinterpret_cast<std::atomic<int32_t>*>(header + 20)->store(1 << 20);
+    reinterpret_cast<std::atomic<int32_t>*>(header + 24)->store(1 << 20);
+  }
+  check_sum(400, 300001);
+  // A peer that exits is named, long before the timeout.
+  if (me == 1) return failures;
+  std::vector<float> in(1000, 1.0f), out(1000);
+  const auto start = std::chrono::steady_clock::now();
+  const std::string e = host_direct_sum(me, 500, in, &out, 20.0);
+  CHECK(e.find("kind=peer_lost peer=1") != std::string::npos);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+  CHECK(jaxring::host_direct_pending() == 0);
+  return failures;
+}
+
+// Two forked processes of a direct allreduce over one host segment. Like
+// run_tcp_test, it runs while this process has no threads yet.
+void run_host_direct_test() {
+  const std::string job = "core-tests-host-direct";
+  std::string error;
+  auto seg = jaxring::HostSegment::create(job, 0, 2, 2, &error);
+  CHECK(seg != nullptr);
+  if (!seg) return;
+  pid_t pids[2];
+  for (int me = 0; me < 2; ++me) {
+    pids[me] = fork();
+    if (pids[me] == 0) {
+      std::fflush(stdout);
+      _exit(host_direct_process(me, std::move(seg), job));
+    }
+  }
+  for (int me = 0; me < 2; ++me) {
+    int status = 0;
+    CHECK(waitpid(pids[me], &status, 0) == pids[me]);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+}
+
 }  // namespace
 
 // One float allreduce among p ranks started from their own threads; returns
@@ -959,7 +1076,9 @@ void run_shm_ring_tests() {
 }
 
 int main() {
-  run_tcp_test();  // first: forking is only safe before any thread exists
+  // First: forking is only safe before any thread exists.
+  run_host_direct_test();
+  run_tcp_test();
   run_shm_ring_tests();
 
   for (int p = 1; p <= 9; ++p)
