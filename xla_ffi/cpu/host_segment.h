@@ -13,8 +13,9 @@
 //    may start in different orders on different processes): an operation
 //    takes the entry its op id hashes to, tagged with its identity, and
 //    holds it until every rank has left; another operation that hashes
-//    there waits for it. Nothing blocks a process's worker, so no order of
-//    arrival deadlocks.
+//    there waits for it. An entry changes hands only by compare-and-swap
+//    on its state word (entry_state below). Nothing blocks a process's
+//    worker, so no order of arrival deadlocks.
 //  * Made like the links' segments: created O_EXCL with owner-only
 //    permissions under a name with the job id and 128 random bits, every
 //    page reserved up front (a full /dev/shm refuses the segment instead of
@@ -22,9 +23,10 @@
 //    process of the host has mapped it (or failed to), so nothing of the job
 //    stays in /dev/shm whatever happens after set-up.
 //  * Every process of the job reads what the others write here; indices and
-//    sizes come from the local plan only, and the text of a peer's error is
-//    read bounded, so a broken peer can corrupt a result (as over any link)
-//    but never make this process read or write outside the segment.
+//    sizes come from the local plan and from the header as it was when this
+//    process checked it (never read again), and the text of a peer's error
+//    is read bounded, so a broken peer can corrupt a result (as over any
+//    link) but never make this process read or write outside the segment.
 #pragma once
 
 #include <atomic>
