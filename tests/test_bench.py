@@ -24,8 +24,9 @@ def test_bench_prints_the_table_and_writes_the_plot(tmp_path):
 def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path):
     """benchmarks/tcp_allreduce.py on two small sizes: the shared-memory,
     TCP and in-process jobs each give a row per size (with --exchange, the
-    exchange algorithm's too), and the table names the launcher options it
-    passed on."""
+    exchange algorithm's too; the shared-memory job, direct over the host
+    segment too), and the table names the launcher options it passed
+    on."""
     import pathlib
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tcp_allreduce.py"
     res = subprocess.run(
@@ -39,10 +40,12 @@ def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path)
     assert head.endswith("; jaxring.launch --cpu-bind cores --keep-freed-memory"), head
     assert "shm/gloo" in res.stdout and "shm/direct" in res.stdout, res.stdout
     assert "shm exch/ring" in res.stdout and "tcp exch/ring" in res.stdout, res.stdout
+    assert "xdir/shm" in res.stdout and "xdir/direct" in res.stdout, res.stdout
     rows = [l.split("|") for l in lines if l.strip().endswith("x") and "|" in l]
     assert [r[0].split() for r in rows] == [["4", "KiB"], ["16", "KiB"]], res.stdout
-    for r in rows:  # shm, tcp, gloo, gloo (tcp job), direct, ring and exchange x2
-        assert len(r[1].split()) == 9 and all(float(v) > 0 for v in r[1].split()), r
+    for r in rows:  # shm, tcp, gloo, gloo (tcp job), direct, shm direct, ring and
+        # exchange x2
+        assert len(r[1].split()) == 10 and all(float(v) > 0 for v in r[1].split()), r
 
 
 @pytest.mark.slow  # the script's table: on the newest jax only

@@ -5,6 +5,7 @@ Sanitizer and with ThreadSanitizer, and runs it: each virtual device is a
 thread, as in XLA, and the TCP transport runs between two forked processes.
 """
 
+import os
 import pathlib
 import shutil
 import subprocess
@@ -27,8 +28,9 @@ def test_core_under_sanitizer(tmp_path, sanitizer):
                     "-DJAXRING_BUILD_PYTHON=OFF", "-DJAXRING_BUILD_CORE_TESTS=ON",
                     f"-DJAXRING_SANITIZE={sanitizer}", "-DCMAKE_BUILD_TYPE=RelWithDebInfo"],
                    check=True, capture_output=True, text=True)
-    subprocess.run([cmake, "--build", str(tmp_path)], check=True,
-                   capture_output=True, text=True)
+    # Every core: a sanitizer build of the whole core is most of this test.
+    subprocess.run([cmake, "--build", str(tmp_path), "--parallel", str(os.cpu_count() or 1)],
+                   check=True, capture_output=True, text=True)
     res = subprocess.run([str(tmp_path / "jaxring_core_tests")], capture_output=True,
                          text=True, timeout=600,
                          env={"ASAN_OPTIONS": "detect_leaks=1",
