@@ -17,8 +17,8 @@ arrays, in alternating rounds, and checks that they agree before timing;
 Gloo, timed in both jobs, is the reference that ties them together. The
 auto job also times `algorithm="direct"` over the host segment ("shm
 direct", where the job has one: every process on this host), and the
-tables give it against the job's default (xdir/shm), Gloo and the
-in-process direct job (xdir/direct). A last
+tables give it against the ring over shared memory (xdir/ring), Gloo and
+the in-process direct job (xdir/direct). A last
 job runs the same sizes in one process with as many virtual devices,
 `algorithm="direct"`: each byte is read and written once, in memory, which
 no link between processes can beat (the physical bound). Process 0 reports
@@ -29,13 +29,16 @@ against size.
 busbw = bytes * 2(n-1)/n / time: the rate each link must sustain for a ring
 allreduce to take that long, comparable with the link's own rate.
 
-jaxring runs with its defaults (across processes, algorithm "auto": the
-ring, or the exchange up to JAXRING_EXCHANGE_MAX_BYTES where set). With
---exchange, the jobs across processes also time
-`algorithm="ring"` and `algorithm="exchange"` (recursive doubling: fewer
-steps, each of the whole buffer) in the same rounds, and the tables give
-one against the other on each transport (busbw is then the same bytes over
-each one's time, so the ratio is one of times).
+jaxring runs with its defaults (across processes, algorithm "auto": on one
+host over shared memory, direct where the processes form one tier, up to
+16 MiB with 2 processes; the ring otherwise, or the exchange up to
+JAXRING_EXCHANGE_MAX_BYTES where set). The auto job also times
+`algorithm="ring"` ("shm ring"). With --exchange, the jobs across
+processes also time `algorithm="ring"` and `algorithm="exchange"`
+(recursive doubling: fewer steps, each of the whole buffer) in the same
+rounds, and the tables give one against the other on each transport
+(busbw is then the same bytes over each one's time, so the ratio is one of
+times).
 
 With --netns-rate (as root), each job runs on a network of namespaces built
 by benchmarks/netns.py instead of loopback: one namespace and address per
@@ -118,15 +121,17 @@ def worker(args) -> None:
                "gloo": program(jax.lax.psum)}
     else:
         fns = {"jaxring": program(jaxring.allreduce), "gloo": program(jax.lax.psum)}
+        names = ("ring", "exchange") if args.exchange else ()
         if os.environ.get("JAXRING_TRANSPORT") == "auto":
             # The direct algorithm over the host segment, where the job has
-            # one (every process on this host, /dev/shm large enough).
+            # one (every process on this host, /dev/shm large enough), and
+            # the ring over shared-memory links beside it.
             fns["host_direct"] = program(
                 lambda v, a: jaxring.allreduce(v, a, algorithm="direct"))
-        if args.exchange:
-            for name in ("ring", "exchange"):
-                fns[name] = program(
-                    lambda v, a, name=name: jaxring.allreduce(v, a, algorithm=name))
+            names = ("ring", "exchange") if args.exchange else ("ring",)
+        for name in names:
+            fns[name] = program(
+                lambda v, a, name=name: jaxring.allreduce(v, a, algorithm=name))
     rows = []
     size = args.min_bytes
     while size <= args.max_bytes:
@@ -193,7 +198,7 @@ def table(jobs: dict[str, list[dict]], n: int, launcher: str = "") -> str:
     if "auto" in jobs and "direct" in jobs:
         ratios.append(("shm/direct", ("auto", "jaxring"), ("direct", "jaxring")))
     if ("shm direct", "auto", "host_direct") in cols:
-        ratios.append(("xdir/shm", ("auto", "host_direct"), ("auto", "jaxring")))
+        ratios.append(("xdir/ring", ("auto", "host_direct"), ("auto", "ring")))
         ratios.append(("xdir/gloo", ("auto", "host_direct"), ("auto", "gloo")))
         if "direct" in jobs:
             ratios.append(("xdir/direct", ("auto", "host_direct"), ("direct", "jaxring")))

@@ -7,7 +7,8 @@ Usage:
     python -m jaxring.launch -n 4 -m jaxring.tune [--quick] ...
 
 It times jaxring.allreduce for every candidate (ring counts x chunk sizes,
-the direct algorithm in one process, the exchange across processes) at
+the direct algorithm in one process and across the processes of one host,
+the exchange across processes) at
 every size, fits the model's parameters to those times
 (jaxring/_src/tuning.py), and prints, per size,
 the model's predicted time next to the measured one for every candidate,
@@ -240,7 +241,8 @@ def main(argv=None) -> int:
                          "needs at least 2")
     dims = job_tiers(devices) if processes > 1 else ()
     choices = tuning.candidates(world, in_one_process=processes == 1,
-                                quick=args.quick, tiered=bool(dims))
+                                quick=args.quick, tiered=bool(dims),
+                                host_direct=processes > 1 and _has_host_segment())
     measured = measure(devices, sizes, choices, args.rounds, args.min_time)
     table_key = tuning.key(jax.default_backend(), world, processes)
     me = jax.process_index()
@@ -263,6 +265,16 @@ def main(argv=None) -> int:
         print(f"# table for {table_key} written to {path}"
               + (" (by one process on each host)" if processes > 1 else ""))
     return 0
+
+
+def _has_host_segment() -> bool:
+    """Whether direct can run across this job's processes: the transport's
+    set-up (done here, before any allreduce) decides it alike in every
+    process."""
+    from jaxring._src import distributed, host_segment
+    from jaxring._src.config import config
+    distributed.ensure_tcp_transport(config.timeout_s)
+    return host_segment.unavailable() is None
 
 
 def _writes_for_host(me: int) -> bool:

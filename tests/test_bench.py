@@ -40,7 +40,7 @@ def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path)
     assert head.endswith("; jaxring.launch --cpu-bind cores --keep-freed-memory"), head
     assert "shm/gloo" in res.stdout and "shm/direct" in res.stdout, res.stdout
     assert "shm exch/ring" in res.stdout and "tcp exch/ring" in res.stdout, res.stdout
-    assert "xdir/shm" in res.stdout and "xdir/direct" in res.stdout, res.stdout
+    assert "xdir/ring" in res.stdout and "xdir/direct" in res.stdout, res.stdout
     rows = [l.split("|") for l in lines if l.strip().endswith("x") and "|" in l]
     assert [r[0].split() for r in rows] == [["4", "KiB"], ["16", "KiB"]], res.stdout
     for r in rows:  # shm, tcp, gloo, gloo (tcp job), direct, shm direct, ring and

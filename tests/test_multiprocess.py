@@ -58,7 +58,11 @@ newest_jax_only = pytest.mark.slow
 
 # (processes, devices per process, seed, topology setting, tiers lowered)
 ACROSS_PROCESSES = [
+    # One device per process on one host: auto runs direct over the host
+    # segment (and the exchange where exchange_max_bytes asks for it).
     pytest.param(2, 1, 0, "auto", "flat", id="2-processes"),
+    # The flat ring across processes, as auto runs it beyond one host.
+    pytest.param(2, 1, 11, "ring", "flat", id="2-processes-ring"),
     pytest.param(4, 1, 1, "auto", "flat", id="4-processes", marks=newest_jax_only),
     # One device per process: the flat ring is the only tier auto finds.
     pytest.param(2, 2, 2, "flat", "flat", id="2x2-flat", marks=newest_jax_only),
@@ -97,10 +101,15 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
         lowered = [l for l in lines if l.startswith("TOPOLOGY")]
         # The custom call carries the tiers the plan runs (none: flat).
         assert lowered == [f"TOPOLOGY {tiers}"], lowered
-        # A 4 MiB allreduce runs the ring plan, unless exchange is asked for;
-        # a 64-byte one runs exchange where the topology is left to "auto"
-        # (and exchange_max_bytes allows it, as here).
-        algorithm = "exchange" if topology == "exchange" else "ring"
+        # A 4 MiB allreduce runs the algorithm asked for; under "auto",
+        # direct over the host segment where the processes form one tier
+        # (one device each), else the ring plan. A 64-byte one runs
+        # exchange where the algorithm and topology are left to "auto" (and
+        # exchange_max_bytes asks for it, as here).
+        if topology in ("ring", "exchange"):
+            algorithm = topology
+        else:
+            algorithm = "direct" if topology == "auto" and tiers == "flat" else "ring"
         assert f"ALGORITHM {algorithm}" in lines, lines[-5:]
         small = "exchange" if topology in ("auto", "exchange") else "ring"
         assert f"SMALL_ALGORITHM {small}" in lines, lines[-5:]
@@ -540,11 +549,11 @@ def jaxring_segments() -> set[str]:
         return set()
 
 
-@pytest.mark.parametrize("algorithm", ["auto", pytest.param("direct", marks=newest_jax_only)])
+@pytest.mark.parametrize("algorithm", ["ring", pytest.param("direct", marks=newest_jax_only)])
 def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm(algorithm):
     """Three processes on this host exchange 16 MiB allreduces through
-    shared memory: rings between pairs of processes ("auto"), or the host
-    segment ("direct"). While they run, /dev/shm holds no segment of the
+    shared memory: rings between pairs of processes ("ring"), or the host
+    segment ("direct", which "auto" takes here). While they run, /dev/shm holds no segment of the
     job (each is unlinked once its peers mapped it); a process killed
     mid-operation makes both survivors raise PeerLostError naming it, well
     before the 30 s timeout (its sockets close; its pid ends), and
@@ -602,8 +611,10 @@ def test_a_dev_shm_too_small_falls_back_to_tcp_saying_so_once():
 @newest_jax_only
 def test_processes_in_network_namespaces_share_memory_unless_told_apart():
     """Two processes in two network namespaces of one machine (they share
-    /dev/shm) exchange through shared memory; with a JAXRING_HOST_ID per
-    namespace, as the benchmarks' emulated hosts set, they use TCP."""
+    /dev/shm) exchange through shared memory: the ring's links and the host
+    segment of direct; with a JAXRING_HOST_ID per namespace, as the
+    benchmarks' emulated hosts set, they use TCP and have no host
+    segment."""
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     import netns
     with netns.Network(2, None) as net:
@@ -615,13 +626,15 @@ def test_processes_in_network_namespaces_share_memory_unless_told_apart():
                      "--devices-per-process", "1",
                      "--coordinator", f"{net.address(0)}:{launch._free_port()}",
                      "--prefix-command", prefix,
-                     str(SCRIPTS / "allreduce_check.py"), "0", "6"],
+                     str(SCRIPTS / "allreduce_check.py"), "0", "6", "ring"],
                     capture_output=True, text=True, timeout=240, cwd=cwd)
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
             for rank, lines in lines_by_rank(r.stdout).items():
                 assert "DONE" in lines, lines[-5:]
                 links = int(next(l for l in lines if l.startswith("SHM_LINKS")).split()[1])
                 assert (links > 0) == shared, (prefix, rank, links)
+                direct = next(l for l in lines if l.startswith("HOST_DIRECT")).split()[1]
+                assert direct == str(shared), (prefix, rank, direct)
 
 
 def test_jaxring_transport_tcp_keeps_processes_on_sockets():

@@ -495,20 +495,24 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
                       nbytes: int | None = None, topology: Any = "auto",
                       world: int = 0, rings: int = 1, chunk_bytes: int = 1 << 20) -> str:
     """"ring", "direct" or "exchange" for an operation, from the setting and
-    where its ranks run. "auto" takes direct only where it applies: every
-    rank in this process (direct reads its peers' memory), no emulated link
-    (which models the transfers of a plan, and direct has none) and no
-    tiered plan (a plan of rings). Across processes, and under an emulated
-    link, it takes exchange for an operand of nbytes up to
-    config.exchange_max_bytes, where the topology setting is "auto" (a
-    tuple or "flat" asks for the ring plan). Under one emulated link (not
-    tiers) whose exchange_max_bytes was left unset, also where the cost
-    model of that link predicts the exchange faster than the ring for the
-    world's ranks, up to MODELLED_EXCHANGE_MAX_BYTES: the link is known
-    exactly there, as a tuning table knows a measured one."""
+    where its ranks run. "auto" takes direct where it applies: no emulated
+    link (which models the transfers of a plan, and direct has none), no
+    tiered plan (a plan of rings), and every rank in this process (direct
+    reads its peers' memory) or in processes of this host that share the
+    host segment (_direct_across_processes_wins says where). Elsewhere
+    across processes, and under an emulated link, it takes exchange for an
+    operand of nbytes up to config.exchange_max_bytes, where the topology
+    setting is "auto" (a tuple or "flat" asks for the ring plan). Under one
+    emulated link (not tiers) whose exchange_max_bytes was left unset, also
+    where the cost model of that link predicts the exchange faster than the
+    ring for the world's ranks, up to MODELLED_EXCHANGE_MAX_BYTES: the link
+    is known exactly there, as a tuning table knows a measured one."""
     across = distributed.spans_processes(rank_process)
     emulated = bool(link)
     if algorithm == "auto":
+        if (across and not emulated and not tiered and nbytes is not None
+                and _direct_across_processes_wins(world, nbytes)):
+            return "direct"
         if (across or emulated) and topology == "auto" and nbytes is not None:
             limit = config.exchange_max_bytes  # 0: never
             if 0 < limit and nbytes <= limit:
@@ -543,6 +547,30 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
             "emulate; use algorithm='ring' or 'auto' with cpu_link, or unset "
             "cpu_link.")
     return algorithm
+
+
+# Above this many bytes, an allreduce of two ranks in two processes of one
+# host takes the ring rather than direct. Two ranks are where direct's copy
+# into the host segment and out of it weighs most against the ring's one
+# hop each way: with 4 processes direct measured 1.23-2.8x the ring at
+# every size from 1 KiB to 64 MiB; with 2, 1.04-1.65x up to 16 MiB but
+# 0.87-0.96x at 64 MiB (benchmarks/tcp_allreduce.py --exchange).
+DIRECT_TWO_PROCESSES_MAX_BYTES = 16 << 20
+
+
+def _direct_across_processes_wins(world: int, nbytes: int) -> bool:
+    """Whether "auto" runs direct over the host segment for an allreduce of
+    nbytes whose ranks are in several processes, one tier of them: where
+    the job has the segment (every process on this host, /dev/shm large
+    enough, JAXRING_TRANSPORT not tcp), and the exchange was not asked for
+    at this size by an explicit exchange_max_bytes. It beat the exchange
+    over the same shared memory at every size measured (1 KiB up)."""
+    if host_segment.unavailable() is not None:
+        return False
+    if (config.is_explicit("exchange_max_bytes")
+            and nbytes <= config.exchange_max_bytes):
+        return False
+    return world > 2 or nbytes <= DIRECT_TWO_PROCESSES_MAX_BYTES
 
 
 # The largest buffer for which the model may choose the exchange. It counts
@@ -957,8 +985,10 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
         in processes of one host, over shared memory they all map),
         ``"exchange"`` (recursive doubling: fewer, larger steps, for small
         buffers; CPU) or ``"auto"`` (default ``jaxring.config.algorithm``,
-        itself ``"auto"``: direct in one process without ``cpu_link``;
-        otherwise the exchange for small buffers, the ring for the rest; see
+        itself ``"auto"``: direct in one process without ``cpu_link``, and
+        across the processes of one host, one device each, over shared
+        memory (two processes: up to 16 MiB); otherwise the exchange for
+        small buffers, the ring for the rest; see
         ``jaxring.config.exchange_max_bytes``).
       topology: the ring plan's tiers across processes, tightest first, e.g.
         ``(4, 2)`` for 4 devices in each of 2 processes; ``"flat"`` for one
@@ -1075,8 +1105,8 @@ def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
     if "chunk_bytes" in tunable:
         chunk_bytes = choice.chunk_bytes
     if "algorithm" in tunable:
-        # "auto" still takes the ring where direct does not apply (a ring
-        # across processes, link emulation).
+        # "auto" still takes the ring where direct does not apply (link
+        # emulation, a tiered plan, processes on several hosts).
         algorithm = "auto" if choice.algorithm == "direct" else choice.algorithm
         if algorithm == "exchange" and "topology" not in tunable:
             # A topology the caller set asks for the ring plan, as it does

@@ -15,7 +15,8 @@ is (algorithm, rings, chunk_bytes, topology). Its predicted time is
   buffer instead of 2(n-1) of a slice, so it wins where the steps' latency
   outweighs the bytes. Measured across processes only (in one process
   direct takes the small sizes), for world sizes with a factor 2;
-* direct: ``direct_call_s + nbytes * direct_s_per_byte``.
+* direct: ``direct_call_s + nbytes * direct_s_per_byte``, in one process
+  and across the processes of one host that share the host segment.
 
 In one process there is one tier, with ``alpha_s`` and ``beta_s_per_byte``.
 Across processes whose ranks form several tiers, ``tiers`` holds each one's
@@ -79,17 +80,18 @@ class Params:
 
 
 def candidates(world: int, in_one_process: bool, quick: bool = False,
-               tiered: bool = False) -> list[Choice]:
+               tiered: bool = False, host_direct: bool = False) -> list[Choice]:
     """The choices the tuner measures: ring counts x chunk sizes (each as a
-    flat ring and, with ``tiered``, as the tiered plan), and the direct
-    algorithm where every rank is in this process, the exchange where they
-    are not (and the world size has a factor 2: otherwise the exchange is
-    the ring)."""
+    flat ring and, with ``tiered``, as the tiered plan), the direct
+    algorithm where every rank is in this process or, with
+    ``host_direct``, the processes share the host segment, and the exchange
+    where the ranks span processes (and the world size has a factor 2:
+    otherwise the exchange is the ring)."""
     rings = (1, 2) if quick else (1, 2, 4)
     chunks = (256 << 10, 1 << 20) if quick else (64 << 10, 256 << 10, 1 << 20, 4 << 20)
     plans = ("flat", "auto") if tiered else ("flat",)
     out = [Choice("ring", r, c, t) for t, r, c in itertools.product(plans, rings, chunks)]
-    if in_one_process and world > 1:
+    if (in_one_process or host_direct) and world > 1:
         out.append(Choice("direct", 2, 1 << 20))
     if not in_one_process and world % 2 == 0:
         # One ring: its buffers are small where it wins, and more rings

@@ -7,8 +7,8 @@ dtype and op at random sizes. Checks that every local rank got the same
 bits and prints one CHECK line per case with a digest of them, so the test
 can compare bits across processes, and across runs that split the ranks
 between processes differently, then DONE. An optional third argument is the topology setting
-("auto", "flat" or "2x2"), or "exchange" or "direct" for that algorithm
-(topology "auto"); the TOPOLOGY and ALGORITHM lines say which tiers and algorithm
+("auto", "flat" or "2x2"), or "ring", "exchange" or "direct" for that
+algorithm (topology "auto"); the TOPOLOGY and ALGORITHM lines say which tiers and algorithm
 the lowered custom call of a 4 MiB allreduce carries, SMALL_ALGORITHM
 which algorithm a 64-byte one runs.
 """
@@ -50,7 +50,7 @@ def reference(x, op):
 def main():
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     cases = int(sys.argv[2]) if len(sys.argv) > 2 else 24
-    if len(sys.argv) > 3 and sys.argv[3] in ("exchange", "direct"):
+    if len(sys.argv) > 3 and sys.argv[3] in ("ring", "exchange", "direct"):
         jaxring.config.update("algorithm", sys.argv[3])
     elif len(sys.argv) > 3:
         t = sys.argv[3]

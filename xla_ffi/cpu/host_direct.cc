@@ -202,16 +202,23 @@ class Worker {
     return true;
   }
 
+  // How a rank's errors begin (what the entry records goes without it:
+  // each rank that reports the failure names itself).
+  static std::string label(const Task& t) {
+    return "jaxring allreduce (direct across processes, op " + std::to_string(t.key.op_id) +
+           ", group " + std::to_string(t.key.group) + ", rank " + std::to_string(t.rank) +
+           ")";
+  }
+
   // Fails the operation for this rank and, once it holds the entry, for
   // every rank: the first failure recorded is the one every rank reports
   // (this one's, if the one being recorded cannot be read yet).
   bool fail(Task& t, FailureKind kind, int peer, const std::string& why, bool* finished) {
-    const std::string message = tagged(kind, peer, why);
-    if (t.entry >= 0 && !mark_failed(seg_->entry(t.entry), message) &&
+    if (t.entry >= 0 && !mark_failed(seg_->entry(t.entry), tagged(kind, peer, why)) &&
         seg_->entry(t.entry).failed_by.load(std::memory_order_acquire) > 0) {
       return failed_elsewhere(t, finished);
     }
-    return finish(t, message, finished);
+    return finish(t, tagged(kind, peer, label(t) + ": " + why), finished);
   }
 
   // A peer failed the operation: its error, retagged by this process from
@@ -228,8 +235,8 @@ class Worker {
     if (!parse_tag(text, &kind, &peer, &rest)) kind = FailureKind::kInternal;
     if (by < 1 || by > seg_->processes()) {
       return finish(t, tagged(FailureKind::kInternal, -1,
-                              "a peer marked this allreduce failed in a way this "
-                              "process cannot read"),
+                              label(t) + ": a peer marked it failed in a way this "
+                                         "process cannot read"),
                     finished);
     }
     if (peer < -1 || peer >= seg_->processes()) peer = -1;
@@ -239,9 +246,24 @@ class Worker {
     } else {
       peer = by - 1;
     }
-    return finish(t, tagged(kind, peer, "process " + std::to_string(by - 1) +
-                                            " failed this allreduce: " + rest),
+    return finish(t, tagged(kind, peer, label(t) + ": process " + std::to_string(by - 1) +
+                                            " failed it: " + rest),
                   finished);
+  }
+
+  // The processes of the operation that never joined its entry, as the end
+  // of a timeout's message ("" once all did, or before this rank holds it).
+  std::string absent_processes(const Task& t) {
+    if (t.entry < 0) return "";
+    const uint64_t joined =
+        seg_->entry(t.entry).joined_processes.load(std::memory_order_acquire);
+    std::string absent;
+    for (int q : t.processes) {
+      if (!(joined & (uint64_t{1} << q))) {
+        absent += (absent.empty() ? "" : ", ") + std::to_string(q);
+      }
+    }
+    return absent.empty() ? "" : "; never reached by process " + absent;
   }
 
   // Whether a wait has run out: the deadline, a peer process gone, or a
@@ -265,9 +287,8 @@ class Worker {
     }
     if (now > t.deadline) {
       return fail(t, FailureKind::kTimeout, -1,
-                  "jaxring allreduce (direct across processes, rank " +
-                      std::to_string(t.rank) + "): " + what + " for more than " +
-                      std::to_string(t.timeout_s) + " s",
+                  "timed out: " + what + " for more than " + std::to_string(t.timeout_s) +
+                      " s" + absent_processes(t),
                   finished);
     }
     return false;
@@ -326,9 +347,7 @@ class Worker {
         continue;
       }
       const int q = lowest_process(theirs);
-      *why = "jaxring allreduce (op " + std::to_string(t.key.op_id) + ", group " +
-             std::to_string(t.key.group) +
-             "): the processes run different programs: this process calls it "
+      *why = "the processes run different programs: this process calls it "
              "with " + desc_of(t.desc) + " but process " + std::to_string(q) +
              " with " + fields_desc(o) +
              ". Every process must run the same program with the same shapes, "
@@ -406,9 +425,8 @@ class Worker {
       if (!fields_agree(held, t.desc)) {
         const int peer = lowest_process(e.joined_processes.load() & ~(uint64_t{1} << me_));
         return fail(t, FailureKind::kMismatch, peer,
-                    "jaxring allreduce (op " + std::to_string(t.key.op_id) +
-                        "): the ranks of one operation disagree: this process "
-                        "calls it with " + desc_of(t.desc) + ", process " +
+                    "the ranks of one operation disagree: this process "
+                    "calls it with " + desc_of(t.desc) + ", process " +
                         std::to_string(peer) + " with " + fields_desc(held),
                     finished);
       }
