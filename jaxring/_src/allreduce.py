@@ -498,8 +498,9 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     where its ranks run. "auto" takes direct where it applies: no emulated
     link (which models the transfers of a plan, and direct has none), no
     tiered plan (a plan of rings), and every rank in this process (direct
-    reads its peers' memory) or in processes of this host that share the
-    host segment (_direct_across_processes_wins says where). Elsewhere
+    reads its peers' memory) or, with the topology setting left to "auto",
+    in processes of this host that share the host segment
+    (_direct_across_processes_wins says where). Elsewhere
     across processes, and under an emulated link, it takes exchange for an
     operand of nbytes up to config.exchange_max_bytes, where the topology
     setting is "auto" (a tuple or "flat" asks for the ring plan). Under one
@@ -510,8 +511,8 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     across = distributed.spans_processes(rank_process)
     emulated = bool(link)
     if algorithm == "auto":
-        if (across and not emulated and not tiered and nbytes is not None
-                and _direct_across_processes_wins(world, nbytes)):
+        if (across and not emulated and not tiered and topology == "auto"
+                and nbytes is not None and _direct_across_processes_wins(world, nbytes)):
             return "direct"
         if (across or emulated) and topology == "auto" and nbytes is not None:
             limit = config.exchange_max_bytes  # 0: never
@@ -1114,8 +1115,11 @@ def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
             algorithm = "ring"
     if "topology" in tunable:
         # "flat" or "auto": the table never names tiers, so it cannot ask
-        # for tiers this layout does not have.
-        topology = validate("topology", choice.topology, "jaxring tuning table")
+        # for tiers this layout does not have. Direct has no plan: "auto"
+        # lets it run across processes too (the tuner measures it there
+        # only where the ranks form one tier, as "auto" takes it).
+        topology = ("auto" if choice.algorithm == "direct" else
+                    validate("topology", choice.topology, "jaxring tuning table"))
     return rings, chunk_bytes, algorithm, topology, True
 
 
