@@ -59,7 +59,7 @@ newest_jax_only = pytest.mark.slow
 # (processes, devices per process, seed, topology setting, tiers lowered)
 ACROSS_PROCESSES = [
     # One device per process on one host: auto runs direct over the host
-    # segment (and the exchange where exchange_max_bytes asks for it).
+    # segment at every size.
     pytest.param(2, 1, 0, "auto", "flat", id="2-processes"),
     # The flat ring across processes, as auto runs it beyond one host.
     pytest.param(2, 1, 11, "ring", "flat", id="2-processes-ring"),
@@ -88,7 +88,8 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
                                                   topology, tiers):
     # 48 cases: every dtype under every op, random sizes, rings and chunks.
     # With the exchange on for small operands (off by default), "auto"
-    # mixes it with the ring in one job: cases up to 64 KiB take it.
+    # mixes it with the ring in one job: cases up to 64 KiB take it (where
+    # "auto" runs the ring plan; on one tier of processes it runs direct).
     r = run_launcher(nproc, "allreduce_check.py", seed, 48, topology,
                      devices_per_process=devices,
                      env={"JAXRING_EXCHANGE_MAX_BYTES": "65536"})
@@ -106,20 +107,26 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
         # (one device each), else the ring plan. A 64-byte one runs
         # exchange where the algorithm and topology are left to "auto" (and
         # exchange_max_bytes asks for it, as here).
+        direct = topology == "auto" and tiers == "flat"
         if topology in ("ring", "exchange"):
             algorithm = topology
         else:
-            algorithm = "direct" if topology == "auto" and tiers == "flat" else "ring"
+            algorithm = "direct" if direct else "ring"
         assert f"ALGORITHM {algorithm}" in lines, lines[-5:]
-        small = "exchange" if topology in ("auto", "exchange") else "ring"
+        small = ("direct" if direct else
+                 "exchange" if topology in ("auto", "exchange") else "ring")
         assert f"SMALL_ALGORITHM {small}" in lines, lines[-5:]
         digests[rank] = [l for l in lines if l.startswith("CHECK")]
         assert len(digests[rank]) == 48
         by_device, by_sender, _ = map(int, next(
             l for l in lines if l.startswith("DATA_FRAMES")).split()[1:])
         # Once a connection is open, the devices' threads write the frames
-        # that find it free.
-        assert by_device > 0, (by_device, by_sender)
+        # that find it free. Direct sends none: every case went through the
+        # host segment.
+        if direct:
+            assert by_device == by_sender == 0, (by_device, by_sender)
+        else:
+            assert by_device > 0, (by_device, by_sender)
     # Every rank got the same bits.
     assert all(d == digests[0] for d in digests.values())
 
@@ -195,6 +202,25 @@ def test_direct_groups_waiting_for_stragglers_are_not_another_program():
     assert sorted(by_rank) == list(range(4)), r.stdout[-3000:] + r.stderr[-3000:]
     for rank, lines in by_rank.items():
         assert lines == ["OK"], (rank, lines)
+
+
+def test_processes_with_different_transports_settle_on_one_answer_at_once():
+    """One process of three asks for TCP only (JAXRING_TRANSPORT=tcp), the
+    others for shared memory: every process is told that the host segment
+    is off because of that process, "auto" runs the ring everywhere, and
+    the first allreduce takes nothing like its 30 s timeout."""
+    r = run_launcher(3, "mixed_transport.py")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    by_rank = lines_by_rank(r.stdout)
+    assert sorted(by_rank) == [0, 1, 2], r.stdout[-3000:]
+    for rank, lines in by_rank.items():
+        said = {l.split(" ", 1)[0]: l for l in lines}
+        assert said.get("HOST_DIRECT") == (
+            "HOST_DIRECT False process 2: JAXRING_TRANSPORT=tcp keeps every byte "
+            "between processes on sockets"), (rank, lines)
+        assert said.get("ALGORITHM") == "ALGORITHM ring", (rank, lines)
+        assert float(said["TOOK"].split()[1]) < 15, (rank, lines)
+        assert "OK" in said, (rank, lines)
 
 
 def test_direct_across_processes_is_refused_where_there_is_no_host_segment():

@@ -499,8 +499,7 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     link (which models the transfers of a plan, and direct has none), no
     tiered plan (a plan of rings), and every rank in this process (direct
     reads its peers' memory) or, with the topology setting left to "auto",
-    in processes of this host that share the host segment
-    (_direct_across_processes_wins says where). Elsewhere
+    in processes of this host that share the host segment. Elsewhere
     across processes, and under an emulated link, it takes exchange for an
     operand of nbytes up to config.exchange_max_bytes, where the topology
     setting is "auto" (a tuple or "flat" asks for the ring plan). Under one
@@ -512,7 +511,13 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     emulated = bool(link)
     if algorithm == "auto":
         if (across and not emulated and not tiered and topology == "auto"
-                and nbytes is not None and _direct_across_processes_wins(world, nbytes)):
+                and host_segment.unavailable() is None):
+            # Over the host segment direct beat the ring and the exchange at
+            # every size measured with 4 processes (1 KiB to 64 MiB; with 2,
+            # up to 16 MiB, and within 11 % either way above). It takes no
+            # size into account, so processes that reach one call site with
+            # different shapes run the same algorithm, whose entries tell
+            # them apart (MismatchError) rather than wait on each other.
             return "direct"
         if (across or emulated) and topology == "auto" and nbytes is not None:
             limit = config.exchange_max_bytes  # 0: never
@@ -548,30 +553,6 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
             "emulate; use algorithm='ring' or 'auto' with cpu_link, or unset "
             "cpu_link.")
     return algorithm
-
-
-# Above this many bytes, an allreduce of two ranks in two processes of one
-# host takes the ring rather than direct. Two ranks are where direct's copy
-# into the host segment and out of it weighs most against the ring's one
-# hop each way: with 4 processes direct measured 1.23-2.8x the ring at
-# every size from 1 KiB to 64 MiB; with 2, 1.04-1.65x up to 16 MiB but
-# 0.87-0.96x at 64 MiB (benchmarks/tcp_allreduce.py --exchange).
-DIRECT_TWO_PROCESSES_MAX_BYTES = 16 << 20
-
-
-def _direct_across_processes_wins(world: int, nbytes: int) -> bool:
-    """Whether "auto" runs direct over the host segment for an allreduce of
-    nbytes whose ranks are in several processes, one tier of them: where
-    the job has the segment (every process on this host, /dev/shm large
-    enough, JAXRING_TRANSPORT not tcp), and the exchange was not asked for
-    at this size by an explicit exchange_max_bytes. It beat the exchange
-    over the same shared memory at every size measured (1 KiB up)."""
-    if host_segment.unavailable() is not None:
-        return False
-    if (config.is_explicit("exchange_max_bytes")
-            and nbytes <= config.exchange_max_bytes):
-        return False
-    return world > 2 or nbytes <= DIRECT_TWO_PROCESSES_MAX_BYTES
 
 
 # The largest buffer for which the model may choose the exchange. It counts
@@ -987,9 +968,9 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
         ``"exchange"`` (recursive doubling: fewer, larger steps, for small
         buffers; CPU) or ``"auto"`` (default ``jaxring.config.algorithm``,
         itself ``"auto"``: direct in one process without ``cpu_link``, and
-        across the processes of one host, one device each, over shared
-        memory (two processes: up to 16 MiB); otherwise the exchange for
-        small buffers, the ring for the rest; see
+        across the processes of one host over shared memory where their
+        ranks form one tier (one device per process, say); otherwise the
+        exchange for small buffers, the ring for the rest; see
         ``jaxring.config.exchange_max_bytes``).
       topology: the ring plan's tiers across processes, tightest first, e.g.
         ``(4, 2)`` for 4 devices in each of 2 processes; ``"flat"`` for one

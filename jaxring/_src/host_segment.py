@@ -6,13 +6,15 @@ Set up once, with the TCP transport, through the job's key-value store:
 process 0 creates the segment and publishes its name, every other process
 maps it and publishes whether it could, and process 0 publishes the
 decision every process follows: the segment is used only if every process
-mapped it. Every process then removes the name from its view (process 0
-from /dev/shm)."""
+mapped it (a process whose JAXRING_TRANSPORT is tcp maps nothing, so it
+turns the segment off for all). Every process then removes the name from
+its view (process 0 from /dev/shm)."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 
 _PREFIX = "jaxring/host_segment/v1/"
 _NAME_KEY = _PREFIX + "name"
@@ -23,62 +25,81 @@ _lock = threading.Lock()
 _missing: str | None = "the transport between processes is not set up yet"
 
 
+TCP_ONLY = "JAXRING_TRANSPORT=tcp keeps every byte between processes on sockets"
+
+
 def set_up(client, me: int, processes: int, ranks: int, job_id: bytes,
            one_host: bool, use_shm: bool, timeout_ms: int) -> None:
     """Makes the host segment available to this process, or records why
-    not. Every process of the job calls it, with the same one_host and
-    use_shm (both come from records every process read)."""
+    not. Every process of the job calls it, with the same one_host (it
+    comes from records every process read); use_shm is this process's own
+    JAXRING_TRANSPORT, which the processes settle between them (one with
+    tcp turns the segment off for all). Every process ends with process
+    0's decision, or raises: a process that ran direct while another ran a
+    ring would wait on it until the timeout."""
     global _missing
     from jaxring import _jaxring
-    if not use_shm:
-        why = "JAXRING_TRANSPORT=tcp keeps every byte between processes on sockets"
-    elif not one_host:
+    if not one_host:
         why = "the job's processes run on more than one host"
     else:
-        why = _attach_everywhere(client, me, processes, ranks, job_id, timeout_ms)
+        why = _agree(client, me, processes, ranks, job_id, use_shm, timeout_ms)
     _jaxring.host_segment_commit(me, why)
     with _lock:
         _missing = why or None
 
 
-def _attach_everywhere(client, me, processes, ranks, job_id, timeout_ms) -> str:
+def _agree(client, me, processes, ranks, job_id, use_shm, timeout_ms) -> str:
     """Creates (process 0) or maps the segment, then learns whether every
     process has it. Returns "" when all do, else why not."""
     from jaxring import _jaxring
-    mine = ""
+    mine = "" if use_shm else TCP_ONLY
     if me == 0:
-        try:
-            name = _jaxring.host_segment_attach(job_id, me, processes, ranks, "")
-            client.key_value_set(_NAME_KEY, json.dumps({"name": name}))
-        except RuntimeError as e:
-            mine = str(e)
-            client.key_value_set(_NAME_KEY, json.dumps({"error": mine}))
-    else:
-        try:
-            record = json.loads(client.blocking_key_value_get(_NAME_KEY, timeout_ms))
-        except Exception as e:  # the client raises its own error types
-            record = {"error": f"process 0 did not publish the host segment: {e}"}
-        if "name" in record:
+        record = {"error": mine}
+        if use_shm:
             try:
-                _jaxring.host_segment_attach(job_id, me, processes, ranks,
-                                             str(record["name"]))
+                record = {"name": _jaxring.host_segment_attach(job_id, me, processes,
+                                                               ranks, "")}
             except RuntimeError as e:
                 mine = str(e)
-        else:
-            mine = str(record.get("error", "no name"))
-    if me != 0:
-        client.key_value_set(_STATUS_KEY.format(me), mine or "ok")
+                record = {"error": mine}
+        client.key_value_set(_NAME_KEY, json.dumps(record))
+        return _decide(client, processes, mine, timeout_ms)
+    try:
+        record = json.loads(client.blocking_key_value_get(_NAME_KEY, timeout_ms))
+    except Exception as e:  # the client raises its own error types
+        record = {"error": f"process 0 did not publish the host segment: {e}"}
+    # A process with JAXRING_TRANSPORT=tcp keeps to sockets whatever
+    # process 0 offers.
+    if not mine and "name" in record:
         try:
-            decision = client.blocking_key_value_get(_DECISION_KEY, timeout_ms)
-            return "" if decision == "ok" else decision
-        except Exception as e:
-            return f"process 0 did not publish whether the host segment is used: {e}"
-    # Process 0 decides for everyone, so that no process runs direct while
-    # another refuses it (each would otherwise judge the others' answers
-    # under its own timeout).
+            _jaxring.host_segment_attach(job_id, me, processes, ranks, str(record["name"]))
+        except RuntimeError as e:
+            mine = str(e)
+    elif not mine:
+        mine = str(record.get("error", "no name"))
+    client.key_value_set(_STATUS_KEY.format(me), mine or "ok")
+    # Process 0 takes up to timeout_ms for every status; a decision that
+    # still does not come means it is gone or stuck, and this process must
+    # not guess: its guess could differ from what the others were told.
+    try:
+        decision = client.blocking_key_value_get(_DECISION_KEY, 2 * timeout_ms)
+    except Exception as e:
+        raise RuntimeError(
+            "jaxring: process 0 did not say within "
+            f"{2 * timeout_ms / 1000:g} s whether the job's processes share "
+            f"the host segment (is it running the same program?): {e}") from e
+    return "" if decision == "ok" else decision
+
+
+def _decide(client, processes: int, mine: str, timeout_ms: int) -> str:
+    """Process 0's decision for every process, published: "" (every
+    process has the segment) or why not. It waits for the statuses under
+    one deadline, so that it decides within timeout_ms of offering."""
+    deadline = time.monotonic() + timeout_ms / 1000
     for q in range(1, processes):
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
         try:
-            theirs = client.blocking_key_value_get(_STATUS_KEY.format(q), timeout_ms)
+            theirs = client.blocking_key_value_get(_STATUS_KEY.format(q), left_ms)
         except Exception as e:
             theirs = f"it did not say whether it mapped the segment: {e}"
         if theirs != "ok" and not mine:

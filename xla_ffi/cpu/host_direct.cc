@@ -6,6 +6,7 @@
 #include <deque>
 #include <list>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -202,7 +203,7 @@ class Worker {
     return true;
   }
 
-  // How a rank's errors begin (what the entry records goes without it:
+  // How a rank's errors begin (what the entry records names only the rank:
   // each rank that reports the failure names itself).
   static std::string label(const Task& t) {
     return "jaxring allreduce (direct across processes, op " + std::to_string(t.key.op_id) +
@@ -214,7 +215,9 @@ class Worker {
   // every rank: the first failure recorded is the one every rank reports
   // (this one's, if the one being recorded cannot be read yet).
   bool fail(Task& t, FailureKind kind, int peer, const std::string& why, bool* finished) {
-    if (t.entry >= 0 && !mark_failed(seg_->entry(t.entry), tagged(kind, peer, why)) &&
+    if (t.entry >= 0 &&
+        !mark_failed(seg_->entry(t.entry),
+                     tagged(kind, peer, "rank " + std::to_string(t.rank) + ": " + why)) &&
         seg_->entry(t.entry).failed_by.load(std::memory_order_acquire) > 0) {
       return failed_elsewhere(t, finished);
     }
@@ -286,10 +289,9 @@ class Worker {
       if (other >= 0) return fail(t, FailureKind::kMismatch, other, why, finished);
     }
     if (now > t.deadline) {
-      return fail(t, FailureKind::kTimeout, -1,
-                  "timed out: " + what + " for more than " + std::to_string(t.timeout_s) +
-                      " s" + absent_processes(t),
-                  finished);
+      std::ostringstream os;
+      os << "timed out after " << t.timeout_s << " s: " << what << absent_processes(t);
+      return fail(t, FailureKind::kTimeout, -1, os.str(), finished);
     }
     return false;
   }
