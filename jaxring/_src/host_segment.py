@@ -85,9 +85,9 @@ def _agree(client, me, processes, ranks, job_id, use_shm, timeout_ms) -> str:
         decision = client.blocking_key_value_get(_DECISION_KEY, 2 * timeout_ms)
     except Exception as e:
         raise RuntimeError(
-            "jaxring: process 0 did not say within "
-            f"{2 * timeout_ms / 1000:g} s whether the job's processes share "
-            f"the host segment (is it running the same program?): {e}") from e
+            "jaxring: process 0 did not say whether the job's processes share "
+            f"the host segment within {2 * timeout_ms / 1000:g} s (is it "
+            f"running the same program?): {e}") from e
     return "" if decision == "ok" else decision
 
 
