@@ -26,6 +26,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
                         "averages the gradients itself: wire16 (bfloat16 with error "
                         "feedback) or powersgd (rank --rank)")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
+    p.add_argument("--min-size", type=int, default=None,
+                   help="PowerSGD's min_size: matrices of fewer elements go "
+                        "uncompressed (default: jaxring.compression.powersgd's)")
     p.add_argument("--wire-dtype", choices=("bfloat16", "float16"), default=None,
                    help="float32 values travel in this format: with --compression, "
                         "the transformation's (wire16's format; PowerSGD's factors "
@@ -46,7 +49,8 @@ def with_compression(args, optimizer):
     import jaxring.compression as jc
     first = (jc.wire16("batch", dtype=args.wire_dtype or "bfloat16")
              if args.compression == "wire16"
-             else jc.powersgd("batch", rank=args.rank, wire_dtype=args.wire_dtype))
+             else jc.powersgd("batch", rank=args.rank, wire_dtype=args.wire_dtype,
+                              **({} if args.min_size is None else {"min_size": args.min_size})))
     return optax.chain(first, optimizer)
 
 

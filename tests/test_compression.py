@@ -585,6 +585,19 @@ def test_report_counts_the_bytes_per_leaf():
     assert rep16.wire_bytes * 2 == rep16.full_bytes
 
 
+def test_powersgd_by_default_compresses_matrices_from_512_elements():
+    """A CNN's small convolutions (3x3x16x16: 2,304 elements) go compressed
+    by default; below 512 elements, and where the factors would not be
+    smaller, a leaf goes whole."""
+    params = {"conv": jnp.zeros((3, 3, 16, 16)), "shortcut": jnp.zeros((1, 1, 16, 32)),
+              "stem": jnp.zeros((3, 3, 1, 16)), "square": jnp.zeros((4, 4))}
+    how = {l.path: (l.how, l.matrix) for l in jc.report(jc.powersgd("batch").init(params)).leaves}
+    assert how["['conv']"] == ("powersgd", (144, 16))
+    assert how["['shortcut']"] == ("powersgd", (16, 32))
+    assert how["['stem']"][0] == "as is"      # 144 elements
+    assert how["['square']"][0] == "as is"
+
+
 @pytest.mark.parametrize("make,err,match", [
     (lambda: jc.powersgd("batch", rank=0), ValueError, "rank must be an int of at least 1"),
     (lambda: jc.powersgd("batch", start_step=-1), ValueError, "start_step must be"),
