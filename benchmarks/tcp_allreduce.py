@@ -4,11 +4,12 @@ JAX's Gloo, beside the in-process bound.
 Usage:
     python benchmarks/tcp_allreduce.py [--processes 2 4] [--min-bytes 4K]
         [--max-bytes 256M] [--transports auto tcp] [--no-direct] [--exchange]
-        [--cpu-bind none|cores] [--keep-freed-memory]
+        [--devices-per-process 1] [--cpu-bind none|cores] [--keep-freed-memory]
         [--plot tcp_allreduce.png] [--json results.json]
 
 For each process count the script starts one job per transport with
-`python -m jaxring.launch` (one CPU device per process):
+`python -m jaxring.launch` (one CPU device per process, or
+--devices-per-process):
 JAXRING_TRANSPORT=auto (processes on this host exchange through
 shared-memory rings) and JAXRING_TRANSPORT=tcp (TCP loopback). In each,
 every process times `jaxring.allreduce` and `lax.psum` (JAX's cross-process
@@ -30,10 +31,10 @@ busbw = bytes * 2(n-1)/n / time: the rate each link must sustain for a ring
 allreduce to take that long, comparable with the link's own rate.
 
 jaxring runs with its defaults (across processes, algorithm "auto": on one
-host over shared memory, direct where the processes form one tier, up to
-16 MiB with 2 processes; the ring otherwise, or the exchange up to
-JAXRING_EXCHANGE_MAX_BYTES where set). The auto job also times
-`algorithm="ring"` ("shm ring"). With --exchange, the jobs across
+host over the host segment, direct at every size; the ring otherwise, or
+the exchange up to JAXRING_EXCHANGE_MAX_BYTES where set). The auto job
+also times `algorithm="ring"` ("shm ring": with several devices per
+process, the tiered ring plan, devices of a process first). With --exchange, the jobs across
 processes also time `algorithm="ring"` and `algorithm="exchange"`
 (recursive doubling: fewer steps, each of the whole buffer) in the same
 rounds, and the tables give one against the other on each transport
@@ -179,7 +180,8 @@ COLUMNS = (("shm", "auto", "jaxring"), ("tcp", "tcp", "jaxring"),
            ("tcp exchange", "tcp", "exchange"))
 
 
-def table(jobs: dict[str, list[dict]], n: int, launcher: str = "") -> str:
+def table(jobs: dict[str, list[dict]], n: int, launcher: str = "",
+          devices: int = 1) -> str:
     """busbw (GB/s) of every job beside each other, and the ratios the
     benchmark's goals are stated in: each against a reference timed in the
     same job where there is one (shm/gloo in the auto job, tcp/gloo in the
@@ -207,8 +209,9 @@ def table(jobs: dict[str, list[dict]], n: int, launcher: str = "") -> str:
             ratios.append((f"{title} exch/ring", (job, "exchange"), (job, "ring")))
     head = (f"{'bytes':>10} | " + " ".join(f"{t:>14}" for t, _, _ in cols) + " | " +
             " ".join(f"{t:>10}" for t, _, _ in ratios))
-    lines = [f"# {n} processes, 1 CPU device each, float32, busbw GB/s, "
-             f"median of alternating rounds (direct: 1 process, {n} devices)"
+    each = "1 CPU device" if devices == 1 else f"{devices} CPU devices"
+    lines = [f"# {n} processes, {each} each, float32, busbw GB/s, "
+             f"median of alternating rounds (direct: 1 process, {n * devices} devices)"
              + (f"; jaxring.launch {launcher}" if launcher else ""),
              head, "-" * len(head)]
     for size in sizes:
@@ -265,6 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--transports", nargs="+", default=["auto", "tcp"],
                     choices=["auto", "tcp"],
                     help="JAXRING_TRANSPORT of each job across processes")
+    ap.add_argument("--devices-per-process", type=int, default=1,
+                    help="CPU devices in each process of the jobs across processes "
+                         "(with more than one, \"shm ring\" is the tiered ring plan)")
     ap.add_argument("--cpu-bind", choices=["none", "cores"], default="none",
                     help="jaxring.launch --cpu-bind for the jobs across processes")
     ap.add_argument("--keep-freed-memory", action="store_true",
@@ -292,7 +298,7 @@ def main(argv=None) -> int:
             if rows is None:
                 return 1
             results[n][job] = rows
-        print(table(results[n], n, launcher_settings(args)))
+        print(table(results[n], n, launcher_settings(args), args.devices_per_process))
         print()
     if args.json:
         with open(args.json, "w") as f:
@@ -321,10 +327,11 @@ def run_job(args, n: int, job: str) -> list[dict] | None:
         out = os.path.join(tmp, "rows.json")
         if job == "direct":
             cmd = [sys.executable, "-m", "jaxring.launch", "-n", "1",
-                   "--devices-per-process", str(n)]
+                   "--devices-per-process", str(n * args.devices_per_process)]
         else:
             cmd = [sys.executable, "-m", "jaxring.launch", "-n", str(n),
-                   "--devices-per-process", "1", "--cpu-bind", args.cpu_bind]
+                   "--devices-per-process", str(args.devices_per_process),
+                   "--cpu-bind", args.cpu_bind]
         if args.keep_freed_memory:
             cmd.append("--keep-freed-memory")
         if net is not None:
@@ -341,7 +348,7 @@ def run_job(args, n: int, job: str) -> list[dict] | None:
         elif args.exchange:
             cmd.append("--exchange")
         os.chmod(tmp, 0o755)
-        print(f"# job: {n} ranks, {job}", flush=True)
+        print(f"# job: {n} processes, {job}", flush=True)
         r = subprocess.run(cmd, cwd=tmp, env=env)
         if r.returncode != 0:
             print(f"the {n}-rank {job} job failed with status {r.returncode}")

@@ -689,11 +689,11 @@ def test_auto_algorithm_is_direct_in_one_process_and_modelled_under_link_emulati
 
 def test_auto_takes_direct_across_processes_that_share_the_host_segment(monkeypatch):
     """Where the job's processes share the host segment, "auto" runs direct
-    across them when they form one tier, at every size and whatever
-    exchange_max_bytes says (so that processes reaching one call site with
-    different shapes run one algorithm); never for a tiered plan, under an
-    emulated link, or where a topology is set. Without the segment, the
-    ring as before."""
+    across them, at every size, whatever exchange_max_bytes says (so that
+    processes reaching one call site with different shapes run one
+    algorithm) and in place of the tiers it derives for several devices
+    per process; never under an emulated link, or where a topology is set.
+    Without the segment, the ring as before."""
     from jaxring._src import allreduce as ar, host_segment
     two, four = np.array([0, 1], np.int64), np.array([0, 1, 2, 3], np.int64)
 
@@ -706,7 +706,8 @@ def test_auto_takes_direct_across_processes_that_share_the_host_segment(monkeypa
     assert auto(four, 4) == auto(four, 1 << 30) == "direct"  # the default 512 B too
     assert auto(two, 4) == auto(two, 1 << 30) == "direct"
     assert auto(four, 1 << 20, topology="flat") == "ring"  # asks for the ring plan
-    assert auto(four, 1 << 20, tiered=True) == "ring"
+    assert auto(four, 1 << 20, tiered=True) == "direct"  # the tiers "auto" derived
+    assert auto(four, 1 << 20, tiered=True, topology=(2, 2)) == "ring"
     assert auto(four, 1 << 20, link=((0, 1e9, 0.0),)) == "ring"
     assert ar.resolve_algorithm("direct", (), four) == "direct"
     jaxring.config.update("exchange_max_bytes", 4096)

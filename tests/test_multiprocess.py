@@ -58,17 +58,19 @@ newest_jax_only = pytest.mark.slow
 
 # (processes, devices per process, seed, topology setting, tiers lowered)
 ACROSS_PROCESSES = [
-    # One device per process on one host: auto runs direct over the host
-    # segment at every size.
+    # On one host auto runs direct over the host segment at every size,
+    # with one device per process or several.
     pytest.param(2, 1, 0, "auto", "flat", id="2-processes"),
     # The flat ring across processes, as auto runs it beyond one host.
     pytest.param(2, 1, 11, "ring", "flat", id="2-processes-ring"),
     pytest.param(4, 1, 1, "auto", "flat", id="4-processes", marks=newest_jax_only),
     # One device per process: the flat ring is the only tier auto finds.
     pytest.param(2, 2, 2, "flat", "flat", id="2x2-flat", marks=newest_jax_only),
-    # auto: the devices of a process, then the processes of the host.
-    pytest.param(2, 2, 3, "auto", "2x2", id="2x2-tiered-auto"),
-    pytest.param(4, 2, 4, "auto", "2x4", id="4x2-tiered-auto", marks=newest_jax_only),
+    pytest.param(2, 2, 3, "auto", "flat", id="2x2-auto"),
+    # The ring with the tiers "auto" derives: the devices of a process,
+    # then the processes of the host.
+    pytest.param(2, 2, 12, "ring", "2x2", id="2x2-tiered-ring"),
+    pytest.param(4, 2, 4, "ring", "2x4", id="4x2-tiered-ring", marks=newest_jax_only),
     # Explicit tiers: across processes only, and two tiers inside each.
     pytest.param(4, 1, 5, "2x2", "2x2", id="4-processes-tiered-2x2",
                  marks=newest_jax_only),
@@ -103,11 +105,11 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
         # The custom call carries the tiers the plan runs (none: flat).
         assert lowered == [f"TOPOLOGY {tiers}"], lowered
         # A 4 MiB allreduce runs the algorithm asked for; under "auto",
-        # direct over the host segment where the processes form one tier
-        # (one device each), else the ring plan. A 64-byte one runs
-        # exchange where the algorithm and topology are left to "auto" (and
+        # direct over the host segment (every process here is on one host),
+        # else the ring plan. A 64-byte one runs exchange where the
+        # topology is left to "auto" and the algorithm is not direct (and
         # exchange_max_bytes asks for it, as here).
-        direct = topology == "auto" and tiers == "flat"
+        direct = topology == "auto"
         if topology in ("ring", "exchange"):
             algorithm = topology
         else:
@@ -707,12 +709,13 @@ def test_stopped_peer_times_out_on_every_survivor():
         job.kill_all()
 
 
-@pytest.mark.parametrize("algorithm", ["auto", "direct"])
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
 def test_overlap_across_processes_matches_gloo_pmean(algorithm):
-    # 2 processes x 2 devices: buckets ride TCP between the processes and
-    # memory inside each (or, with direct, the host segment: several buckets
-    # in flight at once hold entries of it); the reference is lax.pmean over
-    # JAX's Gloo.
+    # 2 processes x 2 devices: under "auto" the buckets run direct over the
+    # host segment (several buckets in flight at once hold entries of it);
+    # the ring's ride the links between the processes (shared memory, or
+    # TCP) and memory inside each. The reference is lax.pmean over JAX's
+    # Gloo.
     r = run_launcher(2, "overlap_check.py", devices_per_process=2,
                      env={"JAXRING_ALGORITHM": algorithm})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -722,7 +725,7 @@ def test_overlap_across_processes_matches_gloo_pmean(algorithm):
         loss_diff, param_diff = map(float, diff[0].split()[1:])
         assert loss_diff < 1e-5 and param_diff < 1e-5, (rank, diff)
         frames = int(next(l for l in lines if l.startswith("DATA_FRAMES")).split()[1])
-        assert (frames == 0) == (algorithm == "direct"), (rank, frames)
+        assert (frames == 0) == (algorithm == "auto"), (rank, frames)
 
 
 def test_documented_script_gives_the_same_result_under_the_launcher(tmp_path):

@@ -59,14 +59,15 @@ def test_fit_recovers_each_tiers_parameters_from_flat_and_tiered_times():
 
 
 def test_direct_is_measured_across_processes_that_share_the_host_segment():
-    """Across the processes of one host that share the host segment and
-    form one tier, direct is a candidate beside the ring and the exchange
-    (where they form several, "auto" runs the tiered plan and the tuner
-    leaves direct out); its rows fit its own two parameters, and it is
+    """Across the processes of one host that share the host segment, direct
+    is a candidate beside the ring and the exchange, with one device per
+    process or several (where it competes with the tiered plan, as "auto"
+    runs it in its place); its rows fit its own two parameters, and it is
     chosen where it is fastest."""
     assert not any(c.algorithm == "direct" for c in tuning.candidates(4, False))
-    assert not any(c.algorithm == "direct" for c in tuning.candidates(
-        4, in_one_process=False, tiered=True, host_direct=True))
+    tiered = tuning.candidates(4, in_one_process=False, tiered=True, host_direct=True)
+    assert Choice("direct", 2, 1 << 20) in tiered
+    assert any(c.topology == "auto" for c in tiered)  # the tiered plan too
     choices = tuning.candidates(4, in_one_process=False, host_direct=True)
     assert [c for c in choices if c.algorithm != "ring"] == [
         Choice("direct", 2, 1 << 20), Choice("exchange", 1, 1 << 20)]
@@ -267,10 +268,10 @@ def test_tune_command_measures_fits_and_writes_a_table(tmp_path):
 @pytest.mark.slow  # processes and plans: on the newest jax only
 def test_tune_across_processes_measures_both_plans_and_the_job_uses_its_table(tmp_path):
     """Under the launcher (2 processes x 2 devices, one host: tiers 2x2) the
-    tuner measures flat, tiered and exchange candidates (not direct: the
-    ranks form two tiers, where "auto" runs the tiered plan), fits a tier
-    each, and writes one table; a job then lowers what the table says: the
-    exchange, or the ring flat or tiered."""
+    tuner measures flat, tiered, exchange and direct candidates (direct
+    over the host segment, which "auto" runs there), fits a tier each, and
+    writes one table; a job then lowers what the table says: the exchange,
+    or the ring flat or tiered."""
     out = tmp_path / "tuning.json"
     res = subprocess.run(
         [sys.executable, "-m", "jaxring.launch", "-n", "2", "--devices-per-process", "2",
@@ -281,7 +282,7 @@ def test_tune_across_processes_measures_both_plans_and_the_job_uses_its_table(tm
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[0] # 4 devices in 2 processes, tiers 2x2" in res.stdout
     assert "tiered r=1" in res.stdout and "ring r=1" in res.stdout
-    assert "  exchange " in res.stdout and "  direct " not in res.stdout
+    assert "  exchange " in res.stdout and "  direct " in res.stdout
     assert "[1] # model" not in res.stdout  # process 0 reports
     tables = tuning.load(str(out))
     entry = tables["cpu/ranks=4/processes=2"]

@@ -496,10 +496,12 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
                       world: int = 0, rings: int = 1, chunk_bytes: int = 1 << 20) -> str:
     """"ring", "direct" or "exchange" for an operation, from the setting and
     where its ranks run. "auto" takes direct where it applies: no emulated
-    link (which models the transfers of a plan, and direct has none), no
-    tiered plan (a plan of rings), and every rank in this process (direct
-    reads its peers' memory) or, with the topology setting left to "auto",
-    in processes of this host that share the host segment. Elsewhere
+    link (which models the transfers of a plan, and direct has none), and
+    either every rank in this process (direct reads its peers' memory) and
+    no tiered plan (a plan of rings), or, with the topology setting left to
+    "auto", in processes of this host that share the host segment, however
+    many devices each holds (the tiers "auto" derives there are the ring
+    plan's, which direct replaces). Elsewhere
     across processes, and under an emulated link, it takes exchange for an
     operand of nbytes up to config.exchange_max_bytes, where the topology
     setting is "auto" (a tuple or "flat" asks for the ring plan). Under one
@@ -510,14 +512,16 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     across = distributed.spans_processes(rank_process)
     emulated = bool(link)
     if algorithm == "auto":
-        if (across and not emulated and not tiered and topology == "auto"
+        if (across and not emulated and topology == "auto"
                 and host_segment.unavailable() is None):
             # Over the host segment direct beat the ring and the exchange at
             # every size measured with 4 processes (1 KiB to 64 MiB; with 2,
-            # up to 16 MiB, and within 11 % either way above). It takes no
-            # size into account, so processes that reach one call site with
-            # different shapes run the same algorithm, whose entries tell
-            # them apart (MismatchError) rather than wait on each other.
+            # up to 16 MiB, and within 11 % either way above), and the
+            # tiered ring with 2 or 4 processes of 2 or 4 devices (64 KiB to
+            # 16 MiB, within 5 % either way at 4 MiB). It takes no size into
+            # account, so processes that reach one call site with different
+            # shapes run the same algorithm, whose entries tell them apart
+            # (MismatchError) rather than wait on each other.
             return "direct"
         if (across or emulated) and topology == "auto" and nbytes is not None:
             limit = config.exchange_max_bytes  # 0: never
@@ -644,7 +648,7 @@ def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
     chosen = resolve_algorithm(algorithm, link, rank_process, tiered=bool(tiers),
                                nbytes=nbytes, topology=topology, world=world,
                                rings=rings, chunk_bytes=chunk_bytes)
-    if chosen == "exchange":
+    if chosen in ("exchange", "direct"):
         tiers = ()
     mesh = (world, tuple(rank_process), tuple(ring.group_sizes))
     return _attribute_dict(ctx, label, mesh, world=world, rank_process=rank_process,
@@ -968,8 +972,8 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
         ``"exchange"`` (recursive doubling: fewer, larger steps, for small
         buffers; CPU) or ``"auto"`` (default ``jaxring.config.algorithm``,
         itself ``"auto"``: direct in one process without ``cpu_link``, and
-        across the processes of one host over shared memory where their
-        ranks form one tier (one device per process, say); otherwise the
+        across the processes of one host over shared memory (with the
+        topology left to ``"auto"``); otherwise the
         exchange for small buffers, the ring for the rest; see
         ``jaxring.config.exchange_max_bytes``).
       topology: the ring plan's tiers across processes, tightest first, e.g.
@@ -1097,8 +1101,8 @@ def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
     if "topology" in tunable:
         # "flat" or "auto": the table never names tiers, so it cannot ask
         # for tiers this layout does not have. Direct has no plan: "auto"
-        # lets it run across processes too (the tuner measures it there
-        # only where the ranks form one tier, as "auto" takes it).
+        # lets it run across processes too (where the tuner measures it:
+        # processes that share the host segment, as "auto" takes it).
         topology = ("auto" if choice.algorithm == "direct" else
                     validate("topology", choice.topology, "jaxring tuning table"))
     return rings, chunk_bytes, algorithm, topology, True

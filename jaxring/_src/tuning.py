@@ -84,15 +84,15 @@ def candidates(world: int, in_one_process: bool, quick: bool = False,
     """The choices the tuner measures: ring counts x chunk sizes (each as a
     flat ring and, with ``tiered``, as the tiered plan), the direct
     algorithm where every rank is in this process or, with
-    ``host_direct``, the processes share the host segment and form one
-    tier (where "auto" would take it), and the exchange
+    ``host_direct``, the processes share the host segment (where "auto"
+    takes it, however many devices each holds), and the exchange
     where the ranks span processes (and the world size has a factor 2:
     otherwise the exchange is the ring)."""
     rings = (1, 2) if quick else (1, 2, 4)
     chunks = (256 << 10, 1 << 20) if quick else (64 << 10, 256 << 10, 1 << 20, 4 << 20)
     plans = ("flat", "auto") if tiered else ("flat",)
     out = [Choice("ring", r, c, t) for t, r, c in itertools.product(plans, rings, chunks)]
-    if (in_one_process or (host_direct and not tiered)) and world > 1:
+    if (in_one_process or host_direct) and world > 1:
         out.append(Choice("direct", 2, 1 << 20))
     if not in_one_process and world % 2 == 0:
         # One ring: its buffers are small where it wins, and more rings

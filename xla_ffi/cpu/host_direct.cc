@@ -525,7 +525,21 @@ std::mutex& worker_mu() {
   static std::mutex* mu = new std::mutex();
   return *mu;
 }
-Worker* g_worker = nullptr;  // leaked on purpose, like the other workers
+// One worker per local rank of an operation (its place among the ranks of
+// this process), each a thread: a process of several devices copies and
+// reduces for them at once, as their threads do in one process, instead of
+// one after the other. Leaked on purpose, like the other workers.
+std::vector<Worker*>& workers() {
+  static auto* w = new std::vector<Worker*>();
+  return *w;
+}
+
+// The rank's place among the operation's ranks that run in process me.
+size_t local_index(const std::vector<int>& process_of_rank, int rank, int me) {
+  size_t before = 0;
+  for (int r = 0; r < rank; ++r) before += process_of_rank[r] == me;
+  return before;
+}
 
 }  // namespace
 
@@ -576,16 +590,19 @@ void host_direct_allreduce(const OpKey& key, const OpDesc& desc, int rank,
   advise_huge_pages(out, total);
   Worker* w;
   {
+    const size_t index = local_index(process_of_rank, rank, me);
     std::lock_guard<std::mutex> lock(worker_mu());
-    if (g_worker == nullptr) g_worker = new Worker(seg, me);
-    w = g_worker;
+    while (workers().size() <= index) workers().push_back(new Worker(seg, me));
+    w = workers()[index];
   }
   w->submit(std::move(t));
 }
 
 int64_t host_direct_pending() {
   std::lock_guard<std::mutex> lock(worker_mu());
-  return g_worker == nullptr ? 0 : g_worker->pending();
+  int64_t pending = 0;
+  for (Worker* w : workers()) pending += w->pending();
+  return pending;
 }
 
 }  // namespace jaxring
