@@ -24,6 +24,8 @@ The configurations:
   powersgd-r4-bf16
                rank 4 with wire_dtype="bfloat16": its factors and the leaves
                it sends whole travel in bfloat16
+  powersgd-r8 (only when named in --configs)
+               rank 8
   powersgd-r4-min4096 (only when named in --configs)
                rank 4 with min_size=4096 (the default was 4096 before it
                was 512): matrices of fewer elements go whole
@@ -109,13 +111,14 @@ CONFIGS = {
     "powersgd-r1": ["--compression", "powersgd", "--rank", "1"],
     "powersgd-r2": ["--compression", "powersgd", "--rank", "2"],
     "powersgd-r4": ["--compression", "powersgd", "--rank", "4"],
+    "powersgd-r8": ["--compression", "powersgd", "--rank", "8"],
     "powersgd-r4-min4096": ["--compression", "powersgd", "--rank", "4", "--min-size", "4096"],
     "powersgd-r4-bf16": ["--compression", "powersgd", "--rank", "4", "--wire-dtype", "bfloat16"],
     "powersgd-r2-warm": ["--compression", "powersgd", "--rank", "2", "--warm-up-steps"],
     "powersgd-r4-warm": ["--compression", "powersgd", "--rank", "4", "--warm-up-steps"],
 }
 # Run unless --configs names others (the warm-up ones need the CNN trainer).
-OPT_IN = ("-warm", "-min4096")
+OPT_IN = ("-warm", "-min4096", "-r8")
 DEFAULT_CONFIGS = [c for c in CONFIGS if not c.endswith(OPT_IN)]
 
 _EVAL = re.compile(r"^eval step=(\d+) seconds=([\d.]+) (?:accuracy|loss)=([\d.]+)$")

@@ -154,7 +154,7 @@ def worker(args) -> None:
             raise SystemExit(f"jaxring and the reference disagree at {size} bytes")
         samples = alternating_rounds(fns, x, iterations(size), args.rounds)
         factor = 2 * (n - 1) / n
-        row = {"bytes": size, "processes": n}
+        row = {"bytes": size, "ranks": n, "processes": jax.process_count()}
         for k in fns:
             t = statistics.median(samples[k])
             row[f"{k}_s"] = t
@@ -234,13 +234,15 @@ def plot(results: dict[int, list[dict]], path: str, title: str) -> None:
     for n, jobs in sorted(results.items()):
         for job, rows in jobs.items():
             sizes = [r["bytes"] for r in rows]
-            lines.append((f"{names[job]}, {n} ranks", sizes,
+            where = ("as many devices in one process" if job == "direct"
+                     else f"{n} processes")
+            lines.append((f"{names[job]}, {where}", sizes,
                           [r["jaxring_busbw"] for r in rows]))
         rows = jobs.get("auto") or jobs.get("tcp")
         if rows:
             lines.append((f"Gloo (lax.psum), {n} processes", [r["bytes"] for r in rows],
                           [r["gloo_busbw"] for r in rows]))
-    plot_busbw(lines, path, title, xlabel="bytes per process")
+    plot_busbw(lines, path, title, xlabel="bytes per rank")
     print(f"plot written to {path}")
 
 
@@ -317,8 +319,9 @@ def launcher_settings(args) -> str:
 
 
 def run_job(args, n: int, job: str) -> list[dict] | None:
-    """One job's rows: n processes under JAXRING_TRANSPORT=job, or one
-    process of n devices for "direct". None if it failed."""
+    """One job's rows: n processes of --devices-per-process devices under
+    JAXRING_TRANSPORT=job, or one process of as many devices for "direct".
+    None if it failed."""
     env = dict(os.environ)
     if job != "direct":
         env["JAXRING_TRANSPORT"] = job
@@ -351,7 +354,7 @@ def run_job(args, n: int, job: str) -> list[dict] | None:
         print(f"# job: {n} processes, {job}", flush=True)
         r = subprocess.run(cmd, cwd=tmp, env=env)
         if r.returncode != 0:
-            print(f"the {n}-rank {job} job failed with status {r.returncode}")
+            print(f"the {n}-process {job} job failed with status {r.returncode}")
             return None
         with open(out) as f:
             return json.load(f)

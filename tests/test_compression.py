@@ -590,12 +590,12 @@ def test_powersgd_by_default_compresses_matrices_from_512_elements():
     by default; below 512 elements, and where the factors would not be
     smaller, a leaf goes whole."""
     params = {"conv": jnp.zeros((3, 3, 16, 16)), "shortcut": jnp.zeros((1, 1, 16, 32)),
-              "stem": jnp.zeros((3, 3, 1, 16)), "square": jnp.zeros((4, 4))}
+              "stem": jnp.zeros((3, 3, 1, 16)), "wide": jnp.zeros((4, 200))}
     how = {l.path: (l.how, l.matrix) for l in jc.report(jc.powersgd("batch").init(params)).leaves}
     assert how["['conv']"] == ("powersgd", (144, 16))
     assert how["['shortcut']"] == ("powersgd", (16, 32))
     assert how["['stem']"][0] == "as is"      # 144 elements
-    assert how["['square']"][0] == "as is"
+    assert how["['wide']"][0] == "as is"     # (4 + 200) x 4 factors >= 800
 
 
 @pytest.mark.parametrize("make,err,match", [

@@ -202,13 +202,15 @@ def run_launched(name, *args, timeout=600):
                                                       "--compression", "wire16"),
                                                      marks=pytest.mark.slow)])
 def test_example_under_the_launcher_matches_one_process(name, steps):
-    """2 processes x 2 devices (rings over TCP and memory) train as 1 process
-    of 4 devices does: every process draws the same batches from the seed."""
+    """2 processes x 2 devices (direct over the host segment) train as 1
+    process of 4 devices does: every process draws the same batches from
+    the seed."""
     launched = run_launched(name, "--mode", "overlap", *steps)
     _, alone = run_example(name, "--mode", "overlap", "--devices", "4", *steps)
     assert len(launched) == len(alone) > 0
-    # A 16-bit wire rounds the partial sums of rings that run in another
-    # order across processes than in one (direct); BatchNorm amplifies that.
+    # A 16-bit wire rounds partial sums, whose order may differ across
+    # processes from one process's (the exchange for BatchNorm's small
+    # allreduces, say); BatchNorm amplifies that.
     tolerance = 1e-3 if "wire16" in steps else 1e-5
     for a, b in zip(launched, alone):
         assert abs(a - b) <= tolerance * abs(b), (launched, alone)

@@ -56,45 +56,51 @@ def lines_by_rank(stdout: str) -> dict[int, list[str]]:
 # slow tier on the newest jax.
 newest_jax_only = pytest.mark.slow
 
-# (processes, devices per process, seed, topology setting, tiers lowered)
+# (processes, devices per process, seed, topology setting, tiers lowered,
+# JAXRING_TRANSPORT)
 ACROSS_PROCESSES = [
     # On one host auto runs direct over the host segment at every size,
     # with one device per process or several.
-    pytest.param(2, 1, 0, "auto", "flat", id="2-processes"),
+    pytest.param(2, 1, 0, "auto", "flat", "auto", id="2-processes"),
     # The flat ring across processes, as auto runs it beyond one host.
-    pytest.param(2, 1, 11, "ring", "flat", id="2-processes-ring"),
-    pytest.param(4, 1, 1, "auto", "flat", id="4-processes", marks=newest_jax_only),
-    # One device per process: the flat ring is the only tier auto finds.
-    pytest.param(2, 2, 2, "flat", "flat", id="2x2-flat", marks=newest_jax_only),
-    pytest.param(2, 2, 3, "auto", "flat", id="2x2-auto"),
+    pytest.param(2, 1, 11, "ring", "flat", "auto", id="2-processes-ring"),
+    pytest.param(4, 1, 1, "auto", "flat", "auto", id="4-processes", marks=newest_jax_only),
+    # topology="flat": one ring over every rank.
+    pytest.param(2, 2, 2, "flat", "flat", "auto", id="2x2-flat", marks=newest_jax_only),
+    pytest.param(2, 2, 3, "auto", "flat", "auto", id="2x2-auto"),
+    pytest.param(4, 2, 13, "auto", "flat", "auto", id="4x2-auto", marks=newest_jax_only),
+    # Without the host segment (as on several hosts), "auto" runs the
+    # tiered ring it derives, and the exchange for small operands.
+    pytest.param(2, 2, 14, "auto", "2x2", "tcp", id="2x2-tiered-auto-tcp"),
     # The ring with the tiers "auto" derives: the devices of a process,
     # then the processes of the host.
-    pytest.param(2, 2, 12, "ring", "2x2", id="2x2-tiered-ring"),
-    pytest.param(4, 2, 4, "ring", "2x4", id="4x2-tiered-ring", marks=newest_jax_only),
+    pytest.param(2, 2, 12, "ring", "2x2", "auto", id="2x2-tiered-ring"),
+    pytest.param(4, 2, 4, "ring", "2x4", "auto", id="4x2-tiered-ring", marks=newest_jax_only),
     # Explicit tiers: across processes only, and two tiers inside each.
-    pytest.param(4, 1, 5, "2x2", "2x2", id="4-processes-tiered-2x2",
+    pytest.param(4, 1, 5, "2x2", "2x2", "auto", id="4-processes-tiered-2x2",
                  marks=newest_jax_only),
-    pytest.param(2, 4, 6, "2x2x2", "2x2x2", id="2x4-tiered-2x2x2", marks=newest_jax_only),
+    pytest.param(2, 4, 6, "2x2x2", "2x2x2", "auto", id="2x4-tiered-2x2x2", marks=newest_jax_only),
     # Recursive doubling: 3 processes (a ring over the odd factor), 2
     # processes of 2 devices (one exchange in memory, one across), and 4 of
     # 2 (two exchanges across in a row: the second must not overwrite what
     # the first still sends).
-    pytest.param(3, 1, 8, "exchange", "flat", id="3-processes-exchange"),
-    pytest.param(2, 2, 9, "exchange", "flat", id="2x2-exchange", marks=newest_jax_only),
-    pytest.param(4, 2, 10, "exchange", "flat", id="4x2-exchange", marks=newest_jax_only),
+    pytest.param(3, 1, 8, "exchange", "flat", "auto", id="3-processes-exchange"),
+    pytest.param(2, 2, 9, "exchange", "flat", "auto", id="2x2-exchange", marks=newest_jax_only),
+    pytest.param(4, 2, 10, "exchange", "flat", "auto", id="4x2-exchange", marks=newest_jax_only),
 ]
 
 
-@pytest.mark.parametrize("nproc,devices,seed,topology,tiers", ACROSS_PROCESSES)
+@pytest.mark.parametrize("nproc,devices,seed,topology,tiers,transport", ACROSS_PROCESSES)
 def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
-                                                  topology, tiers):
+                                                  topology, tiers, transport):
     # 48 cases: every dtype under every op, random sizes, rings and chunks.
-    # With the exchange on for small operands (off by default), "auto"
-    # mixes it with the ring in one job: cases up to 64 KiB take it (where
-    # "auto" runs the ring plan; on one tier of processes it runs direct).
+    # With the exchange on for small operands (up to 64 KiB here), "auto"
+    # mixes it with the ring in one job where it runs the ring plan
+    # (without the host segment); with the segment it runs direct.
     r = run_launcher(nproc, "allreduce_check.py", seed, 48, topology,
                      devices_per_process=devices,
-                     env={"JAXRING_EXCHANGE_MAX_BYTES": "65536"})
+                     env={"JAXRING_EXCHANGE_MAX_BYTES": "65536",
+                          "JAXRING_TRANSPORT": transport})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     by_rank = lines_by_rank(r.stdout)
     assert sorted(by_rank) == list(range(nproc))
@@ -105,11 +111,12 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
         # The custom call carries the tiers the plan runs (none: flat).
         assert lowered == [f"TOPOLOGY {tiers}"], lowered
         # A 4 MiB allreduce runs the algorithm asked for; under "auto",
-        # direct over the host segment (every process here is on one host),
-        # else the ring plan. A 64-byte one runs exchange where the
-        # topology is left to "auto" and the algorithm is not direct (and
-        # exchange_max_bytes asks for it, as here).
-        direct = topology == "auto"
+        # direct over the host segment (every process here is on one host;
+        # JAXRING_TRANSPORT=tcp turns the segment off), else the ring plan.
+        # A 64-byte one runs exchange where the topology is left to "auto"
+        # and the algorithm is not direct (and exchange_max_bytes asks for
+        # it, as here).
+        direct = topology == "auto" and transport == "auto"
         if topology in ("ring", "exchange"):
             algorithm = topology
         else:

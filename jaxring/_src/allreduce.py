@@ -517,8 +517,8 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
             # Over the host segment direct beat the ring and the exchange at
             # every size measured with 4 processes (1 KiB to 64 MiB; with 2,
             # up to 16 MiB, and within 11 % either way above), and the
-            # tiered ring with 2 or 4 processes of 2 or 4 devices (64 KiB to
-            # 16 MiB, within 5 % either way at 4 MiB). It takes no size into
+            # tiered ring with 2 and 4 processes of 2 devices (1.0-1.9x from
+            # 64 KiB to 16 MiB) and 2 of 4 (1.0-1.6x). It takes no size into
             # account, so processes that reach one call site with different
             # shapes run the same algorithm, whose entries tell them apart
             # (MismatchError) rather than wait on each other.
@@ -1092,7 +1092,7 @@ def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
         chunk_bytes = choice.chunk_bytes
     if "algorithm" in tunable:
         # "auto" still takes the ring where direct does not apply (link
-        # emulation, a tiered plan, processes on several hosts).
+        # emulation, named tiers, processes on several hosts).
         algorithm = "auto" if choice.algorithm == "direct" else choice.algorithm
         if algorithm == "exchange" and "topology" not in tunable:
             # A topology the caller set asks for the ring plan, as it does

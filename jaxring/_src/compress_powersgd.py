@@ -117,7 +117,7 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 512,
         to ``update`` instead (below).
       min_size: leaves with fewer elements go uncompressed. Matrices from
         512 elements up are worth compressing wherever their factors are
-        smaller: on the CNN trainer 4096 left a third of the bytes
+        smaller: on the CNN trainer 4096 sent more than half of the bytes
         uncompressed, and its steps took longer (docs/compression.md).
       warm_start: reuse each Q factor from the step before (else draw anew).
       seed: the seed Q factors are drawn from; the same on every rank.

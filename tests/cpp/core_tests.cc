@@ -540,18 +540,19 @@ void run_tcp_test() {
 
 // One rank of a direct allreduce across processes over the host segment:
 // waits for its completion (at most 60 s) and returns its error, or "".
-std::string host_direct_sum(int me, int64_t op_id, const std::vector<float>& in,
-                            std::vector<float>* out, double timeout_s) {
+std::string host_direct_sum(int rank, int64_t op_id, const std::vector<float>& in,
+                            std::vector<float>* out, double timeout_s,
+                            const std::vector<int>& process_of_rank = {0, 1}) {
   jaxring::OpDesc d;
   d.type = jaxring::ElemType::kF32;
   d.count = static_cast<int64_t>(in.size());
-  d.world_size = 2;
+  d.world_size = static_cast<int>(process_of_rank.size());
   d.algorithm = jaxring::Algorithm::kDirect;
   d.slot_id = op_id;
   auto done = std::make_shared<std::promise<std::string>>();
   std::future<std::string> result = done->get_future();
-  jaxring::host_direct_allreduce(jaxring::OpKey{1, op_id, 0}, d, me, {0, 1}, in.data(),
-                                 out->data(), timeout_s,
+  jaxring::host_direct_allreduce(jaxring::OpKey{1, op_id, 0}, d, rank, process_of_rank,
+                                 in.data(), out->data(), timeout_s,
                                  [done](const std::optional<std::string>& e) {
                                    done->set_value(e ? *e : "");
                                  });
@@ -604,6 +605,29 @@ int host_direct_process(int me, std::unique_ptr<jaxring::HostSegment> shared,
     }
     for (auto& t : ops) t.join();
   }
+  // Two ranks in each process, each served by a worker thread of its own,
+  // several operations at once: every rank gets the sum of all four.
+  {
+    std::vector<std::thread> ops;
+    for (int local = 0; local < 2; ++local) {
+      for (int k = 0; k < 3; ++k) {
+        ops.emplace_back([&, local, k] {
+          const int rank = 2 * me + local;
+          const int64_t count = 100000 + 1000 * k;
+          std::vector<float> in(count), out(count, -1.0f);
+          for (int64_t i = 0; i < count; ++i) in[i] = (rank + 1) * pattern(i);
+          CHECK(host_direct_sum(rank, 200 + k, in, &out, 30.0, {0, 0, 1, 1}).empty());
+          for (int64_t i = 0; i < count; ++i) {
+            if (out[i] != 10 * pattern(i)) {
+              CHECK(out[i] == 10 * pattern(i));
+              break;
+            }
+          }
+        });
+      }
+    }
+    for (auto& t : ops) t.join();
+  }
   // Ranks that disagree on the count fail, both, saying so.
   {
     std::vector<float> in(me == 0 ? 100 : 200, 1.0f), out(in.size());
@@ -634,7 +658,7 @@ int host_direct_process(int me, std::unique_ptr<jaxring::HostSegment> shared,
 void run_host_direct_test() {
   const std::string job = "core-tests-host-direct";
   std::string error;
-  auto seg = jaxring::HostSegment::create(job, 0, 2, 2, &error);
+  auto seg = jaxring::HostSegment::create(job, 0, 2, 4, &error);  // 2 processes, up to 4 ranks
   CHECK(seg != nullptr);
   if (!seg) return;
   pid_t pids[2];

@@ -6,8 +6,10 @@
 //
 // Why it looks the way it does:
 //  * As in the other transports, the FFI handler hands its rank to a worker
-//    thread and returns a future; here one worker per process serves every
-//    local rank, and sleeps on its doorbell in the segment, which a peer
+//    thread and returns a future; here each local rank (by its place among
+//    the operation's ranks in this process) has a worker, so a process of
+//    several devices copies for them at once. The workers sleep on the
+//    process's doorbell in the segment, which a peer
 //    rings when a barrier it waits for is passed, an entry it waits for is
 //    freed, or an operation it is in failed. A worker never blocks on one
 //    operation, so independent allreduces may start in any order.

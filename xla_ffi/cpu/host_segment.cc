@@ -247,6 +247,7 @@ int HostSegment::pid_of(int q) const {
 
 bool HostSegment::exited(int q) {
   if (q < 0 || q >= processes_) return false;
+  std::lock_guard<std::mutex> lock(pid_mu_);
   int& fd = pidfds_[q];
   if (fd == kPidUnopened) {
     const int pid = pid_of(q);

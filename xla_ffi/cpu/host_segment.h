@@ -32,6 +32,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -131,7 +132,7 @@ class HostSegment {
   // kernel has them), which it wrote here when it mapped the segment with
   // the id of its pid namespace. Processes not yet known, and those in
   // another pid namespace (whose pids mean nothing here), count as alive.
-  // One thread only (the worker).
+  // Any thread (the workers of the local ranks).
   bool exited(int q);
   int pid_of(int q) const;
   // Records this process's pid, counted in mapped().
@@ -155,6 +156,7 @@ class HostSegment {
   const int processes_;
   const int ranks_;
   const int64_t chunk_bytes_;
+  std::mutex pid_mu_;        // guards pidfds_ and pids_ (opened lazily)
   std::vector<int> pidfds_;  // per process; -1: none (yet)
   std::vector<int> pids_;    // per process, as read when its pidfd was opened
 };
