@@ -34,12 +34,12 @@ jaxring runs with its defaults (across processes, algorithm "auto": on one
 host over the host segment, direct at every size; the ring otherwise, or
 the exchange up to JAXRING_EXCHANGE_MAX_BYTES where set). The auto job
 also times `algorithm="ring"` ("shm ring": with several devices per
-process, the tiered ring plan, devices of a process first). With --exchange, the jobs across
-processes also time `algorithm="ring"` and `algorithm="exchange"`
-(recursive doubling: fewer steps, each of the whole buffer) in the same
-rounds, and the tables give one against the other on each transport
-(busbw is then the same bytes over each one's time, so the ratio is one of
-times).
+process, the tiered ring plan, devices of a process first). With
+--exchange, the jobs across processes also time `algorithm="ring"` and
+`algorithm="exchange"` (recursive doubling: fewer steps, each of the whole
+buffer) in the same rounds, and the tables give one against the other on
+each transport (busbw is then the same bytes over each one's time, so the
+ratio is one of times).
 
 With --netns-rate (as root), each job runs on a network of namespaces built
 by benchmarks/netns.py instead of loopback: one namespace and address per
