@@ -3,6 +3,7 @@
     python benchmarks/compression.py [--model cnn|lm] [--rounds 2] [--target T]
                                      [--settings slow fast network] [--link auto|LINK]
                                      [--processes 4] [--rate auto|RATE]
+                                     [--batch-norm sync|local]
                                      [--plot compression.png] [--json compression.json]
 
 A trainer (8 virtual devices, under jaxring.overlap) trains until it
@@ -43,6 +44,12 @@ in two settings:
         its own network namespace on tbf-limited links (benchmarks/netns.py),
         the rate calibrated the same way from a first run on unlimited links
         (--rate overrides); jaxring's TCP transport carries the buckets.
+
+--batch-norm local (cnn) keeps each device's BatchNorm statistics to
+itself (PyTorch DDP's default) instead of averaging them over the devices
+(flax's examples, the default here): the step then makes no allreduce
+that its own computation waits for, only the gradients' (and the logged
+loss's).
 
 Steps to the target move with the trajectory: the order in which the
 allreduces add changes the low bits, and a few steps later the evaluation
@@ -152,12 +159,17 @@ def parse_args(argv=None):
                    help="processes of the network setting")
     p.add_argument("--rate", default="auto",
                    help='the network setting\'s tbf rate, e.g. "40mbit" (default: calibrated)')
+    p.add_argument("--batch-norm", choices=("sync", "local"), default="sync",
+                   help="cnn: BatchNorm statistics averaged over the devices (sync) "
+                        "or each device's own (local)")
     p.add_argument("--plot", default=None, help="accuracy against time, as a PNG")
     p.add_argument("--json", default=None, help="every run's evaluations, as JSON")
     args = p.parse_args(argv)
     args.spec = MODELS[args.model]
     if args.model != "cnn" and any(c.endswith("-warm") for c in args.configs):
         p.error("the -warm configurations train the CNN (--model cnn)")
+    if args.model != "cnn" and args.batch_norm != "sync":
+        p.error("--batch-norm is the CNN's (--model cnn): the transformer has no BatchNorm")
     if args.target is None:
         args.target = args.spec.default_target
     if args.eval_every is None:
@@ -176,6 +188,8 @@ def train(args, config: str, link: str | None, max_steps: int | None = None,
     flags = CONFIGS[config]
     if config.endswith("-warm"):
         flags = flags + [str(args.warm_up_steps)]
+    if args.model == "cnn":
+        flags = flags + ["--batch-norm", args.batch_norm]
     cmd = [sys.executable, spec.trainer, "--quiet", "--mode", "overlap", "--seed", str(seed),
            *budget, *flags]
     if network:
@@ -308,6 +322,8 @@ def main(argv=None) -> int:
                       flush=True)
         where = (f"emulated link {link}" if link else
                  f"{args.processes} processes, tbf {rate}" if rate else None)
+        if args.model == "cnn" and args.batch_norm == "local":
+            where = f"{where or 'no link emulation'}, BatchNorm statistics per device"
         results[setting] = {"link": where, "runs": runs,
                             "rows": report(setting, where, runs, args.target, args.spec)}
     if args.json:

@@ -6,10 +6,14 @@ upsampled to 16x16, under jax.pmap, flax-examples style, with jaxring.
     python examples/train_cnn.py --link 1Gbit,50us --timeline trace.json
     python examples/train_cnn.py --compression powersgd --rank 2
     python examples/train_cnn.py --compression powersgd --warm-up-steps 50
+    python examples/train_cnn.py --batch-norm local     # per-device statistics
     python -m jaxring.launch -n 2 --devices-per-process 4 examples/train_cnn.py
 
 The train step is the usual flax one: gradients and BatchNorm statistics are
-averaged with ``lax.pmean`` over the ``batch`` axis. --mode picks how:
+averaged with ``lax.pmean`` over the ``batch`` axis (--batch-norm local
+keeps each device's BatchNorm statistics to itself, as PyTorch's
+BatchNorm does under DDP: then only the gradients and the logged loss
+cross devices). --mode picks how:
   overlap    the step, unchanged, under @jaxring.overlap
   allreduce  jaxring.pmean in place of lax.pmean (no overlap)
   psum       jax.lax.pmean (XLA's own allreduce)
@@ -45,6 +49,9 @@ def parse_args(argv=None):
                         "left out of the training time)")
     p.add_argument("--target-accuracy", type=float, default=None,
                    help="with --eval-every: stop once the test accuracy reaches this")
+    p.add_argument("--batch-norm", choices=("sync", "local"), default="sync",
+                   help="sync: BatchNorm's statistics averaged over the devices "
+                        "(flax's examples); local: each device's own")
     p.add_argument("--warm-up-steps", type=int, default=0,
                    help="with --compression powersgd: steps averaged uncompressed first")
     args = p.parse_args(argv)
@@ -85,8 +92,9 @@ def main(argv=None):
 
         @nn.compact
         def __call__(self, x, train):
+            synced = train and args.batch_norm == "sync"
             norm = functools.partial(nn.BatchNorm, use_running_average=not train,
-                                     momentum=0.9, axis_name="batch" if train else None)
+                                     momentum=0.9, axis_name="batch" if synced else None)
             y = nn.Conv(self.features, (3, 3), self.stride, use_bias=False)(x)
             y = nn.relu(norm()(y))
             y = norm()(nn.Conv(self.features, (3, 3), use_bias=False)(y))
@@ -156,6 +164,8 @@ def main(argv=None):
                               x, train=False)
 
     def test_accuracy(state):
+        # Device 0's parameters and running statistics (with --batch-norm
+        # local each device has its own statistics; the parameters agree).
         # np.asarray first: indexing a jax array compiles a program per shape.
         logits = np.asarray(predict(jax.tree.map(lambda v: np.asarray(v)[0], state), x_test))
         return float((logits.argmax(-1) == y_test).mean())
@@ -220,7 +230,8 @@ def main(argv=None):
 
     elapsed = time.perf_counter() - t0 - left_out if t0 else 0.0
     test_acc = test_accuracy(state)
-    print(f"mode={args.mode} compression={args.compression} devices={n} steps={n_done} "
+    print(f"mode={args.mode} compression={args.compression} batch-norm={args.batch_norm} "
+          f"devices={n} steps={n_done} "
           f"final loss={losses[-1]:.4f} test accuracy={test_acc:.4f} "
           f"bytes/step={wire_bytes} time after compile={elapsed:.1f} s")
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))

@@ -124,6 +124,23 @@ def test_cnn_wire16_makes_as_many_buckets_as_the_bf16_wire(tmp_path):
 
 
 @pytest.mark.slow
+def test_cnn_local_batch_norm_makes_no_batch_norm_allreduces(tmp_path):
+    # Synced BatchNorm averages its statistics in the forward and the
+    # backward pass, each average an allreduce the step waits for; with
+    # --batch-norm local only the gradients and the logged values remain.
+    counts = {}
+    for mode in ("sync", "local"):
+        trace = tmp_path / f"{mode}.json"
+        fields, losses = run_example("train_cnn.py", "--devices", "4", "--max-steps", "3",
+                                     "--batch-norm", mode, "--timeline", str(trace))
+        assert fields["batch-norm"] == mode and len(losses) == 3, fields
+        events = json.loads(trace.read_text())
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        counts[mode] = sum(1 for e in events if e.get("ph") == "X" and e.get("tid") == 0)
+    assert 0 < counts["local"] < counts["sync"], counts
+
+
+@pytest.mark.slow
 def test_lm_learns_the_standard_library_with_overlap():
     fields, losses = run_example("train_lm.py", "--mode", "overlap", "--devices", "8")
     # A uniform guess over bytes is 8 bits/char; 300 steps reach about 2.5.
