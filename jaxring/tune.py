@@ -240,9 +240,9 @@ def main(argv=None) -> int:
         raise SystemExit("jaxring.tune: the job has one device; an allreduce "
                          "needs at least 2")
     dims = job_tiers(devices) if processes > 1 else ()
+    host_direct = processes > 1 and _has_host_segment()
     choices = tuning.candidates(world, in_one_process=processes == 1,
-                                quick=args.quick, tiered=bool(dims),
-                                host_direct=processes > 1 and _has_host_segment())
+                                quick=args.quick, tiered=bool(dims), host_direct=host_direct)
     measured = measure(devices, sizes, choices, args.rounds, args.min_time)
     table_key = tuning.key(jax.default_backend(), world, processes)
     me = jax.process_index()
@@ -255,8 +255,15 @@ def main(argv=None) -> int:
         print(f"# {where}, float32, median of {args.rounds} alternating rounds "
               "per candidate")
         report(params, measured, world)
-        table_entry = tuning.entry(params, tuning.select(params, choices, world, sizes,
-                                                         measured))
+        selection = tuning.select(params, choices, world, sizes, measured,
+                                  direct_everywhere_or_nowhere=host_direct)
+        if selection != tuning.select(params, choices, world, sizes, measured):
+            family = "direct" if selection[sizes[0]].algorithm == "direct" else "no direct"
+            print(f"# the table holds {family} at every size: across processes of one "
+                  "host it takes direct at every size or at none, so that processes "
+                  "that reach one call site with different shapes fail with "
+                  "MismatchError rather than wait for each other")
+        table_entry = tuning.entry(params, selection)
     table_entry = _agree(table_entry, "table")
     path = args.out or tuning.cache_path()
     if _writes_for_host(me):

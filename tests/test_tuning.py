@@ -83,6 +83,38 @@ def test_direct_is_measured_across_processes_that_share_the_host_segment():
     assert picked[4 << 10].algorithm == "direct"
 
 
+@pytest.mark.parametrize("direct_call_s, direct_s_per_byte, kept",
+                         [(2e-4, 2e-9, "no direct"), (1e-5, 1e-9, "direct")])
+def test_across_processes_of_one_host_a_table_takes_direct_everywhere_or_nowhere(
+        direct_call_s, direct_s_per_byte, kept):
+    """Direct sends no frames: processes at one call site with different
+    shapes, one in direct and one in the ring, would wait for each other
+    until the timeout. So where the processes share the host segment the
+    table keeps direct at every size or at none: the family whose choices
+    lose least to the fastest, summed over the sizes as ratios."""
+    choices = tuning.candidates(4, in_one_process=False, host_direct=True)
+    # Cheaper calls, dearer bytes: direct is fastest at the small sizes only.
+    params = dataclasses.replace(TRUE, direct_call_s=direct_call_s,
+                                 direct_s_per_byte=direct_s_per_byte)
+    mixed = tuning.select(params, choices, 4, SIZES)
+    assert {c.algorithm == "direct" for c in mixed.values()} == {True, False}
+    one = tuning.select(params, choices, 4, SIZES, direct_everywhere_or_nowhere=True)
+    assert {"direct" if c.algorithm == "direct" else "no direct"
+            for c in one.values()} == {kept}
+
+    def loss(family):
+        return sum(min(tuning.predict(params, c, 4, n) for c in family)
+                   / tuning.predict(params, mixed[n], 4, n) for n in SIZES)
+    direct = [c for c in choices if c.algorithm == "direct"]
+    rest = [c for c in choices if c.algorithm != "direct"]
+    assert (loss(direct) <= loss(rest)) == (kept == "direct")
+    # Each size takes the fastest of the family kept.
+    family = direct if kept == "direct" else rest
+    assert one == tuning.select(params, family, 4, SIZES)
+    # Without the segment (or in one process) the table keeps the fastest.
+    assert tuning.select(params, choices, 4, SIZES) == mixed
+
+
 def test_exchange_is_measured_across_processes_and_wins_where_steps_cost_most():
     """The exchange is a candidate where direct is not (ranks in several
     processes) and differs from the ring (a factor 2 in the world size);

@@ -217,10 +217,37 @@ TIE = 0.03
 
 
 def select(params: Params, choices: list[Choice], world: int,
-           sizes: Iterable[int], measured=None) -> dict[int, Choice]:
+           sizes: Iterable[int], measured=None,
+           direct_everywhere_or_nowhere: bool = False) -> dict[int, Choice]:
     """The choice the model predicts fastest at each size. Among choices
     predicted within TIE of the fastest, the one measured fastest at that
-    size wins, where ``measured`` ((choice, bytes, seconds) rows) has it."""
+    size wins, where ``measured`` ((choice, bytes, seconds) rows) has it.
+
+    ``direct_everywhere_or_nowhere`` (processes of one host that share the
+    host segment): direct at every size or at none. Direct sends no frames,
+    so two processes that reach one call site with different shapes, one
+    taking direct and the other the ring, could not tell and would wait
+    for each other until the timeout; in one algorithm they fail at once
+    with MismatchError, as under "auto". The family kept is the one whose
+    choices lose least to the fastest, summed over the sizes as ratios of
+    predicted times (direct where they tie)."""
+    sizes = list(sizes)
+    fastest = _fastest(params, choices, world, sizes, measured)
+    if (not direct_everywhere_or_nowhere
+            or len({c.algorithm == "direct" for c in fastest.values()}) < 2):
+        return fastest
+    families = ([c for c in choices if c.algorithm == "direct"],
+                [c for c in choices if c.algorithm != "direct"])
+
+    def loss(picked: dict[int, Choice]) -> float:
+        return sum(predict(params, picked[n], world, n) / predict(params, fastest[n], world, n)
+                   for n in sizes)
+    return min((_fastest(params, f, world, sizes, measured) for f in families), key=loss)
+
+
+def _fastest(params: Params, choices: list[Choice], world: int, sizes: list[int],
+             measured) -> dict[int, Choice]:
+    """select's choice at each size, on its own (no family kept)."""
     times = {(c, n): t for c, n, t in (measured or ())}
     out = {}
     for n in sizes:
