@@ -23,7 +23,8 @@ runs on every device of the job; where the ranks form several tiers
 (devices of a process, processes of a host, hosts) each candidate is
 measured both as a flat ring and as the tiered plan, and the model gets an
 (alpha, beta) per tier. Process 0 fits and reports; every process gets the
-same table, and one process per host writes it.
+same table, and every process writes it (to its own cache file, or the
+same one: a write replaces the file whole, with the same content).
 
 --load PATH reads the parameters from a tuning file instead of measuring,
 and prints the choices they imply.
@@ -266,11 +267,14 @@ def main(argv=None) -> int:
         table_entry = tuning.entry(params, selection)
     table_entry = _agree(table_entry, "table")
     path = args.out or tuning.cache_path()
-    if _writes_for_host(me):
-        tuning.save(path, table_key, table_entry)
+    # Every process, not one per host: processes of one host may each have
+    # a cache of their own (containers sharing the host's network and
+    # /dev/shm but not a home), and one without the table would run the
+    # defaults while the others ran the table.
+    tuning.save(path, table_key, table_entry)
     if me == 0:
         print(f"# table for {table_key} written to {path}"
-              + (" (by one process on each host)" if processes > 1 else ""))
+              + (" (by every process)" if processes > 1 else ""))
     return 0
 
 
@@ -282,15 +286,6 @@ def _has_host_segment() -> bool:
     from jaxring._src.config import config
     distributed.ensure_tcp_transport(config.timeout_s)
     return host_segment.unavailable() is None
-
-
-def _writes_for_host(me: int) -> bool:
-    """One process per host writes the table (the same one everywhere)."""
-    from jaxring._src import distributed
-    hosts = distributed.process_hosts()
-    if not hosts:
-        return True
-    return min(p for p, h in hosts.items() if h == hosts[me]) == me
 
 
 if __name__ == "__main__":

@@ -140,6 +140,24 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
     assert all(d == digests[0] for d in digests.values())
 
 
+@pytest.mark.parametrize("devices,transport", [
+    pytest.param(1, "auto", id="2-processes"),
+    pytest.param(1, "tcp", id="2-processes-tcp"),
+    pytest.param(2, "auto", id="2x2", marks=newest_jax_only)])
+def test_allreduce_in_a_loop_body_meets_the_same_iteration_on_every_rank(devices, transport):
+    # XLA runs a call in a scan's or a fori_loop's body under one key for
+    # the whole run: a rank's next iteration once joined a peer's current
+    # one (direct: a wrong sum, then a timeout; the ring: a protocol error).
+    r = run_launcher(2, "loop_check.py", 40, 1000, "auto,ring,exchange",
+                     devices_per_process=devices,
+                     env={"JAXRING_TRANSPORT": transport, "JAXRING_TIMEOUT_S": "60"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    by_rank = lines_by_rank(r.stdout)
+    for rank in (0, 1):
+        assert [l for l in by_rank[rank] if l.startswith(("LOOP", "DONE"))] == [
+            "LOOP auto ok", "LOOP ring ok", "LOOP exchange ok", "DONE"], by_rank[rank][-5:]
+
+
 @pytest.mark.parametrize("tiers,split", [
     pytest.param("2x2x2", (2, 4), id="2x2x2-over-2-processes", marks=newest_jax_only),
     pytest.param("2x4", (4, 2), id="2x4-over-4-processes", marks=newest_jax_only),

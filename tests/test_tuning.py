@@ -177,6 +177,31 @@ def test_select_takes_the_fastest_prediction_and_lookup_the_next_size():
     assert tuning.lookup(entry, 1 << 30) == Choice("direct", 2, 1 << 20)
 
 
+def test_a_table_that_mixes_direct_with_the_ring_is_not_used_across_processes(tmp_path):
+    """Tables written before the tuner kept direct at every size or at none
+    may mix them by size; across processes such a table would let processes
+    that reach one allreduce with different shapes wait for each other until
+    the timeout, so it is left unused, with one warning. In one process, or
+    with one family, it is used."""
+    path = str(tmp_path / "t.json")
+    mixed = {4096: Choice("direct", 2, 1 << 20), 1 << 20: Choice("ring", 2, 1 << 18)}
+    tuning.save(path, "cpu/ranks=4/processes=4", tuning.entry(TRUE, mixed))
+    tuning.save(path, "cpu/ranks=4/processes=1", tuning.entry(TRUE, mixed))
+    rings_only = {4096: Choice("exchange", 1, 1 << 20), 1 << 20: Choice("ring", 2, 1 << 18)}
+    tuning.save(path, "cpu/ranks=8/processes=4", tuning.entry(TRUE, rings_only))
+    assert tuning.mixes_direct(tuning.load(path)["cpu/ranks=4/processes=4"])
+    assert not tuning.mixes_direct(tuning.load(path)["cpu/ranks=8/processes=4"])
+    tuning._warned_mixed.clear()
+    with pytest.warns(UserWarning, match="takes direct at some sizes") as caught:
+        for nbytes in (100, 1 << 20):
+            assert tuning.tuned_choice(path, "cpu/ranks=4/processes=4", nbytes,
+                                       across_processes=True) is None
+    assert len(caught) == 1
+    assert tuning.tuned_choice(path, "cpu/ranks=4/processes=1", 100) == mixed[4096]
+    assert tuning.tuned_choice(path, "cpu/ranks=8/processes=4", 1 << 20,
+                               across_processes=True) == rings_only[1 << 20]
+
+
 def test_file_round_trip_keeps_other_topologies(tmp_path):
     path = str(tmp_path / "t.json")
     sel = {4096: Choice("ring", 3, 12345)}
@@ -248,6 +273,14 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
             2, 1 << 20, "auto", "auto", False)
         # A topology that was given stays.
         assert _tuned(everything - {"topology"}, 4, 100, 2, 1 << 20, "auto", (2, 2))[3] == (2, 2)
+        # An algorithm given as "auto" keeps "auto"'s topology too: the
+        # table's "flat" at some sizes and "auto" at others would run the
+        # ring at some and direct at others across processes of one host.
+        # Given as "ring", the table still picks flat or tiered.
+        assert _tuned(everything - {"algorithm"}, 4, 1 << 19, 2, 1 << 20, "auto",
+                      "auto") == (1, 4096, "auto", "auto", True)
+        assert _tuned(everything - {"algorithm"}, 4, 1 << 19, 2, 1 << 20, "ring",
+                      "auto") == (1, 4096, "ring", "flat", True)
     finally:
         jaxring.config.reset("tuning")
     # The table's exchange runs where the topology is the table's too; a

@@ -1083,7 +1083,8 @@ def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
     if not tunable:
         return rings, chunk_bytes, algorithm, topology, False
     key = _tuning.key(jax.default_backend(), world, jax.process_count())
-    choice = _tuning.tuned_choice(config.tuning, key, nbytes)
+    choice = _tuning.tuned_choice(config.tuning, key, nbytes,
+                                  across_processes=jax.process_count() > 1)
     if choice is None:
         return rings, chunk_bytes, algorithm, topology, False
     if "rings" in tunable:
@@ -1098,7 +1099,11 @@ def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
             # A topology the caller set asks for the ring plan, as it does
             # of "auto" (resolve_algorithm).
             algorithm = "ring"
-    if "topology" in tunable:
+    if "topology" in tunable and ("algorithm" in tunable or algorithm != "auto"):
+        # Not under an algorithm set to "auto": the table's "flat" at some
+        # sizes (ring or exchange) and "auto" at others (direct, where the
+        # processes share the host segment) would mix direct with the ring
+        # by size, which select() keeps the table's own choices from doing.
         # "flat" or "auto": the table never names tiers, so it cannot ask
         # for tiers this layout does not have. Direct has no plan: "auto"
         # lets it run across processes too (where the tuner measures it:

@@ -214,8 +214,10 @@ _OPTIONS = {
                 "with an error that names the missing ranks."),
         _Option("tuning", "JAXRING_TUNING", "auto", str, _tuning_setting,
                 '"auto", "off" or the path of a tuning file',
-                "Where rings, chunk_bytes and algorithm come from when they "
-                "are not set: \"auto\" (default) takes them, per message "
+                "Where rings, chunk_bytes, algorithm and topology come from "
+                "when they are not set (topology only with the algorithm, or "
+                "under an algorithm other than \"auto\"): \"auto\" (default) "
+                "takes them, per message "
                 "size, from the table `python -m jaxring.tune` wrote to the "
                 "cache (~/.cache/jaxring/tuning.json) for this topology, if "
                 "there is one; a path names another such file; \"off\" "

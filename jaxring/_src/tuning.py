@@ -41,6 +41,8 @@ import itertools
 import json
 import math
 import os
+import tempfile
+import warnings
 from typing import Iterable
 
 import numpy as np
@@ -296,19 +298,41 @@ def save(path: str, table_key: str, table_entry: dict) -> None:
     """Adds or replaces one topology's entry, keeping the others."""
     tables = load(path) if os.path.exists(path) else {}
     tables[table_key] = table_entry
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"version": VERSION, "tables": tables}, f, indent=1)
-    os.replace(tmp, path)  # readers never see half a file
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    # A name of its own (every process of a job writes the table, maybe
+    # into one file, maybe from containers whose pids repeat).
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": VERSION, "tables": tables}, f, indent=1)
+        umask = os.umask(0)  # mkstemp makes it 0600; open() would honour the umask
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)  # readers never see half a file
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 _loaded: dict[str, tuple[float, dict]] = {}
 
 
-def tuned_choice(setting: str, table_key: str, nbytes: int) -> Choice | None:
+def mixes_direct(table_entry: dict) -> bool:
+    """Whether a table's entry takes direct at some sizes and not at others."""
+    return len({c["algorithm"] == "direct" for c in table_entry["choices"].values()}) == 2
+
+
+_warned_mixed: set[tuple[str, str]] = set()
+
+
+def tuned_choice(setting: str, table_key: str, nbytes: int,
+                 across_processes: bool = False) -> Choice | None:
     """The table's choice for an operation, or None (tuning off, no file,
-    no entry for this topology)."""
+    no entry for this topology; across processes, an entry that mixes
+    direct with the ring by size, which tables written before select()
+    kept one family could: it is left unused, with a warning, rather than
+    let processes with different shapes wait on each other)."""
     if setting == "off":
         return None
     path = cache_path() if setting == "auto" else setting
@@ -325,7 +349,21 @@ def tuned_choice(setting: str, table_key: str, nbytes: int) -> Choice | None:
         cached = (mtime, load(path))
         _loaded[path] = cached
     table = cached[1].get(table_key)
-    return None if table is None else lookup(table, nbytes)
+    if table is None:
+        return None
+    if across_processes and mixes_direct(table):
+        if (path, table_key) not in _warned_mixed:
+            _warned_mixed.add((path, table_key))
+            warnings.warn(
+                f"jaxring: the tuning table in {path} for {table_key} takes direct at "
+                "some sizes and the ring at others across processes. Processes that "
+                "reach one allreduce with different shapes would then wait for each "
+                "other until the timeout instead of failing with MismatchError, so "
+                "jaxring does not use it and runs its defaults. Run python -m "
+                "jaxring.tune again: it now keeps direct at every size or at none.",
+                stacklevel=2)
+        return None
+    return lookup(table, nbytes)
 
 
 def relative_error(predicted: float, measured: float) -> float:

@@ -411,8 +411,17 @@ class Worker {
       EntryFields held;
       uint64_t state;
       if (!snapshot(e, &held, &state) || held.run_id != t.key.run_id ||
-          held.op_id != t.key.op_id || held.group != t.key.group) {
-        break;  // another operation's, or being claimed: wait for it
+          held.op_id != t.key.op_id || held.group != t.key.group ||
+          es::joined(state) >= held.world) {
+        // Another operation's, or being claimed, or every rank of it came
+        // already: one key runs many times in one run (an allreduce in a
+        // loop's body), and a rank done with one time that starts the next
+        // while a peer still copies the first one's result out must not
+        // join the first. Wait for the entry to be free. (With nothing to
+        // move, a rank may leave before a peer joins, and its next time
+        // then take that peer's place; no data moves, and the entry is
+        // free once as many have left as joined.)
+        break;
       }
       // Joins the operation whose fields were just read, if the entry is
       // still that claim's (the compare-and-swap fails otherwise).

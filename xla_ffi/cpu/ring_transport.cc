@@ -5,6 +5,7 @@
 #include "../failure.h"
 #include "host_direct.h"
 #include "inprocess_plan_host.h"
+#include "op_occurrence.h"
 #include "tcp_transport.h"
 
 namespace jaxring {
@@ -33,8 +34,8 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
                 "tiered topology runs the ring plan"));
   } else if (desc.algorithm == Algorithm::kDirect && !one_process) {
     // Across the processes of one host: over the host segment.
-    host_direct_allreduce(key, desc, rank, process_of_rank, in, out, timeout_s,
-                          std::move(done));
+    host_direct_allreduce(next_occurrence(key, rank), desc, rank, process_of_rank, in,
+                          out, timeout_s, std::move(done));
   } else if (one_process && !desc.emulated() &&
              (desc.topology.size() > 1 || desc.algorithm == Algorithm::kExchange)) {
     // A tiered plan or the exchange plan on real memory: the plan executor.
@@ -51,8 +52,8 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
                 "jaxring allreduce: link emulation applies to the in-process "
                 "transport only; across processes, shape the real network instead"));
   } else {
-    tcp_allreduce(key, desc, rank, device, process_of_rank, in, out, timeout_s,
-                  std::move(done));
+    tcp_allreduce(next_occurrence(key, rank), desc, rank, device, process_of_rank, in,
+                  out, timeout_s, std::move(done));
   }
 }
 
