@@ -20,6 +20,9 @@ namespace jaxring {
 
 namespace {
 
+// mark_failed's generation for an entry the caller holds (it cannot change).
+constexpr uint64_t kAnyGeneration = ~uint64_t{0};
+
 // How long an idle or waiting worker sleeps at most: the deadlines and the
 // peers' pids are looked at this often.
 constexpr int64_t kPollNs = 20'000'000;
@@ -354,23 +357,36 @@ class Worker {
              " with " + fields_desc(o) +
              ". Every process must run the same program with the same shapes, "
              "dtypes and ops.";
-      if (other.state.load(std::memory_order_acquire) == state) {
-        mark_failed(other, tagged(FailureKind::kMismatch, me_, *why));
-      }
+      mark_failed(other, tagged(FailureKind::kMismatch, me_, *why),
+                  entry_state::generation(state));
       return q;
     }
     return -1;
   }
 
   // Records `message` as the entry's failure unless one is there already;
-  // the ranks in it learn it at their next look.
-  bool mark_failed(HostEntry& e, const std::string& message) {
+  // the ranks in it learn it at their next look. With `generation`, only
+  // while the entry is still that claim's: an entry of another operation
+  // (in_another_program) may be freed and claimed by an unrelated one at
+  // any moment, which must not fail. A claim resets failed_by after it
+  // changed the generation, so a mark that began on the old claim either
+  // sees the new generation and takes itself back, or finds failed_by
+  // reset when it would publish, and publishes nothing.
+  bool mark_failed(HostEntry& e, const std::string& message,
+                   uint64_t generation = kAnyGeneration) {
     int32_t none = 0;
     if (!e.failed_by.compare_exchange_strong(none, -1)) return false;
+    if (generation != kAnyGeneration &&
+        entry_state::generation(e.state.load()) != generation) {
+      int32_t writing = -1;
+      e.failed_by.compare_exchange_strong(writing, 0);
+      return false;
+    }
     const size_t n = std::min(message.size(), sizeof(e.error) - 1);
     std::memcpy(e.error, message.data(), n);
     e.error[n] = '\0';
-    e.failed_by.store(me_ + 1, std::memory_order_release);
+    int32_t writing = -1;
+    if (!e.failed_by.compare_exchange_strong(writing, me_ + 1)) return false;
     ring_host();
     return true;
   }
