@@ -281,10 +281,12 @@ def main(argv=None) -> int:
 def _has_host_segment() -> bool:
     """Whether direct can run across this job's processes: the transport's
     set-up (done here, before any allreduce) decides it alike in every
-    process."""
+    process. The processes' tuning tables may differ (that may be why it
+    runs), and it measures with explicit settings, so the set-up does not
+    compare them."""
     from jaxring._src import distributed, host_segment
     from jaxring._src.config import config
-    distributed.ensure_tcp_transport(config.timeout_s)
+    distributed.ensure_tcp_transport(config.timeout_s, compare_tuning_tables=False)
     return host_segment.unavailable() is None
 
 

@@ -323,6 +323,30 @@ def test_different_programs_fail_fast_on_every_rank(algorithm):
         assert "1024 x float32" in raised[0] and "2048 x float32" in raised[0]
 
 
+@pytest.mark.parametrize("setting,named", [
+    ("algorithm", "algorithm is 'auto' in process 0 and 'ring'"),
+    ("tuning", "tuning table is 'no file' in process 0 and 'sha256 ")])
+def test_processes_of_one_host_with_settings_that_choose_differently_fail_at_lowering(
+        setting, named):
+    # Process 1 would run the ring while process 0 waits for it in the
+    # host segment: neither would see the other's description.
+    timeout_s = 60
+    with tempfile.TemporaryDirectory() as cache:
+        r = run_launcher(2, "settings_mismatch.py", setting, timeout_s,
+                         env={"JAXRING_ALGORITHM": "auto", "JAXRING_TUNING": "auto",
+                              "XDG_CACHE_HOME": cache})
+    by_rank = lines_by_rank(r.stdout)
+    for rank, other in ((0, 1), (1, 0)):
+        raised = [l for l in by_rank[rank] if l.startswith("RAISED")]
+        assert raised, r.stdout[-3000:] + r.stderr[-3000:]
+        elapsed = float(raised[0].split()[1])
+        assert elapsed < timeout_s / 2, raised[0]
+        assert raised[0].split()[2] == "MismatchError", raised[0]
+        assert f"in process {other} and" in raised[0], raised[0]
+        assert "different settings" in raised[0], raised[0]
+    assert named in " ".join(l for l in by_rank[1] if l.startswith("RAISED")), r.stdout
+
+
 def test_a_function_only_one_process_lowered_does_not_shift_the_others():
     r = run_launcher(2, "uneven_lowering.py", 20, devices_per_process=2)
     by_rank = lines_by_rank(r.stdout)

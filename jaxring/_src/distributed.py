@@ -40,7 +40,7 @@ import threading
 
 import numpy as np
 
-from jaxring._src import crowding, host_segment
+from jaxring._src import crowding, host_segment, settings_agreement
 
 _PREFIX = "jaxring/tcp/v2/"
 _ADDRESS_KEY = _PREFIX + "address/{}"
@@ -228,9 +228,13 @@ def _job_secret_and_id(client, me: int, timeout_ms: int) -> tuple[bytes, bytes, 
     return bytes.fromhex(record["secret"]), job_id, "key-value store"
 
 
-def ensure_tcp_transport(timeout_s: float) -> None:
+def ensure_tcp_transport(timeout_s: float, compare_tuning_tables: bool = True) -> None:
     """Sets up the TCP transport once per process (blocks until every
-    process has published its address, at most timeout_s).
+    process has published its address, at most timeout_s). Raises
+    MismatchError where the processes of this host disagree on the
+    settings that choose between direct and the ring
+    (settings_agreement.py; the tuning tables left out without
+    compare_tuning_tables).
 
     A set-up that failed is not tried again: its keys are published once
     per job (a second try would meet its own), and the job's processes
@@ -253,13 +257,13 @@ def ensure_tcp_transport(timeout_s: float) -> None:
                 "process and is not tried again (restart the job); the first "
                 f"failure: {_setup_failure}")
         try:
-            _set_up_tcp_transport(timeout_s)
+            _set_up_tcp_transport(timeout_s, compare_tuning_tables)
         except Exception as e:
             _setup_failure = str(e)
             raise
 
 
-def _set_up_tcp_transport(timeout_s: float) -> None:
+def _set_up_tcp_transport(timeout_s: float, compare_tuning_tables: bool) -> None:
     """ensure_tcp_transport's work, under its lock."""
     global _ready, _secret_source, _cores_per_rank
     import jax
@@ -280,9 +284,10 @@ def _set_up_tcp_transport(timeout_s: float) -> None:
     port = _jaxring.tcp_listen(host, me, n, secret, job_id, use_shm)
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
     mine = secret_fingerprint(secret, job_id)
+    my_settings = settings_agreement.record(compare_tuning_tables)
     client.key_value_set(_ADDRESS_KEY.format(me), json.dumps(
         {"address": address, "secret_fingerprint": mine, "host": my_host,
-         **crowding.local_record(jax.local_device_count())}))
+         "settings": my_settings, **crowding.local_record(jax.local_device_count())}))
     addresses = []
     same_host = []
     records = []
@@ -304,6 +309,7 @@ def _set_up_tcp_transport(timeout_s: float) -> None:
         records.append(record)
         if q != me and record.get("host") == my_host:
             same_host.append(q)
+            settings_agreement.check(my_settings, record.get("settings", {}), me, q)
     _jaxring.tcp_set_peers(addresses, same_host)
     host_segment.set_up(client, me, n, jax.device_count(), job_id,
                         one_host=len(same_host) == n - 1, use_shm=use_shm,
