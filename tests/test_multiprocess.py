@@ -347,6 +347,19 @@ def test_processes_of_one_host_with_settings_that_choose_differently_fail_at_low
     assert named in " ".join(l for l in by_rank[1] if l.startswith("RAISED")), r.stdout
 
 
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+def test_timeline_across_processes_names_every_iteration_of_a_loop(algorithm):
+    # auto runs direct over the host segment, ring the shared-memory links;
+    # in a loop's body both run each iteration under an op id of their own.
+    r = run_launcher(2, "timeline_check.py", algorithm)
+    by_rank = lines_by_rank(r.stdout)
+    for rank in (0, 1):
+        assert by_rank[rank][-1:] == ["DONE"], r.stdout[-3000:] + r.stderr[-3000:]
+        spans = [l for l in by_rank[rank] if l.startswith("SPANS")]
+        assert spans == ["SPANS allreduce max over x; allreduce max over x; "
+                         "allreduce max over x; allreduce sum over x"], by_rank[rank]
+
+
 def test_a_function_only_one_process_lowered_does_not_shift_the_others():
     r = run_launcher(2, "uneven_lowering.py", 20, devices_per_process=2)
     by_rank = lines_by_rank(r.stdout)

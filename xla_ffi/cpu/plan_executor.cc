@@ -297,14 +297,15 @@ void Pass::consume(int r, int j, int64_t u) {
 }
 
 bool Pass::complete(const std::optional<std::string>& result, bool* finished) {
-  if (!result && timeline_enabled()) {
+  // Where every rank runs here: across processes ring_transport records the
+  // span, under the call site's op id rather than this operation's.
+  if (!result && timeline_enabled() &&
+      static_cast<int>(op_.locals.size()) == op_.desc.world_size) {
     // An allreduce completes only once every rank has sent its part, so all
-    // have joined; their join times are known here when all run here.
+    // have joined, here.
     int64_t last_join = -1;
-    if (static_cast<int>(op_.locals.size()) == op_.desc.world_size) {
-      for (const auto& [rank, local] : op_.locals) {
-        last_join = std::max(last_join, local.joined_ns);
-      }
+    for (const auto& [rank, local] : op_.locals) {
+      last_join = std::max(last_join, local.joined_ns);
     }
     timeline_record({device_, op_.key.run_id, op_.key.op_id,
                      op_.desc.count * esize_, op_.desc.num_rings, me_.joined_ns,

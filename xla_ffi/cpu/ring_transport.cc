@@ -3,12 +3,37 @@
 #include <algorithm>
 
 #include "../failure.h"
+#include "../reduce.h"
 #include "host_direct.h"
 #include "inprocess_plan_host.h"
 #include "op_occurrence.h"
 #include "tcp_transport.h"
+#include "timeline.h"
 
 namespace jaxring {
+
+namespace {
+
+// Across processes the transports run the n-th time of a key under an op
+// id mixed with n (op_occurrence.h), and the timeline names spans by op
+// id: so the span of an allreduce across processes is recorded here, under
+// the op id its call site was given, from this rank's start to its end
+// (only this process's ranks' starts are known, so no peers' join time).
+Completion recorded_in_timeline(const OpKey& key, const OpDesc& desc, int device,
+                                Completion done) {
+  if (!timeline_enabled()) return done;
+  return [key, device, bytes = desc.count * elem_bytes(desc.type), rings = desc.num_rings,
+          begin = timeline_now_ns(),
+          done = std::move(done)](const std::optional<std::string>& error) {
+    if (!error) {
+      timeline_record({device, key.run_id, key.op_id, bytes, rings, begin,
+                       timeline_now_ns(), -1});
+    }
+    done(error);
+  };
+}
+
+}  // namespace
 
 void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
                     const std::vector<int>& process_of_rank, const void* in,
@@ -35,7 +60,8 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
   } else if (desc.algorithm == Algorithm::kDirect && !one_process) {
     // Across the processes of one host: over the host segment.
     host_direct_allreduce(next_occurrence(key, rank), desc, rank, process_of_rank, in,
-                          out, timeout_s, std::move(done));
+                          out, timeout_s,
+                          recorded_in_timeline(key, desc, device, std::move(done)));
   } else if (one_process && !desc.emulated() &&
              (desc.topology.size() > 1 || desc.algorithm == Algorithm::kExchange)) {
     // A tiered plan or the exchange plan on real memory: the plan executor.
@@ -53,7 +79,7 @@ void ring_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
                 "transport only; across processes, shape the real network instead"));
   } else {
     tcp_allreduce(next_occurrence(key, rank), desc, rank, device, process_of_rank, in,
-                  out, timeout_s, std::move(done));
+                  out, timeout_s, recorded_in_timeline(key, desc, device, std::move(done)));
   }
 }
 
