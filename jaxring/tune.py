@@ -84,7 +84,7 @@ def job_tiers(devices) -> tuple:
 
     from jaxring._src import distributed, topology
     if len({d.process_index for d in devices}) > 1:
-        distributed.ensure_tcp_transport(120.0)
+        distributed.ensure_tcp_transport(120.0, check_settings=False)
     rank_process = np.array([d.process_index for d in devices], np.int64)
     return topology.resolve("auto", len(devices), rank_process)
 
@@ -281,12 +281,13 @@ def main(argv=None) -> int:
 def _has_host_segment() -> bool:
     """Whether direct can run across this job's processes: the transport's
     set-up (done here, before any allreduce) decides it alike in every
-    process. The processes' tuning tables may differ (that may be why it
-    runs), and it measures with explicit settings, so the set-up does not
-    compare them."""
+    process. The tuner measures every choice with explicit settings, so
+    the processes' own settings and tables (which may differ: that may be
+    why it runs) are not compared (job_tiers sets the transport up first,
+    alike)."""
     from jaxring._src import distributed, host_segment
     from jaxring._src.config import config
-    distributed.ensure_tcp_transport(config.timeout_s, compare_tuning_tables=False)
+    distributed.ensure_tcp_transport(config.timeout_s, check_settings=False)
     return host_segment.unavailable() is None
 
 

@@ -257,30 +257,31 @@ def test_allreduce_takes_unset_settings_from_the_table(tmp_path):
 
 
 def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
-    from jaxring._src.allreduce import _tuned
+    from jaxring._src.allreduce import tuned_settings
     path = str(tmp_path / "t.json")
     tuning.save(path, tuning.key("cpu", 4, 1), tuning.entry(TRUE, {
         1024: Choice("ring", 3, 12345, "auto"), 1 << 20: Choice("ring", 1, 4096, "flat")}))
     everything = {"rings", "chunk_bytes", "algorithm", "topology"}
     jaxring.config.update("tuning", path)
     try:
-        assert _tuned(everything, 4, 100, 2, 1 << 20, "auto", "flat") == (
+        assert tuned_settings(everything, 4, 100, 2, 1 << 20, "auto", "flat") == (
             3, 12345, "ring", "auto", True)
-        assert _tuned(everything, 4, 1 << 19, 2, 1 << 20, "auto", "auto") == (
+        assert tuned_settings(everything, 4, 1 << 19, 2, 1 << 20, "auto", "auto") == (
             1, 4096, "ring", "flat", True)
         # No entry for 8 ranks: the settings stay, and say they were not tabled.
-        assert _tuned(everything, 8, 100, 2, 1 << 20, "auto", "auto") == (
+        assert tuned_settings(everything, 8, 100, 2, 1 << 20, "auto", "auto") == (
             2, 1 << 20, "auto", "auto", False)
         # A topology that was given stays.
-        assert _tuned(everything - {"topology"}, 4, 100, 2, 1 << 20, "auto", (2, 2))[3] == (2, 2)
+        assert tuned_settings(everything - {"topology"}, 4, 100, 2, 1 << 20, "auto",
+                              (2, 2))[3] == (2, 2)
         # An algorithm given as "auto" keeps "auto"'s topology too: the
         # table's "flat" at some sizes and "auto" at others would run the
         # ring at some and direct at others across processes of one host.
         # Given as "ring", the table still picks flat or tiered.
-        assert _tuned(everything - {"algorithm"}, 4, 1 << 19, 2, 1 << 20, "auto",
-                      "auto") == (1, 4096, "auto", "auto", True)
-        assert _tuned(everything - {"algorithm"}, 4, 1 << 19, 2, 1 << 20, "ring",
-                      "auto") == (1, 4096, "ring", "flat", True)
+        assert tuned_settings(everything - {"algorithm"}, 4, 1 << 19, 2, 1 << 20, "auto",
+                              "auto") == (1, 4096, "auto", "auto", True)
+        assert tuned_settings(everything - {"algorithm"}, 4, 1 << 19, 2, 1 << 20, "ring",
+                              "auto") == (1, 4096, "ring", "flat", True)
     finally:
         jaxring.config.reset("tuning")
     # The table's exchange runs where the topology is the table's too; a
@@ -290,11 +291,11 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
     tuning._loaded.clear()
     jaxring.config.update("tuning", path)
     try:
-        assert _tuned(everything, 4, 100, 2, 4096, "auto", "auto") == (
+        assert tuned_settings(everything, 4, 100, 2, 4096, "auto", "auto") == (
             1, 1 << 20, "exchange", "flat", True)
         for given in ((2, 2), "flat"):
-            assert _tuned(everything - {"topology"}, 4, 100, 2, 4096, "auto",
-                          given)[2:4] == ("ring", given)
+            assert tuned_settings(everything - {"topology"}, 4, 100, 2, 4096, "auto",
+                                  given)[2:4] == ("ring", given)
     finally:
         jaxring.config.reset("tuning")
     # A table entry whose topology is neither "flat" nor "auto" is refused.
@@ -304,7 +305,7 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
     jaxring.config.update("tuning", path)
     try:
         with pytest.raises(ValueError, match="jaxring tuning table: topology must be"):
-            _tuned(everything, 4, 100, 2, 1 << 20, "auto", "auto")
+            tuned_settings(everything, 4, 100, 2, 1 << 20, "auto", "auto")
     finally:
         jaxring.config.reset("tuning")
 

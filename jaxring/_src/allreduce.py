@@ -1006,10 +1006,8 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
             f"(a wire format rounds partial sums), got op={op!r}")
     axes = _axes_tuple(axis_name)
     groups = _groups_tuple(axis_index_groups)
-    # What a tuning table may fill in: settings neither passed nor set.
-    tunable = {name for name, arg in (("rings", rings), ("chunk_bytes", chunk_bytes),
-                                      ("algorithm", algorithm), ("topology", topology))
-               if arg is None and not config.is_explicit(name)}
+    tunable = tunable_settings(rings=rings, chunk_bytes=chunk_bytes, algorithm=algorithm,
+                               topology=topology)
     rings = validate("rings", config.rings if rings is None else rings,
                      "jaxring.allreduce")
     chunk_bytes = validate("chunk_bytes",
@@ -1046,7 +1044,7 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
              else max(len(g) for g in groups))
     for dtype, idx in by_dtype.items():
         nbytes = sum(math.prod(leaves[i].shape) for i in idx) * dtype.itemsize
-        g_rings, g_chunk, g_algorithm, g_topology, tabled = _tuned(
+        g_rings, g_chunk, g_algorithm, g_topology, tabled = tuned_settings(
             tunable, world, nbytes, rings, chunk_bytes, algorithm, topology)
         reduced = _reduce_leaf_group([leaves[i] for i in idx], axes, groups, ring_op,
                                      g_rings, g_chunk, timeout_s, g_algorithm,
@@ -1075,8 +1073,15 @@ def _mean_divisor(axes: tuple, groups: tuple | None):
     return jax.numpy.asarray(size_of_index)[lax.axis_index(axes)]
 
 
-def _tuned(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
-           algorithm: str, topology: Any) -> tuple[int, int, str, Any, bool]:
+def tunable_settings(**passed) -> set:
+    """What a tuning table may fill in: the settings of `passed` (name:
+    argument) neither passed (None) nor set."""
+    return {name for name, arg in passed.items()
+            if arg is None and not config.is_explicit(name)}
+
+
+def tuned_settings(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
+                   algorithm: str, topology: Any) -> tuple[int, int, str, Any, bool]:
     """rings, chunk_bytes, algorithm and topology, with the tuning table's
     choice for this message size in place of those left at their defaults;
     and whether a table gave one."""

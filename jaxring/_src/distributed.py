@@ -228,13 +228,12 @@ def _job_secret_and_id(client, me: int, timeout_ms: int) -> tuple[bytes, bytes, 
     return bytes.fromhex(record["secret"]), job_id, "key-value store"
 
 
-def ensure_tcp_transport(timeout_s: float, compare_tuning_tables: bool = True) -> None:
+def ensure_tcp_transport(timeout_s: float, check_settings: bool = True) -> None:
     """Sets up the TCP transport once per process (blocks until every
-    process has published its address, at most timeout_s). Raises
-    MismatchError where the processes of this host disagree on the
-    settings that choose between direct and the ring
-    (settings_agreement.py; the tuning tables left out without
-    compare_tuning_tables).
+    process has published its address, at most timeout_s). With
+    check_settings, raises MismatchError where the processes of a job on
+    one host would choose differently between direct and the ring
+    (settings_agreement.py).
 
     A set-up that failed is not tried again: its keys are published once
     per job (a second try would meet its own), and the job's processes
@@ -257,13 +256,13 @@ def ensure_tcp_transport(timeout_s: float, compare_tuning_tables: bool = True) -
                 "process and is not tried again (restart the job); the first "
                 f"failure: {_setup_failure}")
         try:
-            _set_up_tcp_transport(timeout_s, compare_tuning_tables)
+            _set_up_tcp_transport(timeout_s, check_settings)
         except Exception as e:
             _setup_failure = str(e)
             raise
 
 
-def _set_up_tcp_transport(timeout_s: float, compare_tuning_tables: bool) -> None:
+def _set_up_tcp_transport(timeout_s: float, check_settings: bool) -> None:
     """ensure_tcp_transport's work, under its lock."""
     global _ready, _secret_source, _cores_per_rank
     import jax
@@ -284,10 +283,11 @@ def _set_up_tcp_transport(timeout_s: float, compare_tuning_tables: bool) -> None
     port = _jaxring.tcp_listen(host, me, n, secret, job_id, use_shm)
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
     mine = secret_fingerprint(secret, job_id)
-    my_settings = settings_agreement.record(compare_tuning_tables)
+    my_settings = settings_agreement.record() if check_settings else None
     client.key_value_set(_ADDRESS_KEY.format(me), json.dumps(
         {"address": address, "secret_fingerprint": mine, "host": my_host,
-         "settings": my_settings, **crowding.local_record(jax.local_device_count())}))
+         "shm": use_shm, "settings": my_settings,
+         **crowding.local_record(jax.local_device_count())}))
     addresses = []
     same_host = []
     records = []
@@ -309,7 +309,14 @@ def _set_up_tcp_transport(timeout_s: float, compare_tuning_tables: bool) -> None
         records.append(record)
         if q != me and record.get("host") == my_host:
             same_host.append(q)
-            settings_agreement.check(my_settings, record.get("settings", {}), me, q)
+    # Where direct may run across the processes (one host, no process that
+    # keeps to TCP: the segment's own set-up below decides alike), they must
+    # all choose it or none. Every process compares, so all raise or none.
+    if (my_settings is not None and len(same_host) == n - 1 and
+            all(records[q].get("shm") for q in range(n))):
+        for q in same_host:
+            if records[q].get("settings") is not None:
+                settings_agreement.check(my_settings, records[q]["settings"], me, q)
     _jaxring.tcp_set_peers(addresses, same_host)
     host_segment.set_up(client, me, n, jax.device_count(), job_id,
                         one_host=len(same_host) == n - 1, use_shm=use_shm,

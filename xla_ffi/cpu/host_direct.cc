@@ -22,6 +22,9 @@ namespace {
 
 // mark_failed's generation for an entry the caller holds (it cannot change).
 constexpr uint64_t kAnyGeneration = ~uint64_t{0};
+// How many times a failing rank looks again while another mark holds the
+// entry's failure word (Worker::fail).
+constexpr int kSettleAttempts = 100000;
 
 // How long an idle or waiting worker sleeps at most: the deadlines and the
 // peers' pids are looked at this often.
@@ -218,11 +221,22 @@ class Worker {
   // every rank: the first failure recorded is the one every rank reports
   // (this one's, if the one being recorded cannot be read yet).
   bool fail(Task& t, FailureKind kind, int peer, const std::string& why, bool* finished) {
-    if (t.entry >= 0 &&
-        !mark_failed(seg_->entry(t.entry),
-                     tagged(kind, peer, "rank " + std::to_string(t.rank) + ": " + why)) &&
-        seg_->entry(t.entry).failed_by.load(std::memory_order_acquire) > 0) {
-      return failed_elsewhere(t, finished);
+    if (t.entry >= 0) {
+      HostEntry& e = seg_->entry(t.entry);
+      const std::string message =
+          tagged(kind, peer, "rank " + std::to_string(t.rank) + ": " + why);
+      // While another mark holds the entry (-1) it is writing its failure,
+      // or taking back one meant for the entry's previous operation, which
+      // takes microseconds: wait for it, so that whichever it was, a
+      // failure is published for every rank. A marker that never settles
+      // (its process died while writing) leaves this rank its own error.
+      for (int attempt = 0; attempt < kSettleAttempts; ++attempt) {
+        if (mark_failed(e, message)) break;
+        if (e.failed_by.load(std::memory_order_acquire) > 0) {
+          return failed_elsewhere(t, finished);
+        }
+        std::this_thread::yield();
+      }
     }
     return finish(t, tagged(kind, peer, label(t) + ": " + why), finished);
   }
@@ -417,7 +431,9 @@ class Worker {
         e.joined_processes.store(uint64_t{1} << me_, std::memory_order_relaxed);
         e.arrivals.store(0, std::memory_order_relaxed);
         e.error[0] = '\0';
-        e.failed_by.store(0, std::memory_order_relaxed);
+        // Release: a mark that reads this 0 then sees the new generation
+        // (mark_failed takes itself back).
+        e.failed_by.store(0, std::memory_order_release);
         e.state.store(es::make(gen, es::kActive, 1, 0), std::memory_order_release);
         t.entry = index;
         t.stage = Stage::kCopyIn;
