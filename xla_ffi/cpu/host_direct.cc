@@ -22,9 +22,9 @@ namespace {
 
 // mark_failed's generation for an entry the caller holds (it cannot change).
 constexpr uint64_t kAnyGeneration = ~uint64_t{0};
-// How many times a failing rank looks again while another mark holds the
+// How long a failing rank waits at most while another mark holds the
 // entry's failure word (Worker::fail).
-constexpr int kSettleAttempts = 100000;
+constexpr auto kSettleFor = std::chrono::milliseconds(200);
 
 // How long an idle or waiting worker sleeps at most: the deadlines and the
 // peers' pids are looked at this often.
@@ -230,7 +230,8 @@ class Worker {
       // takes microseconds: wait for it, so that whichever it was, a
       // failure is published for every rank. A marker that never settles
       // (its process died while writing) leaves this rank its own error.
-      for (int attempt = 0; attempt < kSettleAttempts; ++attempt) {
+      const auto settle_by = Clock::now() + kSettleFor;
+      while (Clock::now() < settle_by) {
         if (mark_failed(e, message)) break;
         if (e.failed_by.load(std::memory_order_acquire) > 0) {
           return failed_elsewhere(t, finished);
