@@ -820,3 +820,32 @@ def test_exchange_takes_no_explicit_tiers_and_lowers_as_exchange():
         _jaxring.ALGORITHMS["exchange"]]
     with pytest.raises(ValueError, match="picks its own tiers"):
         lowered(algorithm="exchange", topology=(2, 2))
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+def test_a_value_every_rank_holds_is_reduced_where_it_is(op):
+    """Under check_vma a value invariant over the axis (a gradient autodiff
+    already summed) gives lax's result with nothing sent: no custom call."""
+    mesh = jax.make_mesh((8,), ("batch",))
+    x = jnp.asarray([0.5, -1.25, 2.0], jnp.float32)
+    lax_op = {"sum": jax.lax.psum, "mean": jax.lax.pmean, "max": jax.lax.pmax,
+              "min": jax.lax.pmin, "prod": lambda v, a: v ** 8}[op]
+
+    def run(f):
+        g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P()))
+        return g(x), g.lower(x).as_text()
+
+    got, text = run(lambda v: jaxring.allreduce(v, "batch", op=op))
+    want, _ = run(lambda v: lax_op(v, "batch"))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert "jaxring" not in text
+    # A bool sum counts in int32, as lax.psum does.
+    if op == "sum":
+        got, _ = run(lambda v: jaxring.psum(v > 0, "batch"))
+        np.testing.assert_array_equal(np.asarray(got), [8, 0, 8])
+    # Varying values in the same call are still sent.
+    mixed = jax.jit(jax.shard_map(
+        lambda v, w: jaxring.allreduce((v, w), "batch", op=op), mesh=mesh,
+        in_specs=(P(), P("batch")), out_specs=P()))
+    w = jax.device_put(jnp.ones(8, jnp.float32), NamedSharding(mesh, P("batch")))
+    assert "jaxring_allreduce" in mixed.lower(x, w).as_text()

@@ -62,21 +62,30 @@ def batch(seed=1, per_device=4, width=WIDTH):
     return {"x": jnp.asarray(x), "y": jnp.asarray(y)}
 
 
-def make_step(pmean, optimizer, model=mlp):
-    """A train step written the usual way; `pmean` is lax.pmean or jaxring's."""
+def make_step(pmean, optimizer, model=mlp, check_vma=False):
+    """A train step written the right way for its shard_map; `pmean` is
+    lax.pmean or jaxring's. Under check_vma=False the pmean of the local
+    gradients is the one reduction; under check_vma=True the loss is
+    averaged over the batch axis inside the loss function, and autodiff
+    sums the replicated parameters' gradients (docs/overlap.md)."""
     def step(params, opt_state, data):
         def loss_fn(p):
             pred = model(p, data["x"])
-            return jnp.mean((pred - data["y"]) ** 2), {"pred_mean": jnp.mean(pred)}
+            loss, aux = jnp.mean((pred - data["y"]) ** 2), {"pred_mean": jnp.mean(pred)}
+            if check_vma:
+                loss, aux = pmean(loss, "batch"), pmean(aux, "batch")
+            return loss, aux
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        grads = pmean(grads, "batch")
+        if not check_vma:
+            grads = pmean(grads, "batch")
+            loss, aux = pmean(loss, "batch"), pmean(aux, "batch")
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, pmean(loss, "batch"), pmean(aux, "batch")
+        return params, opt_state, loss, aux
     return step
 
 
-def sharded(step, check_vma=True):
+def sharded(step, check_vma=False):
     m = mesh()
     return jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), P(), P("batch")),
                                  out_specs=P(), check_vma=check_vma))
@@ -117,9 +126,12 @@ def small_buckets(**kw):
 def test_mlp_with_optax_matches_psum_and_plain_jaxring(check_vma):
     opt = optax.adam(1e-2)
     params, data = init_mlp(), batch()
-    ref_lax = train(sharded(make_step(jax.lax.pmean, opt), check_vma), params, opt, data)
-    ref_ring = train(sharded(make_step(jaxring.pmean, opt), check_vma), params, opt, data)
-    ov = jaxring.overlap(make_step(jax.lax.pmean, opt), **small_buckets())
+    ref_lax = train(sharded(make_step(jax.lax.pmean, opt, check_vma=check_vma), check_vma),
+                    params, opt, data)
+    ref_ring = train(sharded(make_step(jaxring.pmean, opt, check_vma=check_vma), check_vma),
+                     params, opt, data)
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt, check_vma=check_vma),
+                         **small_buckets())
     got = train(sharded(ov, check_vma), params, opt, data)
     assert_trees_close(got, ref_ring)
     assert_trees_close(got, ref_lax)
@@ -229,9 +241,9 @@ def test_nested_jit_remat_and_custom_vjp(check_vma):
     reduce_in_jit = jax.jit(lambda g, axis: jax.lax.pmean(g, axis), static_argnums=1)
     opt = optax.sgd(0.1)
     params, data = init_mlp(), batch()
-    ref = train(sharded(make_step(jax.lax.pmean, opt, model), check_vma),
+    ref = train(sharded(make_step(jax.lax.pmean, opt, model, check_vma), check_vma),
                 params, opt, data)
-    ov = jaxring.overlap(make_step(reduce_in_jit, opt, model), **small_buckets())
+    ov = jaxring.overlap(make_step(reduce_in_jit, opt, model, check_vma), **small_buckets())
     got, messages = train_noting_warnings(sharded(ov, check_vma), params, opt, data)
     assert_trees_close(got, ref)
     if check_vma:
@@ -270,9 +282,9 @@ def test_scan_over_layers(check_vma, model):
     layers = init_mlp()
     params = jax.tree.map(lambda *a: jnp.stack(a), *layers.values())
     data = batch()
-    ref = train(sharded(make_step(jax.lax.pmean, opt, model), check_vma),
+    ref = train(sharded(make_step(jax.lax.pmean, opt, model, check_vma), check_vma),
                 params, opt, data)
-    ov = jaxring.overlap(make_step(jax.lax.pmean, opt, model), axis_name="batch")
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt, model, check_vma), axis_name="batch")
     got, messages = train_noting_warnings(sharded(ov, check_vma), params, opt, data)
     assert_trees_close(got, ref)
     if check_vma:
@@ -459,9 +471,9 @@ def test_compiled_order_overlaps_the_backward_pass(check_vma):
     layers = 6
     params, data = init_mlp(layers=layers, width=64), batch(width=64)
     one_layer = 64 * 64 * 4 / 2**20
-    ov = jaxring.overlap(make_step(jax.lax.pmean, opt), axis_name="batch",
-                         bucket_mb=one_layer, first_bucket_mb=one_layer,
-                         partition_mb=100)
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt, check_vma=check_vma),
+                         axis_name="batch", bucket_mb=one_layer,
+                         first_bucket_mb=one_layer, partition_mb=100)
     f = sharded(ov, check_vma)
     m = mesh()
     hlo = f.lower(params, opt.init(params),
@@ -670,3 +682,65 @@ def test_a_start_no_peer_joins_fails_after_the_timeout(script):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ERROR:" in res.stdout, res.stdout
     assert "timed out after 1 s" in res.stdout and "rank(s) 1, 2, 3 of 4 never arrived" in res.stdout, res.stdout
+
+
+def reduce_grads_again_step(optimizer):
+    """The trap: under check_vma=True autodiff has summed the gradients,
+    and the step reduces them once more."""
+    def step(params, opt_state, data):
+        def loss_fn(p):
+            return jnp.mean((mlp(p, data["x"]) - data["y"]) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        grads = jax.lax.pmean(grads, "batch")  # the line the warning names
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        loss = jax.lax.pmean(loss, "batch")
+        return params, opt_state, loss, {"pred_mean": loss}
+    return step
+
+
+def test_gradients_autodiff_reduced_are_not_sent_again():
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+    step = reduce_grads_again_step(opt)
+    ov = jaxring.overlap(step, axis_name="batch")
+    holder = {}
+
+    def body(p, s, d):
+        holder["report"] = jaxring.explain(ov, p, s, d)
+        return ov(p, s, d)
+
+    got, messages = train_noting_warnings(sharded(body, check_vma=True), params, opt, data)
+    # Computed as lax defines it (the summed gradients times 8, divided by 8).
+    assert_trees_close(got, train(sharded(step, check_vma=True), params, opt, data))
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1)
+                if "the line the warning names" in text)
+    assert messages and all(f"test_overlap.py:{line}" in m for m in messages), messages
+    assert "args[0]['layer0']['w']" in messages[0] and "check_vma" in messages[0]
+    assert "8x the full-batch gradient" in messages[0]
+    # Each gradient travels once: the buckets carry what the same step
+    # written for check_vma=False carries (gradients and the loss).
+    sent = sum(b.nbytes for b in holder["report"].buckets)
+    holder.clear()
+    plain = jaxring.overlap(make_step(jax.lax.pmean, opt), axis_name="batch")
+    train(sharded(lambda p, s, d: (holder.setdefault("report", jaxring.explain(plain, p, s, d)),
+                                   plain(p, s, d))[1], check_vma=False),
+          params, opt, data, steps=1)
+    aux_bytes = 4   # make_step also averages its aux, a float32 scalar
+    assert sent == sum(b.nbytes for b in holder["report"].buckets) - aux_bytes
+    assert holder["report"].computed_locally == []
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_each_idiom_updates_as_one_device_on_the_whole_batch(check_vma):
+    """The idiom for each check_vma setting, with and without overlap,
+    gives the update computed from the whole batch on one device."""
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+    full = jax.grad(lambda p: jnp.mean((mlp(p, data["x"]) - data["y"]) ** 2))(params)
+    want = jax.tree.map(lambda w, g: w - 0.1 * g, params, full)
+    for step in (make_step(jax.lax.pmean, opt, check_vma=check_vma),
+                 jaxring.overlap(make_step(jax.lax.pmean, opt, check_vma=check_vma),
+                                 **small_buckets())):
+        got, _ = train(sharded(step, check_vma), params, opt, data, steps=1)
+        assert_trees_close(got, want, rtol=1e-5, atol=1e-6)

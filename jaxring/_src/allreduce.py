@@ -820,6 +820,21 @@ def _to_ring_form(leaf, op: str):
     in int32, as lax.psum does; max, min and prod of bools are or, and, and
     and again, which uint8 0/1 lanes compute exactly.
     """
+    _check_op_dtype(leaf, op)
+    dtype = np.dtype(leaf.dtype)
+    if dtype.kind == "c":
+        lanes = jax.numpy.stack([jax.numpy.real(leaf), jax.numpy.imag(leaf)], axis=-1)
+        return lanes, lambda r: lax.complex(r[..., 0], r[..., 1])
+    if dtype == np.bool_:
+        if op == "sum":
+            return leaf.astype(np.int32), lambda r: r
+        return leaf.astype(np.uint8), lambda r: r.astype(np.bool_)
+    return leaf, lambda r: r
+
+
+def _check_op_dtype(leaf, op: str) -> None:
+    """Raises where op is not defined for leaf's dtype (op as the ring
+    runs it: "sum" for a mean)."""
     dtype = np.dtype(leaf.dtype)
     if dtype.kind == "c":
         if op != "sum":
@@ -827,14 +842,8 @@ def _to_ring_form(leaf, op: str):
                 f"jaxring.allreduce: op={op!r} is not defined for {dtype} "
                 "(complex numbers have no order, and a product does not act "
                 "on the real and imaginary parts apart); use op='sum' or 'mean'.")
-        lanes = jax.numpy.stack([jax.numpy.real(leaf), jax.numpy.imag(leaf)], axis=-1)
-        return lanes, lambda r: lax.complex(r[..., 0], r[..., 1])
-    if dtype == np.bool_:
-        if op == "sum":
-            return leaf.astype(np.int32), lambda r: r
-        return leaf.astype(np.uint8), lambda r: r.astype(np.bool_)
-    _check_dtype(leaf)
-    return leaf, lambda r: r
+    elif dtype != np.bool_:
+        _check_dtype(leaf)
 
 
 def _to_wire_form(leaf, restore, wire: np.dtype):
@@ -1031,15 +1040,30 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
         return x
     _check_bound(axes)
     _check_groups_cover(axes, groups)
+    leaves = [jax.numpy.asarray(l) for l in leaves]
+    out: list[Any] = [None] * len(leaves)
+    # A value every rank already holds (invariant over the axes, e.g. a
+    # gradient autodiff summed under check_vma) is reduced where it is, as
+    # lax reduces it: sending it would only move copies of one value.
     ring_op = "sum" if op == "mean" else op
-    leaves, restore = zip(*(_to_ring_form(jax.numpy.asarray(l), ring_op) for l in leaves))
+    sent = []
+    for i, leaf in enumerate(leaves):
+        _check_op_dtype(leaf, ring_op)
+        if already_reduced(leaf, axes, groups):
+            out[i] = _reduce_invariant(leaf, op, axes)
+        else:
+            sent.append(i)
+    if not sent:
+        return jax.tree_util.tree_unflatten(treedef, out)
+    sent_leaves, restore = zip(*(_to_ring_form(leaves[i], ring_op) for i in sent))
+    leaves = list(sent_leaves)
     if wire is not None:
         leaves, restore = zip(*(_to_wire_form(l, r, wire)
                                 for l, r in zip(leaves, restore)))
     by_dtype: dict[np.dtype, list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_dtype.setdefault(_check_dtype(leaf), []).append(i)
-    out: list[Any] = [None] * len(leaves)
+    reduced_sent: list[Any] = [None] * len(leaves)
     world = (math.prod(compat.axis_size(a) for a in axes) if groups is None
              else max(len(g) for g in groups))
     for dtype, idx in by_dtype.items():
@@ -1051,11 +1075,44 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
                                      g_topology,
                                      rings_from_default="rings" in tunable and not tabled)
         for i, r in zip(idx, reduced):
-            out[i] = restore[i](r)
+            reduced_sent[i] = restore[i](r)
     if op == "mean":
         n = _mean_divisor(axes, groups)
-        out = [v / n for v in out]
+        reduced_sent = [v / n for v in reduced_sent]
+    for i, v in zip(sent, reduced_sent):
+        out[i] = v
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def already_reduced(leaf, axes: tuple, groups) -> bool:
+    """Whether leaf holds one value on every rank of the reduction: under
+    check_vma, invariant over every reduced axis (and not typed unreduced).
+    Within axis_index_groups it is still sent, as the result varies."""
+    if groups is not None or not compat.check_vma_enabled():
+        return False
+    aval = compat.typeof(leaf)
+    if compat.unreduced_axes(aval) or getattr(aval, "is_high", False):
+        return False
+    return not varying(aval) & set(axes)
+
+
+def _reduce_invariant(leaf, op: str, axes: tuple):
+    """What lax gives for a reduction over axes of a value every rank holds:
+    n copies summed (a bool sum counts in int32, as lax.psum does), the
+    value itself for max and min, its n-th power for a product."""
+    n = math.prod(compat.axis_size(a) for a in axes)
+    dtype = np.dtype(leaf.dtype)
+    if dtype == np.bool_:
+        if op in ("sum", "mean"):
+            total = leaf.astype(np.int32) * n
+            return total / n if op == "mean" else total
+        return leaf
+    if op in ("max", "min"):
+        return leaf
+    if op == "prod":
+        return lax.integer_pow(leaf, n)
+    total = leaf * np.asarray(n, dtype)
+    return total / n if op == "mean" else total
 
 
 def _mean_divisor(axes: tuple, groups: tuple | None):

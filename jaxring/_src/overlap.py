@@ -43,11 +43,13 @@ import numpy as np
 
 from jaxring._src import allreduce as _ar
 from jaxring._src import jax_compat as compat
-from jaxring._src import bucketing, runtime, step_order, wire_format
+from jaxring._src import (bucketing, reduced_twice, runtime, step_order,
+                         wire_format)
 from jaxring._src.config import config, validate
 from jaxring._src.overlap_emit import Emitter
 from jaxring._src.overlap_report import (
     MiB, OverlapReport, Reduction, build_report, label_reductions)
+from jaxring._src.jax_compat import source_info_util
 from jaxring._src.step_trace import retrace_in_order, trace_step, uses, where
 
 # Primitives whose top-level equations overlap rewrites (when their axes match).
@@ -215,6 +217,11 @@ def _rewrite(fn, opts: OverlapOptions, args, kwargs, *, report: bool):
     if want is not None:
         _ar._check_bound(want)
     closed, dyn_vals, out_tree = trace_step(fn, args, kwargs)
+    twice = reduced_twice.find(closed.jaxpr, lambda axes: _matches(axes, want))
+    made_local = []
+    if twice:
+        made_local = _reduced_twice_texts(closed.jaxpr, twice, args, kwargs)
+        closed = reduced_twice.made_local(closed, twice, dyn_vals)
     reductions, _ = _find_reductions(closed.jaxpr, want, opts.wire_dtype)
     order = step_order.hoisted_order(closed.jaxpr, {r.eqn for r in reductions})
     if order != sorted(order):
@@ -226,13 +233,30 @@ def _rewrite(fn, opts: OverlapOptions, args, kwargs, *, report: bool):
         left = left + [f"no psum over {_axes_text(want)} at the top level of "
                        f"{getattr(fn, '__name__', 'the step')}: nothing to overlap"]
     plan = _plan(jaxpr, reductions, opts)
-    rep = build_report(jaxpr, plan, reductions, left)
-    for why in left:
+    rep = build_report(jaxpr, plan, reductions, left, made_local)
+    for why in made_local + left:
         warnings.warn(f"jaxring.overlap: {why}", OverlapWarning, stacklevel=4)
     if report:
         print(rep)
     outs = Emitter(jaxpr, closed.consts, dyn_vals, plan, reductions, opts).run()
     return jax.tree_util.tree_unflatten(out_tree, outs), rep
+
+
+def _reduced_twice_texts(jaxpr, twice, args, kwargs) -> list[str]:
+    """One warning text per call (source line) that reduces values already
+    reduced, naming them by their pytree paths."""
+    as_reductions = []
+    for r in twice:
+        aval = jaxpr.eqns[r.eqn].invars[r.operand].aval
+        as_reductions.append(Reduction(r.eqn, r.operand, r.axes, tuple(aval.shape),
+                                       np.dtype(aval.dtype), label=""))
+    by_call: dict[tuple, list[str]] = {}
+    for r in label_reductions(jaxpr, as_reductions, args, kwargs):
+        source = source_info_util.summarize(jaxpr.eqns[r.eqn].source_info)
+        by_call.setdefault((source, r.axes), []).append(r.label)
+    return [reduced_twice.warning_text(
+                labels, source, axes, math.prod(compat.axis_size(a) for a in axes))
+            for (source, axes), labels in by_call.items()]
 
 
 def _options(axis_name, bucket_mb, first_bucket_mb, partition_mb,

@@ -52,6 +52,9 @@ class OverlapReport:
     """The buckets jaxring.overlap chose for one trace of a step."""
     buckets: list[BucketReport]
     left_alone: list[str]
+    # Reductions of values already reduced (under check_vma), computed
+    # where they are instead of sent.
+    computed_locally: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self):
         lines = [f"jaxring.overlap: {len(self.buckets)} bucket(s), "
@@ -63,6 +66,8 @@ class OverlapReport:
             lines.append(f"    waited before {b.waited_before}")
             for leaf in b.leaves:
                 lines.append(f"      {leaf}")
+        for why in self.computed_locally:
+            lines.append(f"  computed locally: {why}")
         for why in self.left_alone:
             lines.append(f"  left as is: {why}")
         return "\n".join(lines)
@@ -136,7 +141,7 @@ def slot_text(jaxpr, slot: int, after: bool) -> str:
     return f"eqn {slot}/{n}: {eqn.primitive.name} in {where(eqn)}"
 
 
-def build_report(jaxpr, plan, reductions, left) -> OverlapReport:
+def build_report(jaxpr, plan, reductions, left, computed_locally=()) -> OverlapReport:
     by_key = {(r.eqn, r.operand): r for r in reductions}
     buckets = []
     for b in plan.buckets:
@@ -150,4 +155,4 @@ def build_report(jaxpr, plan, reductions, left) -> OverlapReport:
             b.index, b.nbytes, leaves,
             issued_after=slot_text(jaxpr, b.start_slot, after=True),
             waited_before=slot_text(jaxpr, b.done_slot, after=False)))
-    return OverlapReport(buckets, list(left))
+    return OverlapReport(buckets, list(left), list(computed_locally))
