@@ -667,3 +667,32 @@ def test_report_of_a_state_without_compression():
 
 def test_the_module_is_reachable_from_jaxring():
     assert jaxring.compression.powersgd is jc.powersgd
+
+
+@pytest.mark.parametrize("make", [lambda: jc.wire16("batch"),
+                                  lambda: jc.powersgd("batch", rank=2, min_size=16)],
+                         ids=["wire16", "powersgd"])
+def test_gradients_autodiff_already_reduced_are_refused(make):
+    """Under check_vma=True autodiff sums replicated parameters' gradients
+    before the optimizer sees them: compressing that sum would send nothing
+    less, so the transform says so at trace time."""
+    tx = optax.chain(make(), optax.sgd(0.1))
+    params = {"w": jnp.ones((8, 8), jnp.float32)}
+    state = jc.for_ranks(tx.init(params), N)
+    specs = jc.state_specs(state, "batch")
+
+    def step(p, s, x):
+        grads = jax.grad(lambda q: jnp.mean(jnp.tanh(x @ q["w"]) ** 2))(p)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    x = np.ones((N * 2, 8), np.float32)
+    for check_vma in (True, False):
+        f = jax.shard_map(step, mesh=mesh(), in_specs=(P(), specs, P("batch")),
+                          out_specs=(P(), specs), check_vma=check_vma)
+        if check_vma:
+            with pytest.raises(ValueError, match=r"gradient \['w'\] is already "
+                               r"reduced over \['batch'\].*check_vma=False"):
+                jax.eval_shape(f, params, state, x)
+        else:
+            jax.eval_shape(f, params, state, x)

@@ -129,6 +129,30 @@ def check_structure(treedef, grads, where: str):
     return leaves
 
 
+def check_local(plan, leaves, axes: tuple, where: str) -> None:
+    """A clear error where a gradient arrives already summed over axes.
+
+    Under shard_map's default check_vma=True, autodiff sums the gradients of
+    parameters passed with P() over the axis before the optimizer sees
+    them: they crossed the network uncompressed already, and compressing
+    the sum would add a second reduction's error for nothing."""
+    if not compat.check_vma_enabled():
+        return
+    for lp, g in zip(plan, leaves):
+        missing = set(axes) - _ar.varying(compat.typeof(g))
+        if missing:
+            raise ValueError(
+                f"{where}: the gradient {lp.path or '<root>'} is already "
+                f"reduced over {sorted(missing, key=str)} "
+                f"({compat.typeof(g).str_short(True)} does not vary over it): "
+                "under jax.shard_map's default check_vma=True, autodiff sums "
+                "the gradients of parameters passed with P(), so they were "
+                "sent uncompressed before this transform saw them. Pass "
+                "check_vma=False to jax.shard_map so that the step's "
+                "gradients stay local, and take no pmean of them: the "
+                "transform averages them (docs/compression.md).")
+
+
 def wire_plan(path: str, leaf, wire: np.dtype) -> LeafPlan:
     """A leaf sent whole: in the wire format where it carries the leaf's
     dtype (float32), else as it is."""

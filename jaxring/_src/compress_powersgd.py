@@ -36,8 +36,8 @@ from jaxring._src import allreduce as _ar
 from jaxring._src import wire_format
 from jaxring._src.compress_common import (
     CompressionState, LeafPlan, axes_of, check_bound, check_float_leaves,
-    check_structure, leaf_paths, mean_from_wire, per_rank_row, to_wire, wire_plan,
-    world_size)
+    check_local, check_structure, leaf_paths, mean_from_wire, per_rank_row, to_wire,
+    wire_plan, world_size)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -225,6 +225,7 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 512,
         del params, extra_args  # optax.chain passes every extra argument on
         check_bound(axes, where)
         leaves = check_structure(state.treedef, grads, where)
+        check_local(state.plan, leaves, axes, where)
         if warm_up is not None:
             if not isinstance(warm_up, (bool, np.bool_)):
                 raise TypeError(

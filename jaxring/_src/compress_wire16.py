@@ -20,8 +20,8 @@ import optax
 from jaxring._src import allreduce as _ar
 from jaxring._src import wire_format
 from jaxring._src.compress_common import (
-    CompressionState, axes_of, check_bound, check_float_leaves, check_structure,
-    leaf_paths, mean_from_wire, to_wire, wire_plan, world_size)
+    CompressionState, axes_of, check_bound, check_float_leaves, check_local,
+    check_structure, leaf_paths, mean_from_wire, to_wire, wire_plan, world_size)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -70,6 +70,7 @@ def wire16(axis_name, dtype="bfloat16", error_feedback: bool = True
         del params
         check_bound(axes, where)
         leaves = check_structure(state.treedef, grads, where)
+        check_local(state.plan, leaves, axes, where)
         world = world_size(axes)
         # Every value to send first, then every allreduce, then every use of
         # their results: a leaf's result used before the next leaf's value
