@@ -1,10 +1,13 @@
 """Starts N local processes of one multi-controller JAX job, like torchrun.
 
-    python -m jaxring.launch -n 4 train.py --steps 100
-    python -m jaxring.launch -n 4 -m jaxring.tune --quick
+    jaxring-launch -n 4 train.py --steps 100
+    jaxring-launch -n 4 -m jaxring.tune --quick
 
-Each process gets the coordinator's address, the number of processes and its
-own index, initializes ``jax.distributed`` and runs the script. The processes
+(``python -m jaxring.launch`` is the same, from outside a checkout of
+jaxring.) Each process gets the coordinator's address, the number of
+processes and its own index, initializes ``jax.distributed`` and runs the
+script; a ``jax.distributed.initialize()`` in the script finds the job
+already initialized and does nothing. The processes
 share a fresh ``JAXRING_JOB_SECRET`` (or the caller's), with which jaxring's
 TCP transport authenticates them, and a coordinator on 127.0.0.1 listens on
 loopback only. ``--cpu-bind cores`` binds each process to its own share of
@@ -215,6 +218,9 @@ def child_env(base: dict, rank: int, nproc: int, coordinator: str,
     env.update(JAXRING_COORDINATOR=coordinator,
                JAXRING_JOB_SECRET=job_secret,
                PYTHONUNBUFFERED="1")
+    # Where jax.distributed.initialize() looks for the coordinator when not
+    # given one (JAX has no such variable for the process count or id).
+    env["JAX_COORDINATOR_ADDRESS"] = coordinator
     env[_NUM_PROCESSES_ENV] = str(nproc)
     env[_PROCESS_ID_ENV] = str(rank)
     if devices_per_process is not None:
@@ -240,8 +246,12 @@ def main(argv=None) -> int:
     for rank in range(args.nproc):
         prefix = (shlex.split(args.prefix_command.format(rank=rank))
                   if args.prefix_command else [])
+        # -P: `python -m` would put the current directory first on
+        # sys.path, and in a checkout of jaxring that is the source tree,
+        # without the compiled extension; launched.py adds the script's own
+        # directory.
         p = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "jaxring._src.launched",
+            [*prefix, sys.executable, "-P", "-m", "jaxring._src.launched",
              *(["-m", args.module] if args.module else [os.path.abspath(args.script)]),
              *args.args],
             env=child_env(os.environ, rank, args.nproc, coordinator,

@@ -404,6 +404,34 @@ def test_launcher_stops_everyone_when_one_process_fails():
             os.kill(pid, 0)
 
 
+def test_a_script_that_initializes_jax_distributed_itself_runs_under_the_launcher():
+    """A cluster-style script (a bare jax.distributed.initialize()) runs as
+    is, and a call that asks for another job says why not. Started as the
+    docs say, from the checkout's root, where `python -m` would import the
+    source tree: the console script, or the same without its directory on
+    sys.path."""
+    root = Path(__file__).resolve().parents[1]
+    console = Path(sys.executable).with_name("jaxring-launch")
+    launcher = ([str(console)] if console.exists()
+                else [sys.executable, "-P", "-m", "jaxring.launch"])
+    r = subprocess.run(
+        [*launcher, "-n", "2", "--devices-per-process", "1",
+         str(SCRIPTS / "bare_initialize.py")],
+        capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    by_rank = lines_by_rank(r.stdout)
+    assert sorted(by_rank) == [0, 1], r.stdout
+    for rank, lines in by_rank.items():
+        assert f"PROCESS {rank} OF 2" in lines, lines
+        sums = [l.split() for l in lines if l.startswith("SUM")]
+        assert sums == [["SUM", "3.0", "5.0", "7.0", "WANT", "3.0", "5.0", "7.0"]], lines
+        refused = [l for l in lines if l.startswith("REFUSED")]
+        assert len(refused) == 1, lines
+        assert ("REFUSED jax.distributed.initialize(num_processes=3): "
+                "jaxring.launch already initialized jax.distributed in this "
+                f"process, as process {rank} of 2") in refused[0], refused
+
+
 def test_launcher_prefixes_output_and_passes_arguments(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text(

@@ -17,6 +17,33 @@ def test_use_cpu_devices_replaces_the_device_count(script):
     assert "ValueError jaxring.use_cpu_devices: n must be a positive int" in res.stdout
 
 
+def test_use_cpu_devices_after_jax_started_keeps_its_count_or_says_how_to_fix(script):
+    """Once the CPU backend runs its device count is fixed: another count
+    raises, naming both fixes, and leaves XLA_FLAGS as it was; the count it
+    already has is accepted."""
+    res = script("""
+        import os
+        import jaxring
+        import jax
+        print("devices", len(jax.devices()))
+        jaxring.use_cpu_devices(4)
+        try:
+            jaxring.use_cpu_devices(2)
+        except RuntimeError as e:
+            print("RuntimeError", " ".join(str(e).split()))
+        print("flags", os.environ["XLA_FLAGS"])
+    """, devices=4)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert "devices 4" in out, out
+    assert "RuntimeError jaxring.use_cpu_devices(2) was called after JAX started " \
+           "its backend (with 4 CPU devices)" in out, out
+    assert "before the first JAX computation or jax.devices()" in out, out
+    assert "set XLA_FLAGS=--xla_force_host_platform_device_count=2 before " \
+           "starting Python" in out, out
+    assert "flags --xla_force_host_platform_device_count=4" in out, out
+
+
 
 def test_the_rest_of_the_program_runs_inside_a_transport_completion(script):
     """Completing an allreduce runs XLA's continuation on the transport

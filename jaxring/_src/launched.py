@@ -3,8 +3,9 @@
 Initializes jax.distributed from the environment the launcher set, then runs
 the user's script (or, after ``-m``, module) as ``__main__``, so a script
 written for one process runs
-unchanged as one process of N. The script must not call
-``jax.distributed.initialize`` itself. It runs inside
+unchanged as one process of N. A script written for a cluster, which calls
+``jax.distributed.initialize()`` itself, runs unchanged too: its call finds
+the job already set up and does nothing. It runs inside
 ``jaxring.translate_errors``, so a failed allreduce that the script does not
 catch is reported as a ``jaxring.JaxringError``.
 """
@@ -39,6 +40,40 @@ def is_loopback(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def _keep_the_launchers_job(coordinator: str, num_processes: int,
+                            process_id: int) -> None:
+    """Makes the script's own ``jax.distributed.initialize`` accept the job
+    set up here. JAX reads the coordinator from JAX_COORDINATOR_ADDRESS but
+    has no variable for the process count or id (only SLURM's, Open MPI's
+    and other clusters' own), and it refuses a second initialization. So a
+    call that asks for nothing else does nothing; one that asks for another
+    job says why it cannot have it."""
+    import jax
+
+    job = dict(coordinator_address=coordinator, num_processes=num_processes,
+               process_id=process_id, local_device_ids=None)
+
+    def initialize(coordinator_address=None, num_processes=None,
+                   process_id=None, local_device_ids=None, *args, **kwargs):
+        asked = dict(coordinator_address=coordinator_address,
+                     num_processes=num_processes, process_id=process_id,
+                     local_device_ids=local_device_ids)
+        other = [f"{name}={value!r}" for name, value in asked.items()
+                 if value is not None and value != job[name]]
+        if other:
+            raise RuntimeError(
+                f"jax.distributed.initialize({', '.join(other)}): "
+                "jaxring.launch already initialized jax.distributed in this "
+                f"process, as process {job['process_id']} of "
+                f"{job['num_processes']} with the coordinator at "
+                f"{job['coordinator_address']}. Under the launcher, call "
+                "jax.distributed.initialize() without arguments or not at "
+                "all; or start the script without the launcher.")
+
+    initialize.__doc__ = jax.distributed.initialize.__doc__
+    jax.distributed.initialize = initialize
+
+
 def main() -> None:
     if len(sys.argv) < 2 or (sys.argv[1] == "-m" and len(sys.argv) < 3):
         raise SystemExit("usage: python -m jaxring._src.launched "
@@ -53,15 +88,27 @@ def main() -> None:
     # jaxring's own allreduces use jaxring's TCP transport either way.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     coordinator = os.environ["JAXRING_COORDINATOR"]
+    num_processes = int(os.environ["JAXRING_NUM_PROCESSES"])
+    process_id = int(os.environ["JAXRING_PROCESS_ID"])
     jax.distributed.initialize(
         coordinator_address=coordinator,
-        num_processes=int(os.environ["JAXRING_NUM_PROCESSES"]),
-        process_id=int(os.environ["JAXRING_PROCESS_ID"]),
+        num_processes=num_processes,
+        process_id=process_id,
         # JAX's coordinator listens on every address unless told otherwise,
         # and has no authentication: a job on one host keeps it on loopback.
         coordinator_bind_address=coordinator if is_loopback(coordinator) else None)
+    _keep_the_launchers_job(coordinator, num_processes, process_id)
     sys.argv = [script or module, *args]
-    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
+    # What python would have put first on sys.path for the script or module.
+    # The launcher starts this file with -P (safe_path), so that a job
+    # started from a checkout imports the installed jaxring rather than the
+    # source tree in the current directory: the entry is inserted then,
+    # where without -P it replaces the current directory's.
+    entry = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
+    if sys.flags.safe_path:
+        sys.path.insert(0, entry)
+    else:
+        sys.path[0] = entry
     from jaxring._src.errors import translate_errors
 
     try:

@@ -87,9 +87,28 @@ def use_cpu_devices(n: int) -> None:
     (replacing an earlier count) and, unless set, ``JAX_PLATFORMS=cpu``. Call
     it before JAX starts its backend (before the first ``jax.devices()`` or
     computation); the example trainers and the benchmarks call it first.
+    Once the backend runs, the count is fixed: a call asking for the count it
+    has does nothing, any other raises ``RuntimeError``.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"jaxring.use_cpu_devices: n must be a positive int, got {n!r}")
+    from jaxring._src import jax_compat
+    if jax_compat.backends_are_initialized():
+        # JAX starts every backend at once, so asking for the CPU devices now
+        # starts nothing; XLA_FLAGS would only be read by the next process.
+        import jax
+        try:
+            running = jax.local_device_count("cpu")
+        except RuntimeError:  # JAX_PLATFORMS left the CPU backend out
+            running = 0
+        if running == n:
+            return
+        raise RuntimeError(
+            f"jaxring.use_cpu_devices({n}) was called after JAX started its "
+            f"backend (with {running} CPU devices), when the device count can "
+            "no longer change. Call it before the first JAX computation or "
+            "jax.devices(), or set XLA_FLAGS=--xla_force_host_platform_"
+            f"device_count={n} before starting Python.")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                    os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
