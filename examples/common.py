@@ -33,10 +33,47 @@ def parser(doc: str) -> argparse.ArgumentParser:
                    help="float32 values travel in this format: with --compression, "
                         "the transformation's (wire16's format; PowerSGD's factors "
                         "and whole leaves); without, jaxring.overlap's (--mode overlap)")
+    p.add_argument("--check-update", action="store_true",
+                   help="run one step with SGD, compare its update with the one "
+                        "computed from the whole batch on one device, and exit "
+                        "(non-zero if they differ)")
     return p
 
 
 COMPRESSIONS = ("none", "wire16", "powersgd")
+
+
+def check_update(args, step, plain_step, inputs, params=lambda state: state,
+                 rtol=1e-3) -> None:
+    """Runs step (the data-parallel step; its first input and output hold
+    the params, which `params` takes out) once on inputs, and plain_step
+    (the same step without jaxring.overlap) on one device with the whole
+    batch, where every pmean over "batch" is over one rank; prints how far
+    the two updates differ and exits non-zero beyond rtol of the update's
+    size. A step that reduced the gradients twice, or not at all, is off by
+    a factor of the device count."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    if jax.process_count() > 1 or args.compression != "none":
+        raise SystemExit("--check-update runs in one process, without --compression "
+                         "(which approximates the full-batch update by design)")
+    one = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    whole = jax.jit(jax.shard_map(plain_step, mesh=one, in_specs=P(), out_specs=P(),
+                                  check_vma=False))
+    before = jax.tree.map(np.asarray, params(inputs[0]))
+    want = jax.tree.map(lambda new, old: np.asarray(new) - old,
+                        params(whole(*jax.tree.map(np.asarray, inputs))[0]), before)
+    got = jax.tree.map(lambda new, old: np.asarray(new) - old,
+                       params(step(*inputs)[0]), before)
+    scale = max(float(np.max(np.abs(w))) for w in jax.tree.leaves(want))
+    diff = max(float(np.max(np.abs(g - w)))
+               for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    print(f"update check: max |update - whole-batch update| = {diff:.3g}, "
+          f"max |whole-batch update| = {scale:.3g}")
+    if not diff <= rtol * scale:
+        raise SystemExit("update check failed: the step's update differs from the "
+                         "one computed from the whole batch on one device")
 
 
 def with_compression(args, optimizer):

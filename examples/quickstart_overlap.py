@@ -22,8 +22,11 @@ def loss_fn(params, x, y):
     return jnp.mean((h @ params["w2"] - y) ** 2)
 
 
+# check_vma=False: each device's gradients stay its own, and the pmean below
+# is their one reduction (under the default check_vma=True autodiff would
+# already sum them over "batch"; docs/overlap.md).
 @jax.jit
-@functools.partial(jax.shard_map, mesh=mesh, out_specs=P(),
+@functools.partial(jax.shard_map, mesh=mesh, out_specs=P(), check_vma=False,
                    in_specs=(P(), P(), P("batch"), P("batch")))
 @jaxring.overlap(axis_name="batch")   # the gradients' pmean overlaps the backward pass
 def train_step(params, opt_state, x, y):
@@ -36,12 +39,18 @@ def train_step(params, opt_state, x, y):
 rng = np.random.default_rng(0)
 params = {"w1": jnp.asarray(rng.normal(0, 0.3, (32, 64)), jnp.float32),
           "b1": jnp.zeros(64), "w2": jnp.asarray(rng.normal(0, 0.3, (64, 1)), jnp.float32)}
-opt_state = opt.init(params)
 truth = rng.normal(size=(32, 1))
-for step in range(200):
+
+
+def batch():
     x = rng.normal(size=(256, 32)).astype(np.float32)
-    y = np.sin(x @ truth).astype(np.float32)
-    x, y = (jax.device_put(a, NamedSharding(mesh, P("batch"))) for a in (x, y))
-    params, opt_state, loss = train_step(params, opt_state, x, y)
-    if step % 50 == 0 or step == 199:
-        print(f"step {step:3d}  loss {float(loss):.4f}")
+    return x, np.sin(x @ truth).astype(np.float32)
+
+
+if __name__ == "__main__":
+    opt_state = opt.init(params)
+    for step in range(200):
+        x, y = (jax.device_put(a, NamedSharding(mesh, P("batch"))) for a in batch())
+        params, opt_state, loss = train_step(params, opt_state, x, y)
+        if step % 50 == 0 or step == 199:
+            print(f"step {step:3d}  loss {float(loss):.4f}")

@@ -180,6 +180,22 @@ def main(argv=None):
         xb = x_train[:args.batch].reshape(n, -1, 16, 16, 1)[mine]
         yb = y_train[:args.batch].reshape(n, -1)[mine]
         jax.block_until_ready(steps[False](steps[False](state, xb, yb)[0], xb, yb))
+    if args.check_update:
+        if args.batch_norm == "local":
+            raise SystemExit("--check-update: with --batch-norm local each device "
+                             "normalizes by its own statistics, not the whole batch's")
+        idx = rng.permutation(len(x_train))[:args.batch]
+
+        def data_parallel(one_state, x, y):
+            copies = jax.tree.map(lambda v: np.stack([np.asarray(v)] * local), one_state)
+            out = steps[False](copies, x.reshape(n, -1, 16, 16, 1), y.reshape(n, -1))
+            return jax.tree.map(lambda v: np.asarray(v)[0], out)
+
+        common.check_update(args, data_parallel, functools.partial(train_step, warm_up=None),
+                            (jax.tree.map(lambda v: np.asarray(v)[0], state),
+                             x_train[idx].reshape(-1, 16, 16, 1), y_train[idx]),
+                            params=lambda s: s.params)
+        return
     steps_per_epoch = len(x_train) // args.batch
     total = args.epochs * steps_per_epoch
     if args.max_steps is not None:

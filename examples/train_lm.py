@@ -119,7 +119,11 @@ def main(argv=None):
         logits = model(p, seqs[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, seqs[:, 1:]).mean()
 
-    optimizer = common.with_compression(args, optax.adamw(args.lr, weight_decay=0.01))
+    # SGD for --check-update: Adam's update hardly changes with the
+    # gradient's scale.
+    optimizer = common.with_compression(
+        args, optax.sgd(args.lr) if args.check_update
+        else optax.adamw(args.lr, weight_decay=0.01))
     mean = {"overlap": jax.lax.pmean, "psum": jax.lax.pmean,
             "allreduce": jaxring.pmean}[args.mode]
 
@@ -130,6 +134,7 @@ def main(argv=None):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, mean(loss, "batch")
 
+    plain_step = train_step
     if args.mode == "overlap":
         train_step = jaxring.overlap(train_step, axis_name="batch",
                                      wire_dtype=common.overlap_wire_dtype(args))
@@ -145,6 +150,11 @@ def main(argv=None):
     def sample(source, count, gen=rng):
         starts = gen.integers(0, len(source) - c - 1, count)
         return np.stack([source[s:s + c + 1] for s in starts]).astype(np.int32)
+
+    if args.check_update:
+        common.check_update(args, step, plain_step, (
+            params, opt_state, jax.device_put(sample(train_text, args.batch), sharded)))
+        return
 
     valid_batch = sample(valid_text, 256, valid_rng)
     valid_loss = jax.jit(loss_of)

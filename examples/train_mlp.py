@@ -70,7 +70,9 @@ def main(argv=None):
         h = jax.nn.relu(h @ p["hidden2"]["w"] + p["hidden2"]["b"])
         return h @ p["out"]["w"] + p["out"]["b"]
 
-    optimizer = common.with_compression(args, optax.adam(args.lr))
+    # SGD for the check: Adam's update hardly changes with the gradient's scale.
+    optimizer = common.with_compression(
+        args, optax.sgd(args.lr) if args.check_update else optax.adam(args.lr))
     mean = {"overlap": jax.lax.pmean, "psum": jax.lax.pmean,
             "allreduce": jaxring.pmean}[args.mode]
 
@@ -86,6 +88,7 @@ def main(argv=None):
         return (optax.apply_updates(params, updates), opt_state,
                 mean(loss, "batch"), mean(accuracy, "batch"))
 
+    plain_step = train_step
     if args.mode == "overlap":
         train_step = jaxring.overlap(train_step, axis_name="batch",
                                      wire_dtype=common.overlap_wire_dtype(args))
@@ -97,6 +100,13 @@ def main(argv=None):
                                  out_specs=(P(), opt_specs, P(), P()), check_vma=False))
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
     params = jax.device_put(params, replicated)
+
+    if args.check_update:
+        idx = rng.permutation(len(x_train))[:args.batch]
+        common.check_update(args, step, plain_step, (params, opt_state,
+                            jax.device_put(x_train[idx], sharded),
+                            jax.device_put(y_train[idx], sharded)))
+        return
 
     steps_per_epoch = len(x_train) // args.batch
     total = args.epochs * steps_per_epoch

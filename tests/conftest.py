@@ -35,11 +35,17 @@ def overlapped_and_plain(run, step, x, **overlap_options):
     return got, text, run(step)(x)
 
 
-def run_script(code: str, devices: int = 8, timeout: float = 300,
+def run_script(code: str, devices: int | None = 8, timeout: float = 300,
                env: dict | None = None) -> subprocess.CompletedProcess:
-    """Runs code in a fresh interpreter with `devices` virtual CPU devices."""
+    """Runs code in a fresh interpreter with `devices` virtual CPU devices
+    (None: as a user's shell would, with no XLA_FLAGS; the code asks for
+    devices itself)."""
     full_env = dict(os.environ)
-    full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if devices is None:
+        full_env.pop("XLA_FLAGS", None)
+        full_env.pop("JAX_NUM_CPU_DEVICES", None)
+    else:
+        full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     full_env.pop("PJRT_NPROC", None)
     full_env.update(env or {})
     # Run outside the checkout so that the installed package is imported,

@@ -37,7 +37,44 @@ def test_docs_exist_and_have_examples():
 
 @pytest.mark.parametrize("code", PYTHON_BLOCKS)
 def test_python_block_runs(script, code):
-    res = script(code, devices=8, timeout=180)
+    # As pasted into a fresh interpreter: no XLA_FLAGS, so a block that
+    # needs several devices must ask for them (jaxring.use_cpu_devices).
+    res = script(code, devices=None, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def _block_with(page: str, text: str) -> str:
+    return next(code for code in re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+                if text in code)
+
+
+# Appended to a page's training step: its update against the gradient of the
+# whole batch on one device (an extra or missing reduction is off by 8x).
+_UPDATE_CHECKS = {
+    "README.md": ("jaxring.overlap", """
+host = jax.tree.map(np.asarray, batch)
+whole = jax.grad(lambda p: jnp.mean(
+    (jnp.tanh(host["x"] @ p["w1"]) @ p["w2"] - host["y"]) ** 2))(params)
+new = train_step(params, batch)[0]
+for k in whole:
+    np.testing.assert_allclose(np.asarray(params[k] - new[k]), 0.1 * np.asarray(whole[k]),
+                               rtol=1e-4, atol=1e-8)
+"""),
+    "docs/overlap.md": ("report=True", """
+import numpy as np
+before = [jnp.full((256, 256), 0.01) for _ in range(6)]
+whole = jax.grad(loss_fn)(before, np.asarray(x))
+new = step(before, x)[0]
+for b, n, g in zip(before, new, whole):
+    np.testing.assert_allclose(np.asarray(b - n), 0.1 * np.asarray(g), rtol=1e-4, atol=1e-9)
+"""),
+}
+
+
+@pytest.mark.parametrize("page", sorted(_UPDATE_CHECKS))
+def test_training_step_updates_as_one_device_on_the_whole_batch(script, page):
+    marker, check = _UPDATE_CHECKS[page]
+    res = script(_block_with(page, marker) + check, devices=None, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
 
 

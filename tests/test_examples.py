@@ -231,3 +231,48 @@ def test_example_under_the_launcher_matches_one_process(name, steps):
     tolerance = 1e-3 if "wire16" in steps else 1e-5
     for a, b in zip(launched, alone):
         assert abs(a - b) <= tolerance * abs(b), (launched, alone)
+
+
+@pytest.mark.parametrize("name,mode", [("train_mlp.py", "overlap"),
+                                       ("train_mlp.py", "allreduce"),
+                                       ("train_cnn.py", "overlap"),
+                                       ("train_lm.py", "overlap"),
+                                       pytest.param("train_lm.py", "psum",
+                                                    marks=pytest.mark.slow)])
+def test_trainer_updates_as_one_device_on_the_whole_batch(name, mode):
+    """One step of the trainer (SGD) against the same step run on one
+    device with the whole batch: an extra or a missing gradient reduction
+    is off by the device count."""
+    with tempfile.TemporaryDirectory() as cwd:  # outside the checkout
+        res = subprocess.run([sys.executable, str(EXAMPLES / name), "--check-update",
+                              "--mode", mode], capture_output=True, text=True,
+                             timeout=600, cwd=cwd)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "update check:" in res.stdout
+
+
+def test_quickstart_updates_as_one_device_on_the_whole_batch():
+    """examples/quickstart_overlap.py's step, with SGD in place of Adam
+    (whose update hardly changes with the gradient's scale), against the
+    gradient of the whole batch on one device."""
+    code = f"""
+        import importlib.util, sys
+        import jax, jax.numpy as jnp, numpy as np, optax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        spec = importlib.util.spec_from_file_location("quickstart", {str(EXAMPLES / "quickstart_overlap.py")!r})
+        q = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(q)        # defines the step; trains only as __main__
+        q.opt = optax.sgd(1.0)
+        x, y = q.batch()
+        xs, ys = (jax.device_put(a, NamedSharding(q.mesh, P("batch"))) for a in (x, y))
+        new, _, _ = q.train_step(q.params, q.opt.init(q.params), xs, ys)
+        grads = jax.grad(q.loss_fn)(q.params, x, y)
+        for k in grads:
+            np.testing.assert_allclose(np.asarray(q.params[k] - new[k]), np.asarray(grads[k]),
+                                       rtol=1e-4, atol=1e-6)
+        print("ok")
+    """
+    from conftest import run_script
+    res = run_script(code, devices=None)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
