@@ -60,7 +60,7 @@ for k in whole:
     np.testing.assert_allclose(np.asarray(params[k] - new[k]), 0.1 * np.asarray(whole[k]),
                                rtol=1e-4, atol=1e-8)
 """),
-    "docs/overlap.md": ("report=True", """
+    "docs/overlap.md": ("report=\"full\"", """
 import numpy as np
 before = [jnp.full((256, 256), 0.01) for _ in range(6)]
 whole = jax.grad(loss_fn)(before, np.asarray(x))

@@ -388,15 +388,24 @@ def test_explain_names_buckets_by_parameter_path():
                      if any(f"['layer{i}']['w']" in leaf for leaf in b.leaves))
              for i in range(LAYERS)}
     assert first[LAYERS - 1] < first[0]
-    text = str(report)
+    text = report.listing()
     assert "issued after" in text and "waited before" in text
+    # The default text is a summary: a line, whatever the number of values.
+    summary = str(report)
+    assert summary.startswith(f"jaxring.overlap: {len(report.buckets)} bucket(s)")
+    assert f"{len(leaves)} value(s)" in summary and "args[0]" not in summary
 
 
-def test_report_prints_at_trace_time(capsys):
+@pytest.mark.parametrize("report", [True, "full"])
+def test_report_prints_at_trace_time(capsys, report):
     opt = optax.sgd(0.1)
-    ov = jaxring.overlap(make_step(jax.lax.pmean, opt), report=True, **small_buckets())
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt), report=report, **small_buckets())
     train(sharded(ov), init_mlp(), opt, batch(), steps=1)
-    assert "jaxring.overlap:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "jaxring.overlap:" in out
+    assert ("issued after" in out) == (report == "full")
+    with pytest.raises(ValueError, match="report must be False, True or 'full'"):
+        jaxring.overlap(report="yes")
 
 
 def on_devices(x):

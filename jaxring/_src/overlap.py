@@ -237,7 +237,7 @@ def _rewrite(fn, opts: OverlapOptions, args, kwargs, *, report: bool):
     for why in made_local + left:
         warnings.warn(f"jaxring.overlap: {why}", OverlapWarning, stacklevel=4)
     if report:
-        print(rep)
+        print(rep.listing() if report == "full" else rep)
     outs = Emitter(jaxpr, closed.consts, dyn_vals, plan, reductions, opts).run()
     return jax.tree_util.tree_unflatten(out_tree, outs), rep
 
@@ -326,12 +326,16 @@ def overlap(fn: Callable | None = None, *, axis_name=None,
       max_inflight_mb: credit window: at most this many MiB of buckets in
         flight; ``None`` for no bound.
       rings, chunk_bytes, timeout_s: as for :func:`jaxring.allreduce`.
-      report: print the buckets chosen each time the step is traced (see
-        :func:`jaxring.explain` for the same as a value).
+      report: each time the step is traced, print a summary of the buckets
+        chosen (``True``) or every bucket with its values and placement
+        (``"full"``); :func:`jaxring.explain` returns the same as a value.
       wire_dtype: ``None``, ``"bfloat16"`` or ``"float16"``: every float32
         value the buckets carry (metrics too) travels in that format, as
         with :func:`jaxring.allreduce`'s ``wire_dtype``.
     """
+    if report not in (False, True, "full"):
+        raise ValueError(f"jaxring.overlap: report must be False, True or "
+                         f"'full', got {report!r}")
     if fn is None:
         return functools.partial(
             overlap, axis_name=axis_name, bucket_mb=bucket_mb,

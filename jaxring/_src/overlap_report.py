@@ -57,6 +57,19 @@ class OverlapReport:
     computed_locally: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self):
+        """The summary: buckets, bytes and values in all, and what was not
+        bucketed (a step of a large model has hundreds of values)."""
+        sizes = [b.nbytes / MiB for b in self.buckets]
+        values = sum(len(b.leaves) for b in self.buckets)
+        head = (f"jaxring.overlap: {len(self.buckets)} bucket(s), "
+                f"{sum(sizes):.2f} MiB in all, {values} value(s)")
+        if sizes:
+            head += f", {min(sizes):.3f}-{max(sizes):.3f} MiB per bucket"
+        return "\n".join([head] + self._not_bucketed())
+
+    def listing(self) -> str:
+        """Every bucket: its size, where it is issued and waited for (with
+        the source lines), and its values by pytree path."""
         lines = [f"jaxring.overlap: {len(self.buckets)} bucket(s), "
                  f"{sum(b.nbytes for b in self.buckets) / MiB:.2f} MiB in all"]
         for b in self.buckets:
@@ -66,11 +79,11 @@ class OverlapReport:
             lines.append(f"    waited before {b.waited_before}")
             for leaf in b.leaves:
                 lines.append(f"      {leaf}")
-        for why in self.computed_locally:
-            lines.append(f"  computed locally: {why}")
-        for why in self.left_alone:
-            lines.append(f"  left as is: {why}")
-        return "\n".join(lines)
+        return "\n".join(lines + self._not_bucketed())
+
+    def _not_bucketed(self) -> list[str]:
+        return ([f"  computed locally: {why}" for why in self.computed_locally]
+                + [f"  left as is: {why}" for why in self.left_alone])
 
 
 def label_reductions(jaxpr, reductions, args, kwargs) -> list[Reduction]:
