@@ -26,6 +26,7 @@ from jaxring._src.distributed import transport_info  # noqa: E402
 from jaxring._src.errors import (  # noqa: E402
     CollectiveTimeoutError, JaxringError, MismatchError, PeerLostError,
     translate_errors)
+from jaxring._src.jit_grad import value_and_grad  # noqa: E402
 from jaxring._src.overlap import (  # noqa: E402
     OverlapReport, OverlapWarning, explain, overlap)
 from jaxring._src.runtime import use_cpu_devices  # noqa: E402
@@ -62,4 +63,5 @@ __all__ = [
     "translate_errors",
     "transport_info",
     "use_cpu_devices",
+    "value_and_grad",
 ]
