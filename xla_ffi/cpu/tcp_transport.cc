@@ -83,9 +83,14 @@ bool TcpTransport::send(int p, int channel, OutFrame f, bool* written_here) {
       return false;
     }
     if (!l) {
+      // A link opened to carry a notice (an abort, a lost peer) offers no
+      // shared-memory ring: this process is failing and may be killed
+      // before the peer maps the ring, whose name would then outlive the
+      // job in /dev/shm. Notices are small; TCP carries them.
+      const bool offer_shm = use_shm() && same_host_.count(p) > 0 && f.header.kind == kData;
       try {
         l.reset(new OutLink(
-            p, channel, addresses_[p], identity(), use_shm() && same_host_.count(p) > 0,
+            p, channel, addresses_[p], identity(), offer_shm,
             [this, p](const std::string& why) { peer_lost(p, why); },
             [this](const std::string& why) { note_shm_unavailable(why); }));
       } catch (const std::system_error& e) {
