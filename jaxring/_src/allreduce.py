@@ -1043,8 +1043,8 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
     leaves = [jax.numpy.asarray(l) for l in leaves]
     out: list[Any] = [None] * len(leaves)
     # A value every rank already holds (invariant over the axes, e.g. a
-    # gradient autodiff summed under check_vma) is reduced where it is, as
-    # lax reduces it: sending it would only move copies of one value.
+    # gradient autodiff summed under check_vma) is reduced where it is, to
+    # lax's result: sending it would only move copies of one value.
     ring_op = "sum" if op == "mean" else op
     sent = []
     for i, leaf in enumerate(leaves):
