@@ -753,3 +753,40 @@ def test_each_idiom_updates_as_one_device_on_the_whole_batch(check_vma):
                                  **small_buckets())):
         got, _ = train(sharded(step, check_vma), params, opt, data, steps=1)
         assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_statistics_the_step_needs_at_once_stay_out_of_the_buckets():
+    """BatchNorm statistics (and their cotangents' sums in the backward
+    pass) are needed before the gradients exist: they run where they are,
+    as written, and only the gradients and the loss are bucketed."""
+    def model(params, x):
+        for i in range(len(params)):
+            p = params[f"layer{i}"]
+            h = x @ p["w"]
+            mean = jax.lax.pmean(jnp.mean(h, axis=0), "batch")
+            x = jnp.tanh(h - mean + p["b"])
+        return x
+
+    opt = optax.sgd(0.1)
+    params, data = init_mlp(), batch()
+    step = jaxring.overlap(make_step(jax.lax.pmean, opt, model), axis_name="batch")
+    holder = {}
+
+    def body(p, s, d):
+        holder["report"] = jaxring.explain(step, p, s, d)
+        holder["text"] = jax.make_jaxpr(step)(p, s, d).pretty_print()
+        return step(p, s, d)
+
+    got = train(sharded(body), params, opt, data, steps=2)
+    ref = train(sharded(make_step(jax.lax.pmean, opt, model)), params, opt, data, steps=2)
+    assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
+    report = holder["report"]
+    leaves = [leaf for b in report.buckets for leaf in b.leaves]
+    # The 8 gradients, the loss and the aux metric; no statistic.
+    assert len(leaves) == 2 * LAYERS + 2, leaves
+    assert all("float32[32]" not in leaf or "['b']" in leaf for leaf in leaves), leaves
+    (urgent,) = report.run_at_once
+    # A statistic per layer forward, its cotangent's sum per layer backward.
+    assert urgent.startswith(f"{2 * LAYERS} reduction(s)"), urgent
+    assert "not bucketed" in str(report)
+    assert holder["text"].count("psum") >= 2 * LAYERS

@@ -4,9 +4,13 @@ What it rewrites. The decorated function is traced to a jaxpr inside the
 enclosing ``shard_map``/``pmap``; nested ``jit`` calls are inlined. Every
 top-level ``psum``/``pmean`` (and ``jaxring.allreduce`` with ``op="sum"`` or
 ``"mean"``) over ``axis_name`` is rewritten, gradients and metrics alike: an
-elementwise sum gives the same result whichever bucket carries it, and a value
-needed early (a BatchNorm statistic) gets a bucket that is done before its
-first use. Reductions it cannot rewrite stay as they are and are reported, each
+elementwise sum gives the same result whichever bucket carries it. Two kinds
+stay out of the buckets: a value waited for at once whose reduction later
+reduced values depend on (a BatchNorm statistic) runs where it is, as
+written, and a value
+already reduced (a gradient autodiff summed under ``check_vma``) is
+computed locally (:mod:`jaxring._src.reduced_twice`). Reductions it cannot
+rewrite stay as they are and are reported, each
 time the step is traced, by an :class:`OverlapWarning` that says why: those
 inside ``scan``, ``cond``, ``while``, ``remat`` or custom-derivative bodies,
 those over other axes, of dtypes its buckets do not carry, or of values typed
@@ -180,6 +184,66 @@ def _axes_text(want) -> str:
 
 # ---- planning ---------------------------------------------------------------
 
+# A reduction whose result is used within this many equations of its value
+# being produced is waited for at once. Measured: a synchronized BatchNorm
+# statistic or cotangent sum is used by the next equation; PowerSGD's P
+# factors, whose Q depends on them too, 7 or more equations later.
+URGENT_WITHIN_EQNS = 4
+
+
+def _split_urgent(jaxpr, reductions):
+    """(the reductions to bucket, the psum equations to leave as written).
+
+    A reduction that is waited for within a few equations and whose result
+    later reduced values depend on (a synchronized BatchNorm statistic in
+    the forward pass, its cotangent's sum in the backward pass) is on the
+    critical path: in a bucket it would wait for the gradients beside it,
+    and as a bucket of its own it gains nothing from the split phase, whose
+    start and done then sit side by side. So it runs where it is, as written
+    (ByteScheduler's lesson: the urgent transfer first, alone). Gradients,
+    whose results only the optimizer reads, and metrics are bucketed; so are
+    values used soon that nothing reduced later depends on (the last
+    gradients of a backward pass)."""
+    eqns = sorted({r.eqn for r in reductions})
+    bit = {e: 1 << k for k, e in enumerate(eqns)}
+    depends: dict = {}   # var -> bits of the reductions its value depends on
+    feeds = 0            # bits of the reductions some reduction's input depends on
+    for i, eqn in enumerate(jaxpr.eqns):
+        dep = 0
+        for v in eqn.invars:
+            if isinstance(v, compat.Var):
+                dep |= depends.get(v, 0)
+        if i in bit:
+            feeds |= dep
+            dep |= bit[i]
+        if dep:
+            for v in eqn.outvars:
+                depends[v] = dep
+    producer_index = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    first_use, _ = uses(jaxpr)
+    n = len(jaxpr.eqns)
+    urgent = set()
+    for r in reductions:
+        eqn = jaxpr.eqns[r.eqn]
+        ready = producer_index.get(eqn.invars[r.operand], -1) + 1
+        needed = first_use.get(eqn.outvars[r.operand], n)
+        if feeds & bit[r.eqn] and needed - ready <= URGENT_WITHIN_EQNS:
+            urgent.add(r.eqn)
+    return [r for r in reductions if r.eqn not in urgent], urgent
+
+
+def _urgent_text(jaxpr, urgent: set) -> list[str]:
+    if not urgent:
+        return []
+    sources = sorted({source_info_util.summarize(jaxpr.eqns[i].source_info)
+                      for i in urgent})
+    shown = ", ".join(sources[:3]) + (f" and {len(sources) - 3} more" if len(sources) > 3
+                                      else "")
+    return [f"{len(urgent)} reduction(s) waited for at once, whose results "
+            f"later reduced values depend on (at {shown}): run where they are, "
+            "as written, outside the buckets"]
+
+
 def _plan(jaxpr, reductions, opts):
     producer_index = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
     rewritten = {r.eqn for r in reductions}
@@ -229,11 +293,13 @@ def _rewrite(fn, opts: OverlapOptions, args, kwargs, *, report: bool):
     jaxpr = closed.jaxpr
     reductions, left = _find_reductions(jaxpr, want, opts.wire_dtype)
     reductions = label_reductions(jaxpr, reductions, args, kwargs)
-    if not reductions:
+    reductions, urgent = _split_urgent(jaxpr, reductions)
+    if not reductions and not urgent:
         left = left + [f"no psum over {_axes_text(want)} at the top level of "
                        f"{getattr(fn, '__name__', 'the step')}: nothing to overlap"]
     plan = _plan(jaxpr, reductions, opts)
-    rep = build_report(jaxpr, plan, reductions, left, made_local)
+    rep = build_report(jaxpr, plan, reductions, left, made_local,
+                       _urgent_text(jaxpr, urgent))
     for why in made_local + left:
         warnings.warn(f"jaxring.overlap: {why}", OverlapWarning, stacklevel=4)
     if report:
@@ -290,6 +356,11 @@ def _options(axis_name, bucket_mb, first_bucket_mb, partition_mb,
 DEFAULT_BUCKET_MB = 1.0
 DEFAULT_FIRST_BUCKET_MB = 0.25
 DEFAULT_MAX_INFLIGHT_MB = 256.0
+# Measured on a ResNet-18 step (benchmarks/real_step.py, 8 CPU devices):
+# parts of 1 MiB made overlap 1.16x the plain step, whole values up to
+# 64 MiB 0.99x; cutting a value costs a copy of it into its parts and one
+# back out.
+DEFAULT_PARTITION_MB = 64.0
 
 
 def overlap(fn: Callable | None = None, *, axis_name=None,
@@ -322,7 +393,9 @@ def overlap(fn: Callable | None = None, *, axis_name=None,
       first_bucket_mb: cap of the first bucket, smaller so that communication
         starts early.
       partition_mb: values larger than this are split into parts of this size
-        that may travel in different buckets (default: ``bucket_mb``).
+        that may travel in different buckets (default: the larger of
+        ``bucket_mb`` and 64: the parts' copies cost more than they save
+        on a CPU step, see docs/overlap.md).
       max_inflight_mb: credit window: at most this many MiB of buckets in
         flight; ``None`` for no bound.
       rings, chunk_bytes, timeout_s: as for :func:`jaxring.allreduce`.
@@ -347,7 +420,8 @@ def overlap(fn: Callable | None = None, *, axis_name=None,
         raise TypeError(f"jaxring.overlap decorates a function, got {fn!r}; "
                         "did you mean overlap(axis_name=...)?")
     opts = _options(axis_name, bucket_mb, first_bucket_mb,
-                    bucket_mb if partition_mb is None else partition_mb,
+                    (max(bucket_mb, DEFAULT_PARTITION_MB) if partition_mb is None
+                     else partition_mb),
                     max_inflight_mb, rings, chunk_bytes, timeout_s, wire_dtype)
 
     @functools.wraps(fn)

@@ -55,6 +55,9 @@ class OverlapReport:
     # Reductions of values already reduced (under check_vma), computed
     # where they are instead of sent.
     computed_locally: list[str] = dataclasses.field(default_factory=list)
+    # Reductions the step needs before its gradients are ready (BatchNorm
+    # statistics), left as written.
+    run_at_once: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self):
         """The summary: buckets, bytes and values in all, and what was not
@@ -83,6 +86,7 @@ class OverlapReport:
 
     def _not_bucketed(self) -> list[str]:
         return ([f"  computed locally: {why}" for why in self.computed_locally]
+                + [f"  not bucketed: {why}" for why in self.run_at_once]
                 + [f"  left as is: {why}" for why in self.left_alone])
 
 
@@ -154,7 +158,8 @@ def slot_text(jaxpr, slot: int, after: bool) -> str:
     return f"eqn {slot}/{n}: {eqn.primitive.name} in {where(eqn)}"
 
 
-def build_report(jaxpr, plan, reductions, left, computed_locally=()) -> OverlapReport:
+def build_report(jaxpr, plan, reductions, left, computed_locally=(),
+                 run_at_once=()) -> OverlapReport:
     by_key = {(r.eqn, r.operand): r for r in reductions}
     buckets = []
     for b in plan.buckets:
@@ -168,4 +173,4 @@ def build_report(jaxpr, plan, reductions, left, computed_locally=()) -> OverlapR
             b.index, b.nbytes, leaves,
             issued_after=slot_text(jaxpr, b.start_slot, after=True),
             waited_before=slot_text(jaxpr, b.done_slot, after=False)))
-    return OverlapReport(buckets, list(left), list(computed_locally))
+    return OverlapReport(buckets, list(left), list(computed_locally), list(run_at_once))
