@@ -59,3 +59,21 @@ def run_script(code: str, devices: int | None = 8, timeout: float = 300,
 @pytest.fixture
 def script():
     return run_script
+
+
+@pytest.fixture
+def no_jaxring_state_left_behind():
+    """After the test: no split-phase start, in-process operation or gang
+    start of jaxring's still pending."""
+    import time
+    from jaxring import _jaxring
+    yield
+    # Reading one replicated result does not wait for the other devices, so
+    # give the last step a moment to finish everywhere.
+    deadline = time.monotonic() + 30
+    while (_jaxring.split_phase_unfinished_starts() or _jaxring.inprocess_pending_ops()
+           or _jaxring.gang_start_pending()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _jaxring.split_phase_unfinished_starts() == 0
+    assert _jaxring.inprocess_pending_ops() == 0
+    assert _jaxring.gang_start_pending() == 0
