@@ -33,6 +33,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
                    help="float32 values travel in this format: with --compression, "
                         "the transformation's (wire16's format; PowerSGD's factors "
                         "and whole leaves); without, jaxring.overlap's (--mode overlap)")
+    p.add_argument("--report", action="store_true",
+                   help="print jaxring.overlap's bucket summary when the step is "
+                        "traced (--mode overlap)")
     p.add_argument("--check-update", action="store_true",
                    help="run one step with SGD, compare its update with the one "
                         "computed from the whole batch on one device, and exit "

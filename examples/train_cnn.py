@@ -146,7 +146,7 @@ def main(argv=None):
     def compiled_step(warm_up):
         f = functools.partial(train_step, warm_up=warm_up)
         if args.mode == "overlap":
-            f = jaxring.overlap(f, axis_name="batch",
+            f = jaxring.overlap(f, axis_name="batch", report=args.report,
                                 wire_dtype=common.overlap_wire_dtype(args))
         return jax.pmap(f, axis_name="batch")
 

@@ -136,7 +136,7 @@ def main(argv=None):
 
     plain_step = train_step
     if args.mode == "overlap":
-        train_step = jaxring.overlap(train_step, axis_name="batch",
+        train_step = jaxring.overlap(train_step, axis_name="batch", report=args.report,
                                      wire_dtype=common.overlap_wire_dtype(args))
 
     mesh = jax.make_mesh((n,), ("batch",))
