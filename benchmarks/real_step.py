@@ -98,7 +98,7 @@ def parse_args(argv=None):
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="jaxring.overlap's bucket_mb (default: jaxring's)")
     p.add_argument("--partition-mb", type=float, default=None,
-                   help="jaxring.overlap's partition_mb (default: bucket_mb)")
+                   help="jaxring.overlap's partition_mb (default: jaxring's)")
     p.add_argument("--report", action="store_true",
                    help="also print jaxring.overlap's report of every bucket")
     p.add_argument("--tolerance", type=float, default=1e-2,

@@ -119,8 +119,10 @@ def test_overlap_with_a_tiered_topology_matches_the_plain_step():
                                          in_specs=P("i"), out_specs=P(),
                                          check_vma=False))
 
-        got, text, want = overlapped_and_plain(run, step, x, bucket_mb=0.001)
-        hlo = run(jaxring.overlap(step, bucket_mb=0.001)).lower(x).as_text()
+        # 400 bytes: smaller than either gradient (512 and 2048 bytes), so
+        # each is a bucket of its own.
+        got, text, want = overlapped_and_plain(run, step, x, bucket_mb=0.0004)
+        hlo = run(jaxring.overlap(step, bucket_mb=0.0004)).lower(x).as_text()
         # Several buckets, each started on the tiered plan.
         assert hlo.count("topology = dense<[2, 4]>") >= 2, hlo
         for k in want:
