@@ -33,7 +33,7 @@ from test_multiprocess import Job
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 MAGIC = 0x4A52494E
-VERSION = 5
+VERSION = 6
 SHM_OFFER_MAGIC = 0x4A52534D
 SHM_RING_BYTES = 8 << 20  # shm_link.h, kShmRingBytes
 # What the victim may keep after the attacks, beyond what it held before
@@ -59,13 +59,13 @@ def frame_header(kind: int, **fields) -> bytes:
     """A FrameHeader (native order, 120 bytes) with the given fields."""
     f = dict(run_id=1, op_id=0, group=0, ring=0, dst_rank=0, src_rank=1,
              elem_type=2, reduce_op=0, world_size=2, num_rings=1, phase=0,
-             algorithm=0, reserved=0, count=8192, chunk_bytes=1 << 20, topology=0,
+             algorithm=0, shape_digest=0, count=8192, chunk_bytes=1 << 20, topology=0,
              unit=0, payload_bytes=0, slot_id=0)
     f.update(fields)
     return struct.pack("=IIqqqiiiiiiiiiiqqqqqq", MAGIC, kind, f["run_id"], f["op_id"],
                        f["group"], f["ring"], f["dst_rank"], f["src_rank"],
                        f["elem_type"], f["reduce_op"], f["world_size"],
-                       f["num_rings"], f["phase"], f["algorithm"], f["reserved"],
+                       f["num_rings"], f["phase"], f["algorithm"], f["shape_digest"],
                        f["count"], f["chunk_bytes"], f["topology"], f["unit"],
                        f["payload_bytes"], f["slot_id"])
 

@@ -308,10 +308,14 @@ def test_a_socket_buffer_is_read_in_ascii_digits_only(monkeypatch):
     assert distributed.socket_buffer_choice() == 4096
 
 
-@pytest.mark.parametrize("algorithm", ["auto", "direct"])
-def test_different_programs_fail_fast_on_every_rank(algorithm):
+@pytest.mark.parametrize("algorithm,differ", [
+    ("auto", "count"), ("direct", "count"), ("direct", "shape"), ("ring", "shape")])
+def test_different_programs_fail_fast_on_every_rank(algorithm, differ):
+    # "shape": the same element count in another shape, which only the
+    # operands' shape digest tells apart.
     timeout_s = 60
-    r = run_launcher(2, "mismatch.py", timeout_s, env={"JAXRING_ALGORITHM": algorithm})
+    r = run_launcher(2, "mismatch.py", timeout_s, differ,
+                     env={"JAXRING_ALGORITHM": algorithm})
     by_rank = lines_by_rank(r.stdout)
     for rank in (0, 1):
         raised = [l for l in by_rank[rank] if l.startswith("RAISED")]
@@ -320,7 +324,10 @@ def test_different_programs_fail_fast_on_every_rank(algorithm):
         assert elapsed < timeout_s / 2, raised[0]
         assert raised[0].split()[2] == "MismatchError", raised[0]
         assert "different programs" in raised[0]
-        assert "1024 x float32" in raised[0] and "2048 x float32" in raised[0]
+        if differ == "count":
+            assert "1024 x float32" in raised[0] and "2048 x float32" in raised[0]
+        else:
+            assert "operands of other shapes" in raised[0], raised[0]
 
 
 @pytest.mark.parametrize("setting,named", [
@@ -778,11 +785,12 @@ def test_jaxring_transport_tcp_keeps_processes_on_sockets():
 
 
 @newest_jax_only
-def test_stopped_peer_times_out_on_every_survivor():
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_stopped_peer_times_out_on_every_survivor(algorithm):
     """A peer that stops responding (SIGSTOP, sockets open) is caught by the
     operation's deadline."""
     timeout_s = 4.0
-    job = Job(3, timeout_s)
+    job = Job(3, timeout_s, args=(1 << 16, algorithm))
     try:
         job.wait_ready()
         stopped_at = time.time()
@@ -791,8 +799,14 @@ def test_stopped_peer_times_out_on_every_survivor():
             raised = job.raised_at(rank, timeout_s + 20)
             assert raised - stopped_at < timeout_s + 5.0
             message = [l for l in job.lines[rank] if l.startswith("RAISED")][0]
-            assert "timed out" in message or "process 1" in message, message
             assert message.split()[2] in ("CollectiveTimeoutError", "PeerLostError"), message
+            if algorithm == "direct":
+                # Every process's arrivals are in the host segment: the
+                # survivors name the stopped one, and its pid.
+                assert message.split()[3] == "peer=1:", message
+                assert f"waited for process 1 (pid {job.procs[1].pid})" in message, message
+                continue
+            assert "timed out" in message or "process 1" in message, message
             # A survivor whose two rings wait for different processes
             # cannot tell which of them stopped: the other survivor, itself
             # waiting on the stopped one, may be the one it names (seen

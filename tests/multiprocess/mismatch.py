@@ -1,6 +1,7 @@
 """Run by tests/test_multiprocess.py: process 1 reduces a longer vector than
-the others, as if its program were built from different shapes. Every
-process must raise a clear error well before the timeout."""
+the others ("count"), or as many elements in another shape ("shape"), as if
+its program were built from different shapes. Every process must raise a
+clear error well before the timeout."""
 
 import os
 import sys
@@ -13,13 +14,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxring
 
 timeout_s = float(sys.argv[1])
+differ = sys.argv[2] if len(sys.argv) > 2 else "count"
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("x",))
-n = 1024 * (2 if jax.process_index() == 1 else 1)
+other = jax.process_index() == 1
+shape = {"count": (2048,) if other else (1024,),
+         "shape": (32, 32) if other else (1024,)}[differ]
 f = jax.jit(jax.shard_map(
     lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s),
     mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-x = np.ones((devices.size, n), np.float32)
+x = np.ones((devices.size, *shape), np.float32)
 arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
                                    lambda idx: x[idx])
 start = time.time()

@@ -139,6 +139,42 @@ std::optional<std::string> processes_of_group(
   return std::nullopt;
 }
 
+// The operands' shapes as OpDesc records them: a digest of every operand's
+// dimensions (FNV-1a, never 0) and the text of the first few.
+class OperandShapes {
+ public:
+  void add(ffi::Span<const int64_t> dims) {
+    mix(static_cast<uint64_t>(dims.size()));
+    std::string text = "(";
+    for (size_t i = 0; i < dims.size(); ++i) {
+      mix(static_cast<uint64_t>(dims[i]));
+      text += (i ? ", " : "") + std::to_string(dims[i]);
+    }
+    text += dims.size() == 1 ? ",)" : ")";
+    if (operands_ < kShown) text_ += (operands_ ? " " : "") + text;
+    ++operands_;
+  }
+  void describe(OpDesc* d) const {
+    const uint32_t folded = static_cast<uint32_t>(hash_ ^ (hash_ >> 32));
+    d->shape_digest = folded ? folded : 1;
+    d->shapes = text_;
+    if (operands_ > kShown) {
+      d->shapes += " and " + std::to_string(operands_ - kShown) + " more";
+    }
+  }
+
+ private:
+  static constexpr int kShown = 3;
+  void mix(uint64_t v) {
+    for (int b = 0; b < 8; ++b) {
+      hash_ = (hash_ ^ ((v >> (8 * b)) & 0xff)) * 0x100000001b3ull;
+    }
+  }
+  uint64_t hash_ = 0xcbf29ce484222325ull;
+  std::string text_;
+  int operands_ = 0;
+};
+
 // One rank's part of a ring operation, from its custom call's attributes.
 struct RankOp {
   OpKey key;
@@ -150,7 +186,8 @@ struct RankOp {
 // Checks the attributes against this call (its operands' dtype and count,
 // its rank and group) and describes the rank's part, or says why not.
 std::optional<std::string> rank_op(const RingAttrs& a, ffi::RunId run_id,
-                                   ffi::DataType dtype, int64_t count, int rank,
+                                   ffi::DataType dtype, int64_t count,
+                                   const OperandShapes& shapes, int rank,
                                    int64_t group, RankOp* op) {
   int64_t ring_size = a.world_size;
   if (auto error = size_of_group(a.group_sizes, group, a.world_size, &ring_size)) {
@@ -160,6 +197,7 @@ std::optional<std::string> rank_op(const RingAttrs& a, ffi::RunId run_id,
     return error;
   }
   op->desc.slot_id = a.slot_id;
+  shapes.describe(&op->desc);
   op->key = OpKey{run_id.run_id, a.op_id, group};
   op->rank = rank;
   return processes_of_group(a.rank_process, group, a.world_size, ring_size,
@@ -192,7 +230,9 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
                              ffi::Result<ffi::AnyBuffer> out, RingAttrs attrs) {
   const int64_t count = static_cast<int64_t>(x.element_count());
   RankOp op;
-  if (auto error = rank_op(attrs, run_id, x.element_type(), count,
+  OperandShapes shapes;
+  shapes.add(x.dimensions());
+  if (auto error = rank_op(attrs, run_id, x.element_type(), count, shapes,
                            rank_buf.typed_data()[0], group_buf.typed_data()[0], &op)) {
     return failed_future(*error);
   }
@@ -226,6 +266,7 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
   const int64_t num_deps = attrs.num_deps;
   std::vector<ConstBytes> inputs;
   int64_t count = 0;
+  OperandShapes shapes;
   ffi::DataType dtype = ffi::DataType::INVALID;
   if (num_deps < 0 || static_cast<size_t>(num_deps) > xs.size()) {
     return ffi::Error::InvalidArgument(
@@ -241,13 +282,15 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
     }
     inputs.push_back({x->untyped_data(), x->size_bytes()});
     count += static_cast<int64_t>(x->element_count());
+    shapes.add(x->dimensions());
   }
   if (inputs.empty()) {
     return ffi::Error::InvalidArgument(
         "jaxring allreduce start: no operands");
   }
   RankOp op;
-  if (auto error = rank_op(attrs.ring, run_id, dtype, count, rank_buf.typed_data()[0],
+  if (auto error = rank_op(attrs.ring, run_id, dtype, count, shapes,
+                           rank_buf.typed_data()[0],
                            group_buf.typed_data()[0], &op)) {
     return ffi::Error::InvalidArgument(*error);
   }

@@ -40,6 +40,7 @@ struct Task {
   OpDesc desc;
   int rank = 0;
   std::vector<int> processes;  // the operation's, each once, this one included
+  std::vector<int> ranks_of;   // how many of its ranks each of processes runs
   const char* in = nullptr;
   char* out = nullptr;
   Clock::time_point deadline;
@@ -64,13 +65,14 @@ int entry_of(const OpKey& key) {
 struct EntryFields {
   int64_t run_id = 0, op_id = 0, group = 0, count = 0, slot_id = 0;
   int32_t elem_type = 0, reduce_op = 0, world = 0;
+  uint32_t shape_digest = 0;
 };
 
 // Whether the ranks of an operation agree on what it is.
 bool fields_agree(const EntryFields& f, const OpDesc& d) {
   return f.elem_type == static_cast<int32_t>(d.type) &&
          f.reduce_op == static_cast<int32_t>(d.op) && f.count == d.count &&
-         f.world == d.world_size;
+         f.world == d.world_size && shapes_agree(f.shape_digest, d.shape_digest);
 }
 
 // A direct allreduce as OpDesc::describe names an operation, without the
@@ -94,7 +96,8 @@ std::string fields_desc(const EntryFields& f) {
 
 std::string desc_of(const OpDesc& d) {
   return describe_direct(static_cast<int32_t>(d.type), static_cast<int32_t>(d.op),
-                         d.count, d.world_size);
+                         d.count, d.world_size) +
+         (d.shapes.empty() ? "" : ", shapes " + d.shapes);
 }
 
 int lowest_process(uint64_t mask) {
@@ -169,6 +172,7 @@ class Worker {
   // One more arrival at the barrier t.target names; the last rings everyone.
   void arrive(Task& t) {
     HostEntry& e = seg_->entry(t.entry);
+    e.process_arrivals[me_].fetch_add(1, std::memory_order_relaxed);
     if (e.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1 == t.target) {
       ring_processes(t.processes);
     }
@@ -182,6 +186,7 @@ class Worker {
     namespace es = entry_state;
     HostEntry& e = seg_->entry(t.entry);
     const int world = e.world.load(std::memory_order_relaxed);
+    e.departed_processes.fetch_or(uint64_t{1} << me_, std::memory_order_relaxed);
     uint64_t s = e.state.load(std::memory_order_acquire);
     for (;;) {
       const int left = es::departed(s) + 1;
@@ -272,19 +277,53 @@ class Worker {
                   finished);
   }
 
-  // The processes of the operation that never joined its entry, as the end
-  // of a timeout's message ("" once all did, or before this rank holds it).
-  std::string absent_processes(const Task& t) {
-    if (t.entry < 0) return "";
-    const uint64_t joined =
-        seg_->entry(t.entry).joined_processes.load(std::memory_order_acquire);
-    std::string absent;
-    for (int q : t.processes) {
-      if (!(joined & (uint64_t{1} << q))) {
-        absent += (absent.empty() ? "" : ", ") + std::to_string(q);
+  // The processes a timed-out wait was waiting for, as the end of its
+  // message, and the first of them (*peer; -1 if none is known): those
+  // that never joined the operation's entry, else those whose ranks have
+  // not all arrived at the barrier this rank waits at, or, before this
+  // rank holds the entry, those that hold it and have not left. The
+  // counters are read while others may move them: a process named has
+  // not moved for the whole timeout, so it is named right.
+  std::string waited_for(const Task& t, int* peer) {
+    *peer = -1;
+    std::vector<int> late;
+    std::string how;
+    if (t.entry < 0) {
+      const HostEntry& e = seg_->entry(entry_of(t.key));
+      const uint64_t holding = e.joined_processes.load(std::memory_order_acquire) &
+                               ~e.departed_processes.load(std::memory_order_acquire);
+      for (int q = 0; q < seg_->processes(); ++q) {
+        if (q != me_ && (holding & (uint64_t{1} << q))) late.push_back(q);
+      }
+      how = "which has not left the allreduce holding that entry";
+    } else {
+      const HostEntry& e = seg_->entry(t.entry);
+      const uint64_t joined = e.joined_processes.load(std::memory_order_acquire);
+      for (int q : t.processes) {
+        if (!(joined & (uint64_t{1} << q))) late.push_back(q);
+      }
+      how = "which never reached this allreduce";
+      if (late.empty() && t.target > 0) {
+        const int64_t barriers = t.target / t.desc.world_size;
+        for (size_t i = 0; i < t.processes.size(); ++i) {
+          const int q = t.processes[i];
+          if (e.process_arrivals[q].load(std::memory_order_acquire) <
+              t.ranks_of[i] * barriers) {
+            late.push_back(q);
+          }
+        }
+        how = "which reached this allreduce but not the step this rank waits at "
+              "(stopped, or busy elsewhere?)";
       }
     }
-    return absent.empty() ? "" : "; never reached by process " + absent;
+    if (late.empty()) return "";
+    *peer = late.front();
+    std::string names;
+    for (int q : late) {
+      names += (names.empty() ? "" : ", ") + std::to_string(q) + " (pid " +
+               std::to_string(seg_->pid_of(q)) + ")";
+    }
+    return "; waited for process " + names + ", " + how;
   }
 
   // Whether a wait has run out: the deadline, a peer process gone, or a
@@ -307,9 +346,10 @@ class Worker {
       if (other >= 0) return fail(t, FailureKind::kMismatch, other, why, finished);
     }
     if (now > t.deadline) {
+      int peer;
       std::ostringstream os;
-      os << "timed out after " << t.timeout_s << " s: " << what << absent_processes(t);
-      return fail(t, FailureKind::kTimeout, -1, os.str(), finished);
+      os << "timed out after " << t.timeout_s << " s: " << what << waited_for(t, &peer);
+      return fail(t, FailureKind::kTimeout, peer, os.str(), finished);
     }
     return false;
   }
@@ -327,6 +367,7 @@ class Worker {
     out->elem_type = e.elem_type.load(std::memory_order_relaxed);
     out->reduce_op = e.reduce_op.load(std::memory_order_relaxed);
     out->world = e.world.load(std::memory_order_relaxed);
+    out->shape_digest = e.shape_digest.load(std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_acquire);
     *state = e.state.load(std::memory_order_relaxed);
     return entry_state::generation(*state) == entry_state::generation(s) &&
@@ -367,9 +408,11 @@ class Worker {
         continue;
       }
       const int q = lowest_process(theirs);
-      *why = "the processes run different programs: this process calls it "
-             "with " + desc_of(t.desc) + " but process " + std::to_string(q) +
+      // Named by number, not "this process": the text reaches every process.
+      *why = "the processes run different programs: process " + std::to_string(me_) +
+             " calls it with " + desc_of(t.desc) + " but process " + std::to_string(q) +
              " with " + fields_desc(o) +
+             shape_difference(t.desc.shape_digest, o.shape_digest) +
              ". Every process must run the same program with the same shapes, "
              "dtypes and ops.";
       mark_failed(other, tagged(FailureKind::kMismatch, me_, *why),
@@ -429,7 +472,10 @@ class Worker {
         e.elem_type.store(static_cast<int32_t>(t.desc.type), std::memory_order_relaxed);
         e.reduce_op.store(static_cast<int32_t>(t.desc.op), std::memory_order_relaxed);
         e.world.store(t.desc.world_size, std::memory_order_relaxed);
+        e.shape_digest.store(t.desc.shape_digest, std::memory_order_relaxed);
         e.joined_processes.store(uint64_t{1} << me_, std::memory_order_relaxed);
+        e.departed_processes.store(0, std::memory_order_relaxed);
+        for (auto& a : e.process_arrivals) a.store(0, std::memory_order_relaxed);
         e.arrivals.store(0, std::memory_order_relaxed);
         e.error[0] = '\0';
         // Release: a mark that reads this 0 then sees the new generation
@@ -471,7 +517,8 @@ class Worker {
         return fail(t, FailureKind::kMismatch, peer,
                     "the ranks of one operation disagree: this process "
                     "calls it with " + desc_of(t.desc) + ", process " +
-                        std::to_string(peer) + " with " + fields_desc(held),
+                        std::to_string(peer) + " with " + fields_desc(held) +
+                        shape_difference(t.desc.shape_digest, held.shape_digest),
                     finished);
       }
       t.stage = Stage::kCopyIn;
@@ -597,10 +644,16 @@ void host_direct_allreduce(const OpKey& key, const OpDesc& desc, int rank,
                     host_segment_missing()));
     return;
   }
-  std::vector<int> processes;
-  for (int q : process_of_rank) {
-    if (std::find(processes.begin(), processes.end(), q) == processes.end()) {
+  std::vector<int> processes, ranks_of;
+  for (int r = 0; r < desc.world_size && r < static_cast<int>(process_of_rank.size());
+       ++r) {
+    const int q = process_of_rank[r];
+    const auto at = std::find(processes.begin(), processes.end(), q);
+    if (at == processes.end()) {
       processes.push_back(q);
+      ranks_of.push_back(1);
+    } else {
+      ++ranks_of[at - processes.begin()];
     }
   }
   const bool fits =
@@ -621,6 +674,7 @@ void host_direct_allreduce(const OpKey& key, const OpDesc& desc, int rank,
   t.desc = desc;
   t.rank = rank;
   t.processes = std::move(processes);
+  t.ranks_of = std::move(ranks_of);
   t.in = static_cast<const char*>(in);
   t.out = static_cast<char*>(out);
   t.timeout_s = timeout_s;

@@ -77,8 +77,11 @@ struct HostEntry {
   // The call site (OpDesc::slot_id), to tell a peer in another program.
   std::atomic<int64_t> slot_id;
   std::atomic<int32_t> elem_type, reduce_op, world;
-  // The processes whose ranks joined, one bit each.
-  std::atomic<uint64_t> joined_processes;
+  // OpDesc::shape_digest (0: unknown).
+  std::atomic<uint32_t> shape_digest;
+  // The processes whose ranks joined, and those of which a rank left, one
+  // bit each.
+  std::atomic<uint64_t> joined_processes, departed_processes;
   // Arrivals at the operation's barriers, over all ranks: barrier b is
   // passed once it reached world * (b + 1).
   alignas(64) std::atomic<int64_t> arrivals;
@@ -87,6 +90,9 @@ struct HostEntry {
   // (NUL-terminated, read bounded).
   std::atomic<int32_t> failed_by;
   char error[436];
+  // Arrivals at the barriers per process, over its ranks: what a timeout
+  // reads to name the processes a barrier still waits for.
+  std::atomic<int32_t> process_arrivals[kHostMaxProcesses];
 };
 
 class HostSegment {

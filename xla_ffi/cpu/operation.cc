@@ -26,7 +26,13 @@ std::string OpDesc::describe() const {
          << " B/s + " << link[i].latency_s << " s";
     }
   }
+  if (!shapes.empty()) os << ", shapes " << shapes;
   return os.str();
+}
+
+std::string shape_difference(uint32_t mine, uint32_t theirs) {
+  if (shapes_agree(mine, theirs)) return "";
+  return " (operands of other shapes: the same element count is not enough)";
 }
 
 }  // namespace jaxring

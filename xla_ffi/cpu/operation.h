@@ -40,6 +40,9 @@ struct EmulatedTier {
   }
 };
 
+// Whether two shape digests (OpDesc::shape_digest) may describe one call.
+inline bool shapes_agree(uint32_t a, uint32_t b) { return a == 0 || b == 0 || a == b; }
+
 // What every rank of an operation must agree on.
 struct OpDesc {
   ElemType type = ElemType::kF32;
@@ -66,14 +69,28 @@ struct OpDesc {
   // it, which is how a process tells that its peers run another program.
   // Not part of what ranks must agree on: 0 where unknown.
   int64_t slot_id = 0;
+  // The operands' shapes: a digest that crosses processes (0: unknown,
+  // agrees with any), and as text for this process's own calls (empty for
+  // a description a peer sent). Processes that call one site with the same
+  // element count in other shapes run different programs; their data must
+  // not be paired.
+  uint32_t shape_digest = 0;
+  std::string shapes;
   bool operator==(const OpDesc& o) const {
     return type == o.type && op == o.op && count == o.count &&
+           shapes_agree(shape_digest, o.shape_digest) &&
            algorithm == o.algorithm && topology == o.topology &&
            world_size == o.world_size && num_rings == o.num_rings &&
            chunk_bytes == o.chunk_bytes && link == o.link;
   }
   std::string describe() const;
 };
+
+// What a mismatch message adds when two processes' descriptions of one
+// call differ in their shapes (by their shape digests): the texts of
+// describe() could read the same, since a peer's description carries no
+// shapes text. "" otherwise.
+std::string shape_difference(uint32_t mine, uint32_t theirs);
 
 // Called exactly once per allreduce a transport starts: from the worker
 // thread of the calling device, or inline when the call is rejected before

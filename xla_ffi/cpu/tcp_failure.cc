@@ -156,9 +156,10 @@ void TcpTransport::check_programs_agree(const std::shared_ptr<PlanOp>& op) {
       std::ostringstream os;
       os << "jaxring allreduce (op " << local->key.op_id << ", group "
          << local->key.group << "): the processes run different programs: "
-         << "this process calls it with " << local->desc.describe()
+         << "process " << me() << " calls it with " << local->desc.describe()
          << " but process " << remote->first_sender << " with "
          << remote->desc.describe()
+         << shape_difference(local->desc.shape_digest, remote->desc.shape_digest)
          << ". Every process must run the same program with the same shapes, "
             "dtypes and ops.";
       message = tagged(FailureKind::kMismatch, remote->first_sender, os.str());

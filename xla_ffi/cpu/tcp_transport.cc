@@ -145,6 +145,7 @@ std::string TcpTransport::send_remote(const std::shared_ptr<PlanOp>& op_ptr,
   h.topology = pack_topology(op.desc.topology);
   h.algorithm = static_cast<int32_t>(op.desc.algorithm);
   h.slot_id = op.desc.slot_id;
+  h.shape_digest = op.desc.shape_digest;
   h.unit = u;
   h.payload_bytes = bytes;
   f.data = data;

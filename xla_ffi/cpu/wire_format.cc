@@ -38,11 +38,13 @@ OpDesc desc_of(const FrameHeader& h) {
   d.topology = unpack_topology(h.topology);
   d.algorithm = static_cast<Algorithm>(h.algorithm);  // checked: plausible_...
   d.slot_id = h.slot_id;
+  d.shape_digest = h.shape_digest;
   return d;
 }
 
 bool same_operation(const OpDesc& a, const OpDesc& b) {
   return a.type == b.type && a.op == b.op && a.count == b.count &&
+         shapes_agree(a.shape_digest, b.shape_digest) &&
          a.world_size == b.world_size && a.num_rings == b.num_rings &&
          a.chunk_bytes == b.chunk_bytes && a.topology == b.topology &&
          a.algorithm == b.algorithm;
@@ -66,8 +68,7 @@ bool plausible_data_header(const FrameHeader& h) {
          h.unit >= 0 &&
          // Only these plans cross processes (direct and nccl never do).
          (h.algorithm == static_cast<int32_t>(Algorithm::kRing) ||
-          h.algorithm == static_cast<int32_t>(Algorithm::kExchange)) &&
-         h.reserved == 0;
+          h.algorithm == static_cast<int32_t>(Algorithm::kExchange));
 }
 
 }  // namespace jaxring

@@ -42,7 +42,7 @@ struct FrameHeader {
   int32_t num_rings;
   int32_t phase;          // of the tiered plan
   int32_t algorithm;      // Algorithm: kRing or kExchange (which plan)
-  int32_t reserved;       // zero
+  uint32_t shape_digest;  // OpDesc::shape_digest
   int64_t count;
   int64_t chunk_bytes;
   int64_t topology;       // the plan's tiers, packed (see pack_topology)
