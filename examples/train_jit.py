@@ -92,7 +92,11 @@ def main(argv=None):
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         return loss, (jnp.argmax(logits, -1) == labels).mean()
 
-    mesh = jax.make_mesh((args.devices,), ("batch",))
+    # Auto axes: XLA places the shardings inside the step, as in most jit
+    # code. (Explicit axes also work with jaxring, but jax 0.11's explicit
+    # sharding cannot differentiate optax's integer-label cross entropy.)
+    mesh = jax.make_mesh((args.devices,), ("batch",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
     options = {k: v for k, v in (("bucket_mb", args.bucket_mb),
                                  ("wire_dtype", args.wire_dtype)) if v is not None}
 
