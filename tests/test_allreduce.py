@@ -356,6 +356,23 @@ def test_outside_any_mapped_context():
         jax.jit(lambda v: jaxring.allreduce(v, "i"))(jnp.ones(3))
     with pytest.raises(NameError, match="unbound axis name: i"):
         jaxring.allreduce(jnp.ones(3), "i")
+    with pytest.raises(NameError, match=r"over 'i', which no enclosing map binds; "
+                                        r"no axis is bound here \(this is not inside "
+                                        r"jax\.shard_map, jax\.pmap or jax\.vmap\)"):
+        jax.jit(lambda v: jaxring.allreduce(v, "i"))(jnp.ones(3))
+
+
+def test_a_misspelt_axis_name_names_the_axes_bound():
+    with pytest.raises(NameError, match=r"asked to reduce over 'bacth', which no "
+                                        r"enclosing map binds; the axes bound here "
+                                        r"are 'i': pass one of those"):
+        _in_mesh(lambda v: jaxring.allreduce(v, "bacth"))
+    # A tuple names the axis of it that is not bound; under vmap inside
+    # shard_map both maps' axes are listed.
+    with pytest.raises(NameError, match=r"over 'j', which no enclosing map binds; "
+                                        r"the axes bound here are 'i', 'k'"):
+        _in_mesh(lambda v: jax.vmap(lambda r: jaxring.allreduce(r, ("i", "j")),
+                                    axis_name="k")(v))
 
 
 @pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
