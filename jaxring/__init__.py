@@ -17,6 +17,7 @@ from jaxring._src import jax_compat as _jax_compat
 from jaxring._src import runtime as _runtime
 
 _jax_compat.warn_if_untested()
+_runtime.check_huge_pages_setting()
 _runtime.size_cpu_pool()
 
 from jaxring._src.allreduce import allreduce, pmean, psum  # noqa: E402

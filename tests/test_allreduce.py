@@ -356,6 +356,23 @@ def test_outside_any_mapped_context():
         jax.jit(lambda v: jaxring.allreduce(v, "i"))(jnp.ones(3))
     with pytest.raises(NameError, match="unbound axis name: i"):
         jaxring.allreduce(jnp.ones(3), "i")
+    with pytest.raises(NameError, match=r"over 'i', which no enclosing map binds; "
+                                        r"no axis is bound here \(this is not inside "
+                                        r"jax\.shard_map, jax\.pmap or jax\.vmap\)"):
+        jax.jit(lambda v: jaxring.allreduce(v, "i"))(jnp.ones(3))
+
+
+def test_a_misspelt_axis_name_names_the_axes_bound():
+    with pytest.raises(NameError, match=r"asked to reduce over 'bacth', which no "
+                                        r"enclosing map binds; the axes bound here "
+                                        r"are 'i': pass one of those"):
+        _in_mesh(lambda v: jaxring.allreduce(v, "bacth"))
+    # A tuple names the axis of it that is not bound; under vmap inside
+    # shard_map both maps' axes are listed.
+    with pytest.raises(NameError, match=r"over 'j', which no enclosing map binds; "
+                                        r"the axes bound here are 'i', 'k'"):
+        _in_mesh(lambda v: jax.vmap(lambda r: jaxring.allreduce(r, ("i", "j")),
+                                    axis_name="k")(v))
 
 
 @pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
@@ -562,6 +579,31 @@ def test_environment_variables(script):
         "JAXRING_CPU_THREADS='abc': expected a thread count" in res.stderr
     res = script("import jaxring", env={"JAXRING_ALGORITHM": "tree"})
     assert res.returncode != 0 and "JAXRING_ALGORITHM='tree': expected one of" in res.stderr
+    res = script("import jaxring", env={"JAXRING_HUGE_PAGES": "yes"})
+    assert res.returncode != 0 and "JAXRING_HUGE_PAGES='yes': expected 1" in res.stderr
+    res = script("import jaxring", env={"JAXRING_CPU_GANG_START": "maybe"})
+    assert res.returncode != 0 and ("JAXRING_CPU_GANG_START='maybe': expected True or "
+                                    "False (in the environment: 1, true, yes or on; "
+                                    "0, false, no or off)") in res.stderr
+
+
+@pytest.mark.parametrize("raw", ["yes", "no", "true", "off", " 0", "2"])
+def test_huge_pages_takes_1_or_0_only(monkeypatch, raw):
+    """The C++ side reads any value but "0" as 1 ("no" would ask for huge
+    pages), so everything but 1 and 0 is refused before it is read."""
+    from jaxring._src import runtime
+    monkeypatch.setenv("JAXRING_HUGE_PAGES", raw)
+    with pytest.raises(ValueError, match=re.escape(
+            f"JAXRING_HUGE_PAGES={raw!r}: expected 1 (ask for transparent huge pages "
+            "on CPU results of 4 MiB or more) or 0 (do not)")):
+        runtime.check_huge_pages_setting()
+
+
+@pytest.mark.parametrize("raw", ["1", "0", ""])
+def test_huge_pages_settings_that_are_accepted(monkeypatch, raw):
+    from jaxring._src import runtime
+    monkeypatch.setenv("JAXRING_HUGE_PAGES", raw)
+    runtime.check_huge_pages_setting()
 
 
 def _op_ids_in(lowered_text, attribute="op_id"):

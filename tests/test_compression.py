@@ -3,6 +3,7 @@ overlap's wire_dtype, jaxring.compression.wire16) and PowerSGD, each checked
 against a reference computed in the same test (NumPy, lax.pmean)."""
 
 import functools
+import re
 import warnings
 
 import jax
@@ -627,8 +628,26 @@ def test_a_non_float_leaf_is_refused_at_init():
 def test_update_outside_the_mapped_axis_is_refused(make):
     tx = make()
     params = {"w": jnp.zeros((8, 8), jnp.float32)}
-    with pytest.raises(NameError, match="the axis 'batch' is not bound here"):
+    with pytest.raises(NameError, match=re.escape(
+            "the axis 'batch' is not bound here. Call the optimizer's update inside "
+            "the jax.shard_map or jax.pmap over 'batch', on each rank's local "
+            "gradients (no axis is bound here (this is not inside jax.shard_map, "
+            "jax.pmap or jax.vmap)).")):
         jax.jit(tx.update)(params, tx.init(params))
+
+
+def test_a_misspelt_axis_name_names_the_axes_bound():
+    tx = jc.wire16("bacth")
+    params = {"w": jnp.zeros((8, 8), jnp.float32)}
+    update = jax.jit(jax.shard_map(tx.update, mesh=mesh(),
+                                   in_specs=(P("batch"), P()), out_specs=P("batch"),
+                                   check_vma=False))
+    with pytest.raises(NameError, match=re.escape(
+            "the axis 'bacth' is not bound here. Call the optimizer's update inside "
+            "the jax.shard_map or jax.pmap over 'bacth', on each rank's local "
+            "gradients (the axes bound here are 'batch': pass one of those as the "
+            "transform's axis_name).")):
+        update(params, tx.init(params))
 
 
 @pytest.mark.parametrize("make", [lambda: jc.powersgd("batch", rank=1, min_size=0),

@@ -9,6 +9,7 @@ run. Coordinator ports come from the OS, so parallel runs cannot collide.
 import collections
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -306,6 +307,25 @@ def test_a_socket_buffer_is_read_in_ascii_digits_only(monkeypatch):
             distributed.socket_buffer_choice()
     monkeypatch.setenv("JAXRING_TCP_SOCKET_BUFFER", " 4096 ")
     assert distributed.socket_buffer_choice() == 4096
+
+
+@pytest.mark.parametrize("raw,says", [
+    ("abc", "it holds 3 characters (fewer than 32). Set it to the output of"),
+    ("a" * 33, "it holds 33 characters (an odd number). Set it"),
+    ("g" + "a" * 31, "it holds 32 characters, of which 1 (at position 1) is not a "
+                     "hexadecimal digit. Set it"),
+    ("ax" * 600, "it holds 1200 characters (more than 1024), of which 600 (at "
+                 "position 2, 4, 6, 8, 10, ...) are not hexadecimal digits")],
+    ids=["short", "odd", "not-hex", "long-and-not-hex"])
+def test_a_bad_job_secret_says_what_is_wrong_with_it(raw, says):
+    from jaxring._src import distributed
+    with pytest.raises(ValueError, match=re.escape(
+            "JAXRING_JOB_SECRET must be 32 to 1024 hexadecimal digits, an even "
+            "number of them (at least 128 bits); " + says)) as raised:
+        distributed.secret_from_env({"JAXRING_JOB_SECRET": raw})
+    assert "secrets.token_hex(32)" in str(raised.value)
+    assert raw not in str(raised.value)  # the secret itself is never quoted
+    assert distributed.secret_from_env({"JAXRING_JOB_SECRET": "ab" * 16}) == b"\xab" * 16
 
 
 @pytest.mark.parametrize("algorithm,differ", [

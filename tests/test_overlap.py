@@ -462,6 +462,19 @@ def test_errors_are_clear():
         jaxring.explain(lambda x: x, 1.0)
 
 
+def test_a_misspelt_axis_name_blames_the_decorators_argument():
+    f = jax.jit(jax.shard_map(jaxring.overlap(lambda x: jax.lax.psum(x, "batch"),
+                                              axis_name="bacth"),
+                              mesh=mesh(), in_specs=P("batch"), out_specs=P()))
+    with pytest.raises(NameError, match=r"jaxring\.overlap\(axis_name='bacth'\): the "
+                                        r"decorator's axis_name argument names 'bacth', "
+                                        r"which no map around the decorated step binds; "
+                                        r"the axes bound here are 'batch': pass one of "
+                                        r"those as axis_name") as raised:
+        f(on_devices(jnp.ones(N)))
+    assert "jaxring.allreduce" not in str(raised.value)
+
+
 @pytest.mark.parametrize("check_vma", [False, True])
 def test_compiled_order_overlaps_the_backward_pass(check_vma):
     """Each layer's bucket starts before the backward computation of the layer

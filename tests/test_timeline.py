@@ -1,6 +1,7 @@
 """The timeline trace and the demo trainer that writes one."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,44 @@ def test_environment_variable_writes_the_trace_at_exit(script, tmp_path):
     spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert sorted(e["tid"] for e in spans) == [0, 1, 2, 3]
     assert all(e["name"] == "allreduce sum over i" for e in spans)
+    res = script("import jaxring", devices=4,
+                 env={"JAXRING_TIMELINE": str(tmp_path / "missing" / "env.json")})
+    assert res.returncode != 0
+    assert "JAXRING_TIMELINE=" in res.stderr and "does not exist" in res.stderr
+
+
+def test_a_path_that_cannot_be_written_fails_before_recording(tmp_path):
+    missing = tmp_path / "no-such-dir" / "trace.json"
+    ran = []
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"jaxring.timeline('{missing}'): cannot write the timeline to "
+            f"'{missing}': the directory '{missing.parent}' does not exist. Name a "
+            "file in a directory that exists")):
+        with jaxring.timeline(missing):
+            ran.append(True)
+    assert not ran  # the block's work is not done in vain
+    with pytest.raises(IsADirectoryError, match=re.escape(
+            f"cannot write the timeline to '{tmp_path}': Is a directory")):
+        with jaxring.timeline(tmp_path):
+            ran.append(True)
+    assert not ran
+    # The check leaves no file behind; a good path records as before.
+    with jaxring.timeline(tmp_path / "ok.json"):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.json"]
+
+
+def test_a_bad_environment_path_fails_at_import(monkeypatch, tmp_path):
+    """The variable is checked where it is read (at import), not when the
+    trace is written at exit."""
+    from jaxring._src import timeline
+    missing = tmp_path / "no-such-dir" / "trace.json"
+    monkeypatch.setenv("JAXRING_TIMELINE", str(missing))
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"JAXRING_TIMELINE='{missing}': cannot write the timeline to "
+            f"'{missing}': the directory '{missing.parent}' does not exist")):
+        timeline.start_from_environment()
+    assert not timeline._recording
 
 
 @pytest.mark.examples

@@ -100,15 +100,39 @@ def _check_groups_cover(axes: tuple, groups: tuple | None) -> None:
             "(jaxring.allreduce)")
 
 
-def _check_bound(axes: tuple) -> None:
+def bound_axes_text(what: str = "") -> str:
+    """The axes bound where the caller traces, as an error names them;
+    what: how a name is passed (e.g. "as axis_name")."""
+    names = compat.bound_axis_names()
+    if not names:
+        return ("no axis is bound here (this is not inside jax.shard_map, "
+                "jax.pmap or jax.vmap)")
+    return ("the axes bound here are " + ", ".join(repr(n) for n in names)
+            + ": pass one of those" + (f" {what}" if what else ""))
+
+
+def _check_bound(axes: tuple, overlap_axis_name: Any = None) -> None:
+    """A NameError naming the first of axes that no enclosing map binds,
+    and the axes that are bound. overlap_axis_name: the axis_name argument
+    of jaxring.overlap, where the axes come from there."""
     # JAX's own wording first, so that code matching lax.psum's error
     # matches this one too; then what to do about it.
     for name in axes:
-        if not compat.axis_is_bound(name):
+        if compat.axis_is_bound(name):
+            continue
+        jax_words = (f"Found an unbound axis name: {name}. To fix this, please "
+                     "call psum under `jax.shard_map`.")
+        if overlap_axis_name is not None:
             raise NameError(
-                f"Found an unbound axis name: {name}. To fix this, please call "
-                "psum under `jax.shard_map`. jaxring.allreduce runs inside "
-                "jax.shard_map, jax.pmap or jax.vmap over an axis of that name.")
+                f"{jax_words} jaxring.overlap(axis_name={overlap_axis_name!r}): "
+                f"the decorator's axis_name argument names {name!r}, which no "
+                "map around the decorated step binds; "
+                f"{bound_axes_text('as axis_name')}. The decorated step runs "
+                "inside jax.shard_map or jax.pmap over the axis it names.")
+        raise NameError(
+            f"{jax_words} jaxring.allreduce runs inside jax.shard_map, jax.pmap "
+            "or jax.vmap over an axis of that name. It was asked to reduce over "
+            f"{name!r}, which no enclosing map binds; {bound_axes_text()}.")
 
 
 # ---- varying-manual-axes (check_vma) helpers, across jax versions ----------

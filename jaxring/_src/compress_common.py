@@ -91,10 +91,11 @@ def check_bound(axes: tuple, where: str) -> None:
     """A clear error where the update runs outside the map over axes."""
     for name in axes:
         if not compat.axis_is_bound(name):
+            bound = _ar.bound_axes_text("as the transform's axis_name")
             raise NameError(
                 f"{where}: the axis {name!r} is not bound here. Call the "
                 "optimizer's update inside the jax.shard_map or jax.pmap over "
-                f"{name!r}, on each rank's local gradients.")
+                f"{name!r}, on each rank's local gradients ({bound}).")
 
 
 def world_size(axes: tuple) -> int:

@@ -237,7 +237,9 @@ _OPTIONS = {
                 "An emulation for measuring overlap and plans on one machine; "
                 "None (default) moves data at memory speed."),
         _Option("cpu_gang_start", "JAXRING_CPU_GANG_START", True, _parse_bool,
-                lambda v: isinstance(v, bool), "True or False (env: 1/0)",
+                lambda v: isinstance(v, bool),
+                "True or False (in the environment: 1, true, yes or on; 0, "
+                "false, no or off)",
                 "On CPU, where every rank of an overlapped bucket is a "
                 "virtual device of this process: its start waits (up to 1 s) "
                 "until every device has reached it, so a device that runs "

@@ -36,6 +36,7 @@ import os
 import re
 import secrets
 import socket
+import string
 import threading
 
 import numpy as np
@@ -74,10 +75,29 @@ def secret_from_env(environ=os.environ) -> bytes | None:
     if not re.fullmatch(r"(?:[0-9a-fA-F]{2}){16,512}", text):
         raise ValueError(
             f"{SECRET_ENV} must be 32 to 1024 hexadecimal digits, an even "
-            f"number of them (at least 128 bits; e.g. the output of "
-            f"`python -c 'import secrets; print(secrets.token_hex(32))'`); "
-            f"got {len(text)} characters that are not")
+            f"number of them (at least 128 bits); it holds "
+            f"{_secret_faults(text)}. Set it to the output of "
+            f"`python -c 'import secrets; print(secrets.token_hex(32))'`, the "
+            f"same in every process, or unset it")
     return bytes.fromhex(text)
+
+
+def _secret_faults(text: str) -> str:
+    """What keeps text from being a job secret, without quoting any of it."""
+    out = f"{len(text)} characters"
+    if len(text) < 32:
+        out += " (fewer than 32)"
+    elif len(text) > 1024:
+        out += " (more than 1024)"
+    elif len(text) % 2:
+        out += " (an odd number)"
+    bad = [i for i, c in enumerate(text, 1) if c not in string.hexdigits]
+    if bad:
+        where = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        out += (f", of which {len(bad)} (at position {where}) "
+                + ("is not a hexadecimal digit" if len(bad) == 1
+                   else "are not hexadecimal digits"))
+    return out
 
 
 def new_secret_hex() -> str:

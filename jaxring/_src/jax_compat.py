@@ -101,6 +101,18 @@ def axis_size(name) -> int:
     return jax.lax.axis_size(name)
 
 
+def bound_axis_names() -> tuple:
+    """The names of the mapped axes in scope at trace time (a shard_map's
+    mesh axes, pmap's and vmap's axis names), for an error that names the
+    axes a misspelt name could have meant. No public accessor lists them;
+    ``core.unsafe_get_axis_names`` does on jax 0.10.2 and 0.12.1 (checked
+    there). Empty where it is missing: the message then names none."""
+    names = getattr(_core, "unsafe_get_axis_names", None)
+    if names is None:
+        return ()
+    return tuple(names())
+
+
 def closed_parts(closed) -> tuple:
     """(jaxpr, consts) of a closed jaxpr; on jax 0.12, where a Jaxpr carries
     its consts, jaxpr is the object itself."""

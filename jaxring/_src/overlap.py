@@ -279,7 +279,7 @@ def _rewrite(fn, opts: OverlapOptions, args, kwargs, *, report: bool):
     runtime.register_ffi_targets()
     want = None if opts.axis_name is None else _ar._axes_tuple(opts.axis_name)
     if want is not None:
-        _ar._check_bound(want)
+        _ar._check_bound(want, overlap_axis_name=opts.axis_name)
     closed, dyn_vals, out_tree = trace_step(fn, args, kwargs)
     twice = reduced_twice.find(closed.jaxpr, lambda axes: _matches(axes, want))
     made_local = []

@@ -54,6 +54,24 @@ def _thread_count(text: str) -> int:
     return threads
 
 
+HUGE_PAGES_ENV = "JAXRING_HUGE_PAGES"
+
+
+def check_huge_pages_setting() -> None:
+    """JAXRING_HUGE_PAGES, checked at import: "1", "0" or unset (empty).
+
+    The C++ side (xla_ffi/cpu/huge_pages.cc) reads it at the first large
+    result and takes any value but "0" for "1", so "no" or "false" would ask
+    for huge pages; anything else is refused here, before it is read there.
+    """
+    raw = os.environ.get(HUGE_PAGES_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(
+            f"{HUGE_PAGES_ENV}={raw!r}: expected 1 (ask for transparent huge "
+            "pages on CPU results of 4 MiB or more) or 0 (do not); unset, it "
+            "is 1, or 0 where MALLOC_MMAP_THRESHOLD_ is set")
+
+
 def size_cpu_pool(devices: int | None = None) -> None:
     """Sets PJRT_NPROC before the CPU client starts, unless the user did.
 

@@ -15,7 +15,9 @@ https://ui.perfetto.dev or chrome://tracing.
             state = train_step(state, batch)
 
 or set ``JAXRING_TIMELINE=trace.json`` to record the whole process and write
-the file at exit.
+the file at exit. Either path is checked before recording starts: one that
+cannot be written raises OSError then (at ``import jaxring`` for the
+variable), not when the trace is due.
 """
 
 from __future__ import annotations
@@ -116,13 +118,39 @@ def write(path, events, names, host_spans=()) -> None:
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
 
 
+def check_writable(path: str | os.PathLike, given_as: str) -> None:
+    """Raises OSError, naming the path and the reason, where a trace could
+    not be written to path: checked before recording, so that a typo in the
+    path fails at once rather than when the trace is written (at the end of
+    the block, or at exit). given_as: how the caller passed the path.
+
+    Opens the file for appending, which creates nothing lasting: a file
+    this made is removed again."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        parent = os.path.dirname(os.path.abspath(path))
+        reason = (f"the directory {parent!r} does not exist"
+                  if isinstance(e, FileNotFoundError) else e.strerror or str(e))
+        raise type(e)(
+            f"{given_as}: cannot write the timeline to {os.fspath(path)!r}: "
+            f"{reason}. Name a file in a directory that exists and that this "
+            "process may write to") from e
+    if not existed:
+        os.remove(path)
+
+
 @contextlib.contextmanager
 def timeline(path: str | os.PathLike):
     """Records the transfers made inside the block and writes them to path.
 
     Results must be ready when the block ends (``jax.block_until_ready``) for
-    their transfers to be in the file.
+    their transfers to be in the file. A path that cannot be written raises
+    OSError before the block runs.
     """
+    check_writable(path, f"jaxring.timeline({os.fspath(path)!r})")
     start()
     try:
         yield
@@ -134,5 +162,9 @@ def start_from_environment() -> None:
     path = os.environ.get("JAXRING_TIMELINE")
     if not path:
         return
+    # Written at exit, perhaps after the program changed directory: the
+    # file checked now is the file written then.
+    path = os.path.abspath(path)
+    check_writable(path, f"JAXRING_TIMELINE={os.environ['JAXRING_TIMELINE']!r}")
     start()
     atexit.register(stop, path)
