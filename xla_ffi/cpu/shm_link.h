@@ -38,6 +38,7 @@
 #include <string>
 
 #include "deadline.h"
+#include "shm_segment.h"
 
 namespace jaxring {
 
@@ -81,6 +82,10 @@ class ShmRing {
   ShmOffer offer() const;
   // Removes the name (sender side; idempotent). The mapping stays valid.
   void unlink();
+  // A SegmentReader for remove_stale_segments: the creator of the ring
+  // whose head this is.
+  static bool read_creator(const std::string& name, const char* head, size_t file_bytes,
+                           SegmentCreator* creator);
 
   int64_t capacity() const { return capacity_; }
   // Whether a payload of n bytes travels in the ring (else on the socket).
