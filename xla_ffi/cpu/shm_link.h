@@ -23,6 +23,9 @@
 //    link instead of killing the process with SIGBUS on a write), and
 //    unlinked by its creator as soon as the peer answered the offer: from
 //    then on nothing of the job is left in /dev/shm, whatever happens.
+//    Before then, the creator's exit handlers remove it, or a later job
+//    does once the creator (its pid in the control block) is gone
+//    (shm_segment.h).
 //  * The receiver writes only the ring's consumed position; the sender
 //    checks it against what it wrote before trusting it, and the receiver
 //    checks the sender's written position the same way: a broken or hostile
