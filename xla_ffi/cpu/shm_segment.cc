@@ -86,10 +86,12 @@ void on_exit_signal(int sig, siginfo_t* info, void* context) {
 // Chains in front of whatever handles the signal now (JAX's preemption
 // notice takes SIGTERM and keeps the process running until the launcher's
 // SIGKILL; Python's handler turns SIGINT into KeyboardInterrupt), with its
-// flags, so that nothing else changes. A handler installed later replaces
-// this one: its names are then left to remove_stale_segments.
+// flags, so that nothing else changes. An ignored signal stays ignored
+// (and so for the programs this process execs). A handler installed later
+// replaces this one: its names are then left to remove_stale_segments.
 void chain_handler(int sig, struct sigaction* previous) {
   if (::sigaction(sig, nullptr, previous) != 0) return;
+  if (!(previous->sa_flags & SA_SIGINFO) && previous->sa_handler == SIG_IGN) return;
   struct sigaction mine = *previous;
   mine.sa_sigaction = on_exit_signal;
   mine.sa_flags = previous->sa_flags | SA_SIGINFO;
