@@ -16,6 +16,7 @@ Process 1 waits until process 0 has published the segment's name, prints
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -25,6 +26,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxring
 from jaxring._src import host_segment
+
+# SIGINT as an interactive run has it: a test run started in the background
+# of a shell without job control starts this process with SIGINT ignored,
+# which jaxring leaves ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 timeout_s = float(sys.argv[1])
 mode = sys.argv[2]
