@@ -44,8 +44,8 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free &&
 // What SIGTERM and SIGINT did before jaxring's handler, which chains to it.
 struct sigaction g_previous_term, g_previous_int;
 
-// Async-signal-safe: unlink(2) on the path /dev/shm gives the name (what
-// shm_unlink does, without its set-up), no allocation.
+// Async-signal-safe: unlink(2) of "/dev/shm" followed by the name (what
+// shm_unlink does, without its set-up), and no allocation.
 void unlink_armed() {
   const int32_t me = static_cast<int32_t>(::getpid());
   for (ExitSlot& slot : g_exit_slots) {

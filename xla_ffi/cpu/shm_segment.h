@@ -9,9 +9,11 @@
 // every way out of the creator that runs any code: a C++ error unwinds the
 // segment's owner, jaxring/_src/host_segment.py abandons the host segment
 // on a Python exception, and SIGTERM, SIGINT and exit() reach the handlers
-// below. A creator killed outright (SIGKILL, a crash) leaves its names;
-// remove_stale_segments, run by every later job of the user on the host,
-// removes those whose creator is gone.
+// create_segment installs (chained in front of the process's own; a signal
+// it ignores stays ignored, and a handler it installs later replaces
+// jaxring's). A creator killed outright (SIGKILL, a crash) leaves its
+// names; remove_stale_segments, run by every later job of the user on the
+// host that uses shared memory, removes those whose creator is gone.
 #pragma once
 
 #include <cstddef>
