@@ -733,6 +733,122 @@ def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm(alg
     assert jaxring_segments() - before == set()
 
 
+
+# The host segment's set-up cut short (tests/multiprocess/setup_exit.py):
+# process 1 prints "SAW <name> True" once process 0 has created and
+# published the segment, so each test knows the name was in /dev/shm.
+
+def host_segment_seen(lines: list[str]) -> str:
+    """The file in /dev/shm that process 1 saw (it must have been there)."""
+    saw = next((l for l in lines if l.startswith("SAW")), None)
+    assert saw is not None, lines[-10:]
+    _, name, there = saw.split()
+    assert there == "True" and "-host-" in name, saw
+    return "/dev/shm" + name
+
+
+def remove_files(paths) -> None:
+    """A test's own leftovers, so that a failed test leaves nothing either."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def wait_for_line(job: "Job", rank: int, prefix: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(l.startswith(prefix) for l in job.lines[rank]):
+        assert job.procs[rank].poll() is None, job.lines
+        assert time.monotonic() < deadline, job.lines
+        time.sleep(0.05)
+
+
+@newest_jax_only
+def test_an_error_in_the_host_segments_set_up_leaves_nothing_in_dev_shm():
+    """Process 0 raises in its set-up after every process mapped the
+    segment, before the commit that would unlink it: the exception removes
+    the name on its way out."""
+    r = run_launcher(2, "setup_exit.py", 60, "raise")
+    path = host_segment_seen(lines_by_rank(r.stdout)[1])
+    try:
+        assert r.returncode == 1, r.stdout[-3000:]
+        assert "injected failure after the decision" in r.stdout, r.stdout[-3000:]
+        assert not os.path.exists(path)
+    finally:
+        remove_files([path])
+
+
+def test_a_process_that_dies_in_set_up_leaves_nothing_of_the_job_in_dev_shm():
+    """Process 1 exits while process 0 waits for it to map the segment; the
+    launcher then stops process 0 with SIGTERM (which JAX takes as a
+    preemption notice, so the process runs on) and SIGKILL after its grace.
+    The SIGTERM removes the name."""
+    r = run_launcher(2, "setup_exit.py", 60, "exit")
+    path = host_segment_seen(lines_by_rank(r.stdout)[1])
+    try:
+        assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "process 1 exited with status 1" in r.stderr, r.stderr[-3000:]
+        assert not os.path.exists(path)
+    finally:
+        remove_files([path])
+
+
+@pytest.mark.parametrize("sig", [
+    pytest.param(signal.SIGTERM, id="SIGTERM"),
+    pytest.param(signal.SIGINT, id="SIGINT", marks=newest_jax_only)])
+def test_a_signal_to_process_0_in_set_up_removes_the_segment_at_once(sig):
+    """Process 1 never maps the segment, and process 0 waits up to 120 s for
+    it to say so (a wait that neither signal interrupts). The signal
+    removes the name at once: within a quarter of that wait, which ends no
+    earlier than 120 s after the name was published."""
+    job = Job(2, 120.0, script="setup_exit.py", args=("hold",))
+    path = None
+    try:
+        wait_for_line(job, 1, "SAW")
+        path = host_segment_seen(job.lines[1])
+        job.procs[0].send_signal(sig)
+        deadline = time.monotonic() + 30
+        while os.path.exists(path):
+            assert time.monotonic() < deadline, (path, job.lines[0][-5:])
+            time.sleep(0.05)
+    finally:
+        job.kill_all()
+        if path is not None:
+            remove_files([path])
+
+
+@newest_jax_only
+def test_the_next_job_removes_a_segment_whose_creator_was_killed_but_no_live_ones():
+    """A job whose process 0 is killed outright (SIGKILL) in set-up leaves
+    its host segment; another job is in its set-up, its process 0 alive.
+    The next job removes the first segment and keeps the second."""
+    killed = Job(2, 120.0, script="setup_exit.py", args=("hold",))
+    live = None
+    paths = []
+    try:
+        wait_for_line(killed, 1, "SAW")
+        paths.append(host_segment_seen(killed.lines[1]))
+        killed.procs[0].kill()
+        killed.procs[0].wait()  # reaped: a zombie's pid still answers kill(pid, 0)
+        killed.kill_all()
+        assert os.path.exists(paths[0])
+        live = Job(2, 120.0, script="setup_exit.py", args=("hold",))
+        wait_for_line(live, 1, "SAW")
+        paths.append(host_segment_seen(live.lines[1]))
+        r = run_launcher(2, "setup_exit.py", 60, "run")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        done = {rank: [l for l in lines if l.startswith("DONE")]
+                for rank, lines in lines_by_rank(r.stdout).items()}
+        assert done == {0: ["DONE True"], 1: ["DONE True"]}, r.stdout[-3000:]
+        assert not os.path.exists(paths[0])
+        assert os.path.exists(paths[1])
+    finally:
+        killed.kill_all()
+        if live is not None:
+            live.kill_all()
+        remove_files(paths)
+
 @newest_jax_only
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="needs root and unshare(1) to give the job a tiny /dev/shm")

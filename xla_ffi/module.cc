@@ -17,6 +17,7 @@
 #include "cpu/host_segment.h"
 #include "cpu/inprocess_plan_host.h"
 #include "cpu/inprocess_transport.h"
+#include "cpu/shm_link.h"
 #include "cpu/socket_io.h"
 #include "cpu/split_phase.h"
 #include "cpu/tcp_transport.h"
@@ -345,6 +346,27 @@ NB_MODULE(_jaxring, m) {
   }, nb::arg("process"), nb::arg("missing"),
         "Ends the host segment's set-up: with missing == '' it is used, else "
         "dropped, and missing says why direct across processes is unavailable.");
+  m.def("host_segment_unlink", [] {
+    std::lock_guard<std::mutex> lock(pending_segment_mu());
+    if (pending_segment()) pending_segment()->unlink();
+  }, "Removes the name of the host segment being set up, if this process "
+        "created it (once every process said whether it mapped it). The "
+        "mapping stays.");
+  m.def("host_segment_abandon", [] {
+    std::unique_ptr<jaxring::HostSegment> s;
+    {
+      std::lock_guard<std::mutex> lock(pending_segment_mu());
+      s = std::move(pending_segment());
+    }
+    // Destroyed here: unlinked where this process created it, and unmapped.
+  }, "Drops the host segment being set up (its set-up was cut short): the "
+        "name is removed where this process created it. Committed segments "
+        "are not affected.");
+  m.def("shm_remove_stale_segments", [] {
+    return jaxring::remove_stale_segments(
+        {jaxring::HostSegment::read_creator, jaxring::ShmRing::read_creator});
+  }, "Removes from /dev/shm the host segments and link rings of this user "
+        "whose creator (in this pid namespace) is gone; returns their names.");
   m.def("host_segment_info", [] {
     nb::dict d;
     jaxring::HostSegment* s = jaxring::host_segment();

@@ -295,6 +295,10 @@ def _set_up_tcp_transport(timeout_s: float, check_settings: bool) -> None:
     timeout_ms = int(timeout_s * 1000)
     use_shm = transport_choice() == "auto"
     _jaxring.tcp_set_socket_buffer(socket_buffer_choice())
+    if use_shm:
+        # Before this job makes segments of its own: what jobs killed
+        # outright left would take the room this one needs.
+        host_segment.remove_stale()
     my_host = host_identity()
     secret, job_id, source = _job_secret_and_id(client, me, timeout_ms)
     host = _local_host(coordinator)

@@ -7,8 +7,12 @@ process 0 creates the segment and publishes its name, every other process
 maps it and publishes whether it could, and process 0 publishes the
 decision every process follows: the segment is used only if every process
 mapped it (a process whose JAXRING_TRANSPORT is tcp maps nothing, so it
-turns the segment off for all). Every process then removes the name from
-its view (process 0 from /dev/shm)."""
+turns the segment off for all). Process 0 removes the name from /dev/shm
+as soon as every other process said whether it mapped the segment, and
+whatever way the set-up ends: an exception (KeyboardInterrupt included)
+abandons it here, and SIGTERM, SIGINT and exit() reach the handlers of
+xla_ffi/cpu/shm_segment.h. A process 0 killed outright leaves the name to
+the next job's remove_stale (below)."""
 
 from __future__ import annotations
 
@@ -42,7 +46,13 @@ def set_up(client, me: int, processes: int, ranks: int, job_id: bytes,
     if not one_host:
         why = "the job's processes run on more than one host"
     else:
-        why = _agree(client, me, processes, ranks, job_id, use_shm, timeout_ms)
+        try:
+            why = _agree(client, me, processes, ranks, job_id, use_shm, timeout_ms)
+        except BaseException:
+            # Cut short (an error, KeyboardInterrupt, a SystemExit from a
+            # signal handler): the segment is dropped, its name removed.
+            _jaxring.host_segment_abandon()
+            raise
     _jaxring.host_segment_commit(me, why)
     with _lock:
         _missing = why or None
@@ -95,6 +105,7 @@ def _decide(client, processes: int, mine: str, timeout_ms: int) -> str:
     """Process 0's decision for every process, published: "" (every
     process has the segment) or why not. It waits for the statuses under
     one deadline, so that it decides within timeout_ms of offering."""
+    from jaxring import _jaxring
     deadline = time.monotonic() + timeout_ms / 1000
     for q in range(1, processes):
         left_ms = max(1, int((deadline - time.monotonic()) * 1000))
@@ -104,8 +115,20 @@ def _decide(client, processes: int, mine: str, timeout_ms: int) -> str:
             theirs = f"it did not say whether it mapped the segment: {e}"
         if theirs != "ok" and not mine:
             mine = f"process {q}: {theirs}"
+    # Every process has mapped the segment or never will: its name goes now,
+    # not after the decision's round trip.
+    _jaxring.host_segment_unlink()
     client.key_value_set(_DECISION_KEY, mine or "ok")
     return mine
+
+
+def remove_stale() -> list[str]:
+    """Removes from /dev/shm the host segments and links' rings that jobs
+    of this user left when their creator was killed outright (SIGKILL, a
+    crash): only those whose creator ran in this pid namespace and is gone.
+    Returns their names."""
+    from jaxring import _jaxring
+    return _jaxring.shm_remove_stale_segments()
 
 
 def unavailable() -> str | None:

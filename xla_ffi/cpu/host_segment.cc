@@ -50,13 +50,6 @@ int64_t chunk_for(int ranks) {
   return chunk < kHostMinChunkBytes ? 0 : chunk;
 }
 
-// The inode of this process's pid namespace (0 if unknown): pids of
-// processes in another namespace name other processes here.
-uint64_t pid_namespace() {
-  struct stat st{};
-  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
-}
-
 int pidfd_open(int pid) {
 #ifdef SYS_pidfd_open
   return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
@@ -83,7 +76,9 @@ struct HostSegment::Header {
   uint32_t job_bytes;
   int32_t processes;
   int32_t ranks;
-  int32_t pad;
+  // The process that created the segment: its pid[] and pid_namespace[]
+  // are written before the name is published, for remove_stale_segments.
+  int32_t creator;
   int64_t chunk_bytes;
   char job[kJobIdBytes];
   std::atomic<int32_t> mapped;
@@ -124,8 +119,28 @@ HostSegment::~HostSegment() {
 }
 
 void HostSegment::unlink() {
-  if (named_) ::shm_unlink(name_.c_str());
+  if (named_) unlink_segment(name_);
   named_ = false;
+}
+
+bool HostSegment::read_creator(const std::string& name, const char* head,
+                               size_t file_bytes, SegmentCreator* creator) {
+  static_assert(sizeof(Header) <= kSegmentHeadBytes, "the sweep reads the whole header");
+  const Header* h = reinterpret_cast<const Header*>(head);
+  const int processes = h->processes, ranks = h->ranks, c = h->creator;
+  if (h->magic != kHostMagic || h->bytes != file_bytes || h->job_bytes > kJobIdBytes ||
+      processes < 2 || processes > kHostMaxProcesses || ranks < processes ||
+      ranks > kHostMaxProcesses || c < 0 || c >= processes) {
+    return false;
+  }
+  const int64_t chunk = chunk_for(ranks);
+  if (chunk == 0 || h->chunk_bytes != chunk || file_bytes != layout_bytes(ranks, chunk) ||
+      !is_segment_name(name, host_segment_prefix(std::string(h->job, h->job_bytes)))) {
+    return false;
+  }
+  creator->pid = h->pid[c].load();
+  creator->pid_namespace = h->pid_namespace[c].load();
+  return creator->pid > 0;
 }
 
 std::unique_ptr<HostSegment> HostSegment::create(const std::string& job_id, int process,
@@ -158,6 +173,7 @@ std::unique_ptr<HostSegment> HostSegment::create(const std::string& job_id, int 
   h->processes = processes;
   h->ranks = ranks;
   h->chunk_bytes = chunk;
+  h->creator = process;
   for (int e = 0; e < kHostEntries; ++e) {
     new (static_cast<char*>(base) + kHeaderBytes + e * sizeof(HostEntry)) HostEntry();
   }

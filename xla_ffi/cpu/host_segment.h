@@ -21,7 +21,9 @@
 //    page reserved up front (a full /dev/shm refuses the segment instead of
 //    killing a process with SIGBUS), and unlinked by its creator once every
 //    process of the host has mapped it (or failed to), so nothing of the job
-//    stays in /dev/shm whatever happens after set-up.
+//    stays in /dev/shm whatever happens after set-up. Before that, the
+//    creator's way out removes it (shm_segment.h), and the creator's pid,
+//    written at creation, lets a later job remove it where nothing could.
 //  * Every process of the job reads what the others write here; indices and
 //    sizes come from the local plan and from the header as it was when this
 //    process checked it (never read again), and the text of a peer's error
@@ -35,6 +37,8 @@
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "shm_segment.h"
 
 namespace jaxring {
 
@@ -117,6 +121,10 @@ class HostSegment {
   const std::string& name() const { return name_; }
   // Removes the name (creator; idempotent). The mappings stay valid.
   void unlink();
+  // A SegmentReader for remove_stale_segments: the creator of the host
+  // segment whose head this is.
+  static bool read_creator(const std::string& name, const char* head, size_t file_bytes,
+                           SegmentCreator* creator);
 
   // Read from the header once, when it was checked: a peer that rewrites
   // the header later changes nothing this process computes.

@@ -67,6 +67,9 @@ struct ShmRing::Control {
   // room sleeps on.
   alignas(64) std::atomic<uint32_t> consumed_seq;
   std::atomic<uint32_t> sender_waiting;
+  // Written at creation, for remove_stale_segments.
+  alignas(64) std::atomic<int32_t> creator_pid;
+  std::atomic<uint64_t> creator_pid_namespace;
 };
 static_assert(sizeof(ShmRing::Control) <= kControlBytes, "control block");
 static_assert(std::atomic<int64_t>::is_always_lock_free &&
@@ -93,8 +96,22 @@ ShmRing::~ShmRing() {
 }
 
 void ShmRing::unlink() {
-  if (named_) ::shm_unlink(name_.c_str());
+  if (named_) unlink_segment(name_);
   named_ = false;
+}
+
+bool ShmRing::read_creator(const std::string& name, const char* head, size_t file_bytes,
+                           SegmentCreator* creator) {
+  static_assert(sizeof(Control) <= kSegmentHeadBytes, "the sweep reads the whole block");
+  (void)name;  // its job, link and channel are not in the block to check against
+  const Control* c = reinterpret_cast<const Control*>(head);
+  if (c->magic != kControlMagic || c->capacity != static_cast<uint64_t>(kShmRingBytes) ||
+      file_bytes != map_bytes_for(kShmRingBytes)) {
+    return false;
+  }
+  creator->pid = c->creator_pid.load();
+  creator->pid_namespace = c->creator_pid_namespace.load();
+  return creator->pid > 0;
 }
 
 std::unique_ptr<ShmRing> ShmRing::create(const std::string& job_id, int from, int to,
@@ -109,6 +126,8 @@ std::unique_ptr<ShmRing> ShmRing::create(const std::string& job_id, int from, in
   c->capacity = static_cast<uint64_t>(kShmRingBytes);
   c->written.store(0);
   c->consumed.store(0);
+  c->creator_pid_namespace.store(pid_namespace());
+  c->creator_pid.store(static_cast<int32_t>(::getpid()));
   return std::unique_ptr<ShmRing>(new ShmRing(name, kShmRingBytes, base, bytes, true));
 }
 

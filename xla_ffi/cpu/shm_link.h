@@ -23,6 +23,9 @@
 //    link instead of killing the process with SIGBUS on a write), and
 //    unlinked by its creator as soon as the peer answered the offer: from
 //    then on nothing of the job is left in /dev/shm, whatever happens.
+//    Before then, the creator's exit handlers remove it, or a later job
+//    does once the creator (its pid in the control block) is gone
+//    (shm_segment.h).
 //  * The receiver writes only the ring's consumed position; the sender
 //    checks it against what it wrote before trusting it, and the receiver
 //    checks the sender's written position the same way: a broken or hostile
@@ -38,6 +41,7 @@
 #include <string>
 
 #include "deadline.h"
+#include "shm_segment.h"
 
 namespace jaxring {
 
@@ -81,6 +85,10 @@ class ShmRing {
   ShmOffer offer() const;
   // Removes the name (sender side; idempotent). The mapping stays valid.
   void unlink();
+  // A SegmentReader for remove_stale_segments: the creator of the ring
+  // whose head this is.
+  static bool read_creator(const std::string& name, const char* head, size_t file_bytes,
+                           SegmentCreator* creator);
 
   int64_t capacity() const { return capacity_; }
   // Whether a payload of n bytes travels in the ring (else on the socket).
