@@ -694,6 +694,29 @@ void run_host_direct_test() {
   }
 }
 
+// A process of another build opening the host segment: a segment whose
+// first word names another layout version is refused, naming both.
+void run_host_layout_test() {
+  const std::string job = "core-tests-host-layout";
+  std::string error;
+  auto seg = jaxring::HostSegment::create(job, 0, 2, 2, &error);
+  CHECK(seg != nullptr);
+  if (!seg) return;
+  CHECK(jaxring::HostSegment::open(seg->name(), job, 1, &error) != nullptr);
+  const int fd = ::open(("/dev/shm" + seg->name()).c_str(), O_RDWR);
+  CHECK(fd >= 0);
+  uint64_t magic = 0;
+  CHECK(::pread(fd, &magic, sizeof magic, 0) == sizeof magic);
+  const uint64_t first_layout = (magic & ~uint64_t{0xffff}) | 0x5347;  // "...SG"
+  CHECK(::pwrite(fd, &first_layout, sizeof first_layout, 0) == sizeof first_layout);
+  ::close(fd);
+  error.clear();
+  CHECK(jaxring::HostSegment::open(seg->name(), job, 1, &error) == nullptr);
+  CHECK(error.find("layout version 1 and this jaxring build lays it out as version") !=
+        std::string::npos);
+  CHECK(error.find("same jaxring build") != std::string::npos);
+}
+
 }  // namespace
 
 // One float allreduce among p ranks started from their own threads; returns
@@ -1221,6 +1244,7 @@ int main() {
   run_tcp_test();
   run_shm_ring_tests();
   run_segment_exit_tests();
+  run_host_layout_test();
 
   for (int p = 1; p <= 9; ++p)
     for (int rings = 1; rings <= 4; ++rings)

@@ -20,7 +20,24 @@ namespace jaxring {
 
 namespace {
 
-constexpr uint64_t kHostMagic = 0x4a52484f53545347ull;  // "JRHOSTSG"
+// The first word: "JRHOST" and the layout's version in the low 16 bits.
+// Processes of different builds must not share a segment whose entries
+// they lay out differently; the version tells them apart where the sizes
+// agree. The first layout carried "SG" there, read as version 1. Version
+// 2: entries count each process's arrivals and departures and carry the
+// operands' shape digest; the header names its creator.
+constexpr uint64_t kHostMagicPrefix = 0x4a52484f53540000ull;
+constexpr uint64_t kHostMagicMask = 0xffffffffffff0000ull;
+constexpr uint32_t kHostLayout = 2;
+constexpr uint64_t kHostMagic = kHostMagicPrefix | kHostLayout;
+
+// The layout version of a segment's first word, or 0 if it is not one of
+// a host segment.
+uint32_t host_layout_of(uint64_t magic) {
+  if ((magic & kHostMagicMask) != kHostMagicPrefix) return 0;
+  const uint32_t low = static_cast<uint32_t>(magic & 0xffff);
+  return low == 0x5347 ? 1 : low;
+}
 constexpr size_t kHeaderBytes = 8192;
 constexpr size_t kEntriesBytes = 8192;
 constexpr size_t kJobIdBytes = 64;
@@ -128,7 +145,11 @@ bool HostSegment::read_creator(const std::string& name, const char* head,
   static_assert(sizeof(Header) <= kSegmentHeadBytes, "the sweep reads the whole header");
   const Header* h = reinterpret_cast<const Header*>(head);
   const int processes = h->processes, ranks = h->ranks, c = h->creator;
-  if (h->magic != kHostMagic || h->bytes != file_bytes || h->job_bytes > kJobIdBytes ||
+  // Every layout so far keeps the fields read here in place, so segments
+  // that older builds left are removed too.
+  const uint32_t layout = host_layout_of(h->magic);
+  if (layout < 1 || layout > kHostLayout || h->bytes != file_bytes ||
+      h->job_bytes > kJobIdBytes ||
       processes < 2 || processes > kHostMaxProcesses || ranks < processes ||
       ranks > kHostMaxProcesses || c < 0 || c >= processes) {
     return false;
@@ -196,6 +217,15 @@ std::unique_ptr<HostSegment> HostSegment::open(const std::string& name,
   if (base == nullptr) return nullptr;
   // Each value read once, checked, and kept: the header is shared.
   const volatile Header* h = static_cast<const volatile Header*>(base);
+  const uint32_t layout = host_layout_of(h->magic);
+  if (layout != 0 && layout != kHostLayout) {
+    ::munmap(base, bytes);
+    *error = "the host segment " + name + " has layout version " +
+             std::to_string(layout) + " and this jaxring build lays it out as version " +
+             std::to_string(kHostLayout) + ": every process of the job must run the "
+             "same jaxring build";
+    return nullptr;
+  }
   const int processes = h->processes, ranks = h->ranks;
   const int64_t chunk = h->chunk_bytes;
   char job[kJobIdBytes];
