@@ -3,6 +3,9 @@ and the errors and warnings at the edges of that range."""
 
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 
 import jax
@@ -123,3 +126,21 @@ def test_every_jax_internal_goes_through_jax_compat():
             if re.search(r"\bjax\._src\b|from jax import core\b", line):
                 offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
     assert not offenders, offenders
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value, ok", [("yes", False), ("cuda", False), ("off", True)])
+def test_the_cuda_build_setting_is_checked_at_configure(tmp_path, value, ok):
+    # JAXRING_CUDA comes from the environment; a value CMake does not know
+    # must stop the build rather than fall to AUTO and build without CUDA.
+    cmake = shutil.which("cmake")
+    assert cmake, "cmake is needed (pip install cmake)"
+    res = subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path),
+                          f"-DPython_EXECUTABLE={sys.executable}",
+                          "-DJAXRING_BUILD_PYTHON=OFF", f"-DJAXRING_CUDA={value}"],
+                         capture_output=True, text=True, timeout=120)
+    if ok:
+        assert res.returncode == 0, res.stderr[-2000:]
+    else:
+        assert res.returncode != 0
+        assert f"JAXRING_CUDA is '{value}'; it must be AUTO, ON or OFF" in res.stderr
