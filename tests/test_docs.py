@@ -147,6 +147,8 @@ def test_pages_run_jaxrings_tools():
     assert len(INVOCATIONS) >= 10, INVOCATIONS
 
 
+# The options are argparse's, the same on every jax: the newest runs these.
+@pytest.mark.slow
 @pytest.mark.parametrize("page,tool,options", INVOCATIONS,
                          ids=[f"{p}:{' '.join(t)}" for p, t, _ in INVOCATIONS])
 def test_command_options_exist(page, tool, options):

@@ -35,13 +35,16 @@ def test_quickstart_learns_without_an_overlap_warning():
     assert len(losses) == 5 and losses[-1] < 0.25 * losses[0], res.stdout
 
 
+# Training to accuracy runs on the newest jax only (the slow tier); the
+# older releases check the trainers' updates and loss curves.
+@pytest.mark.slow
 def test_mlp_reaches_95_percent_on_digits_with_overlap():
     fields, _ = run_example("train_mlp.py", "--mode", "overlap", "--devices", "8")
     assert float(fields["accuracy"]) >= 0.95, fields
 
 
-@pytest.mark.parametrize("compression", [pytest.param("wire16", marks=pytest.mark.slow),
-                                         "powersgd"])
+@pytest.mark.slow
+@pytest.mark.parametrize("compression", ["wire16", "powersgd"])
 def test_mlp_reaches_95_percent_with_compression_under_overlap(compression):
     fields, _ = run_example("train_mlp.py", "--mode", "overlap", "--devices", "8",
                             "--compression", compression)
@@ -153,7 +156,7 @@ def test_lm_learns_the_standard_library_with_overlap():
     assert float(fields["bits/char"]) < 3.0, fields
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "psum"])
+@pytest.mark.parametrize("mode", [pytest.param("allreduce", marks=pytest.mark.slow), "psum"])
 def test_lm_modes_give_the_same_loss_curve(mode):
     common = ("--devices", "4", "--steps", "5", "--layers", "1", "--width", "64")
     _, overlap = run_example("train_lm.py", "--mode", "overlap", *common)
@@ -163,6 +166,7 @@ def test_lm_modes_give_the_same_loss_curve(mode):
         assert abs(a - b) <= 1e-4 * abs(b), (overlap, other)
 
 
+@pytest.mark.slow  # the timeline is jaxring's own: test_timeline.py covers every jax
 def test_lm_timeline_spans_its_last_ten_steps(tmp_path):
     """--timeline records every step from max(1, steps - 10) on (the first
     step compiles), and says so; stopping before that records nothing."""
@@ -208,22 +212,16 @@ def run_launched(name, *args, timeout=600):
 
 
 # train_cnn.py runs with wire16 only: the plain one adds nothing worth its
-# minute (the MLP covers the plain path, wire16 the BatchNorm CNN's).
+# minute (the MLP covers the plain path, wire16 the BatchNorm CNN's). On
+# the older jax releases test_multiprocess.py's launched checks stand for
+# these.
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name,steps", [("train_mlp.py", ("--max-steps", "6")),
-                                        # The older jax releases run the first alone.
-                                        pytest.param("train_lm.py",
-                                                     ("--steps", "4", "--layers", "1",
-                                                      "--width", "64"),
-                                                     marks=pytest.mark.slow),
-                                        pytest.param("train_mlp.py",
-                                                     ("--max-steps", "6",
-                                                      "--compression", "powersgd"),
-                                                     marks=pytest.mark.slow),
-                                        pytest.param("train_cnn.py",
-                                                     ("--max-steps", "3",
-                                                      "--compression", "wire16"),
-                                                     marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name,steps", [
+    ("train_mlp.py", ("--max-steps", "6")),
+    ("train_lm.py", ("--steps", "4", "--layers", "1", "--width", "64")),
+    ("train_mlp.py", ("--max-steps", "6", "--compression", "powersgd")),
+    ("train_cnn.py", ("--max-steps", "3", "--compression", "wire16"))])
 def test_example_under_the_launcher_matches_one_process(name, steps):
     """2 processes x 2 devices (direct over the host segment) train as 1
     process of 4 devices does: every process draws the same batches from

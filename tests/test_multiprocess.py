@@ -52,9 +52,9 @@ def lines_by_rank(stdout: str) -> dict[int, list[str]]:
 
 
 # The older supported jax releases run one case of each kind (flat, tiered,
-# exchange, ...); the others differ only in the plan, the links or the
-# launcher, which are jaxring's own code whatever the jax, and run with the
-# slow tier on the newest jax.
+# exchange, one fault of each sort, ...); the others differ only in the
+# plan, the links, the launcher or the fault, which are jaxring's own code
+# whatever the jax, and run with the slow tier on the newest jax.
 newest_jax_only = pytest.mark.slow
 
 # (processes, devices per process, seed, topology setting, tiers lowered,
@@ -64,7 +64,7 @@ ACROSS_PROCESSES = [
     # with one device per process or several.
     pytest.param(2, 1, 0, "auto", "flat", "auto", id="2-processes"),
     # The flat ring across processes, as auto runs it beyond one host.
-    pytest.param(2, 1, 11, "ring", "flat", "auto", id="2-processes-ring"),
+    pytest.param(2, 1, 11, "ring", "flat", "auto", id="2-processes-ring", marks=newest_jax_only),
     pytest.param(4, 1, 1, "auto", "flat", "auto", id="4-processes", marks=newest_jax_only),
     # topology="flat": one ring over every rank.
     pytest.param(2, 2, 2, "flat", "flat", "auto", id="2x2-flat", marks=newest_jax_only),
@@ -72,7 +72,8 @@ ACROSS_PROCESSES = [
     pytest.param(4, 2, 13, "auto", "flat", "auto", id="4x2-auto", marks=newest_jax_only),
     # Without the host segment (as on several hosts), "auto" runs the
     # tiered ring it derives, and the exchange for small operands.
-    pytest.param(2, 2, 14, "auto", "2x2", "tcp", id="2x2-tiered-auto-tcp"),
+    pytest.param(2, 2, 14, "auto", "2x2", "tcp", id="2x2-tiered-auto-tcp",
+                 marks=newest_jax_only),
     # The ring with the tiers "auto" derives: the devices of a process,
     # then the processes of the host.
     pytest.param(2, 2, 12, "ring", "2x2", "auto", id="2x2-tiered-ring"),
@@ -143,7 +144,7 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
 
 @pytest.mark.parametrize("devices,transport", [
     pytest.param(1, "auto", id="2-processes"),
-    pytest.param(1, "tcp", id="2-processes-tcp"),
+    pytest.param(1, "tcp", id="2-processes-tcp", marks=newest_jax_only),
     pytest.param(2, "auto", id="2x2", marks=newest_jax_only)])
 def test_allreduce_in_a_loop_body_meets_the_same_iteration_on_every_rank(devices, transport):
     # XLA runs a call in a scan's or a fori_loop's body under one key for
@@ -232,6 +233,7 @@ def test_direct_groups_waiting_for_stragglers_are_not_another_program():
         assert lines == ["OK"], (rank, lines)
 
 
+@newest_jax_only
 def test_processes_with_different_transports_settle_on_one_answer_at_once():
     """One process of three asks for TCP only (JAXRING_TRANSPORT=tcp), the
     others for shared memory: every process is told that the host segment
@@ -251,6 +253,7 @@ def test_processes_with_different_transports_settle_on_one_answer_at_once():
         assert "OK" in said, (rank, lines)
 
 
+@newest_jax_only
 def test_direct_across_processes_is_refused_where_there_is_no_host_segment():
     r = run_launcher(2, "allreduce_check.py", 0, 1, "direct",
                      env={"JAXRING_TRANSPORT": "tcp"})
@@ -329,7 +332,9 @@ def test_a_bad_job_secret_says_what_is_wrong_with_it(raw, says):
 
 
 @pytest.mark.parametrize("algorithm,differ", [
-    ("auto", "count"), ("direct", "count"), ("direct", "shape"), ("ring", "shape")])
+    ("auto", "count"), pytest.param("direct", "count", marks=newest_jax_only),
+    pytest.param("direct", "shape", marks=newest_jax_only),
+    pytest.param("ring", "shape", marks=newest_jax_only)])
 def test_different_programs_fail_fast_on_every_rank(algorithm, differ):
     # "shape": the same element count in another shape, which only the
     # operands' shape digest tells apart.
@@ -353,8 +358,9 @@ def test_different_programs_fail_fast_on_every_rank(algorithm, differ):
 @pytest.mark.parametrize("setting,named", [
     ("ring", "this process (1) the ring (algorithm 'ring', topology 'auto', tuning "
              "'auto (no table for this job)')"),
-    ("tuning", "this process (1) the ring (algorithm 'auto', topology 'auto', tuning "),
-    ("direct", None)])
+    pytest.param("tuning", "this process (1) the ring (algorithm 'auto', topology 'auto', "
+                 "tuning ", marks=newest_jax_only),
+    pytest.param("direct", None, marks=newest_jax_only)])
 def test_processes_of_one_host_whose_settings_choose_differently_fail_at_lowering(
         setting, named):
     # Process 1 would run the ring while process 0 waits for it in the
@@ -380,7 +386,7 @@ def test_processes_of_one_host_whose_settings_choose_differently_fail_at_lowerin
         assert named in " ".join(by_rank[1]), r.stdout
 
 
-@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+@pytest.mark.parametrize("algorithm", ["auto", pytest.param("ring", marks=newest_jax_only)])
 def test_timeline_across_processes_names_every_iteration_of_a_loop(algorithm):
     # auto runs direct over the host segment, ring the shared-memory links;
     # in a loop's body both run each iteration under an op id of their own.
@@ -459,6 +465,7 @@ def test_a_script_that_initializes_jax_distributed_itself_runs_under_the_launche
                 f"process, as process {rank} of 2") in refused[0], refused
 
 
+@newest_jax_only
 def test_launcher_prefixes_output_and_passes_arguments(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text(
@@ -475,6 +482,7 @@ def test_launcher_prefixes_output_and_passes_arguments(tmp_path):
     assert "hello 1 2 ['a', '--flag']" in by_rank[1]
 
 
+@newest_jax_only
 def test_launcher_runs_a_module_with_its_own_arguments(tmp_path):
     (tmp_path / "hello_module.py").write_text(
         "import sys, jax\n"
@@ -588,6 +596,7 @@ def test_cpu_shares_are_whole_cores_and_disjoint_while_there_are_cores_enough():
     assert sorted(c for core in cores for c in core) == sorted(mine)
 
 
+@newest_jax_only
 def test_launcher_rejects_bad_arguments():
     r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "0", "x.py"],
                        capture_output=True, text=True, timeout=60,
@@ -779,6 +788,7 @@ def test_an_error_in_the_host_segments_set_up_leaves_nothing_in_dev_shm():
         remove_files([path])
 
 
+@newest_jax_only
 def test_a_process_that_dies_in_set_up_leaves_nothing_of_the_job_in_dev_shm():
     """Process 1 exits while process 0 waits for it to map the segment; the
     launcher then stops process 0 with SIGTERM (which JAX takes as a
@@ -955,7 +965,7 @@ def test_stopped_peer_times_out_on_every_survivor(algorithm):
         job.kill_all()
 
 
-@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+@pytest.mark.parametrize("algorithm", ["auto", pytest.param("ring", marks=newest_jax_only)])
 def test_overlap_across_processes_matches_gloo_pmean(algorithm):
     # 2 processes x 2 devices: under "auto" the buckets run direct over the
     # host segment (several buckets in flight at once hold entries of it);
@@ -998,6 +1008,7 @@ def test_documented_script_gives_the_same_result_under_the_launcher(tmp_path):
         assert [l for l in lines if l.startswith("total")] == want, (rank, lines)
 
 
+@newest_jax_only
 def test_link_emulation_is_refused_for_rings_across_processes():
     r = run_launcher(2, "link_refused.py")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
