@@ -891,3 +891,55 @@ def test_a_value_every_rank_holds_is_reduced_where_it_is(op):
         in_specs=(P(), P("batch")), out_specs=P()))
     w = jax.device_put(jnp.ones(8, jnp.float32), NamedSharding(mesh, P("batch")))
     assert "jaxring_allreduce" in mixed.lower(x, w).as_text()
+
+
+def _world_sizes_sent(text: str) -> list[int]:
+    """The world size of every jaxring allreduce a lowered module sends."""
+    return sorted(int(m) for m in re.findall(
+        r"jaxring_allreduce_cpu\(.*?world_size = (\d+)", text))
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+def test_a_value_varying_over_some_axes_is_sent_over_those_only(op):
+    """Under check_vma, a reduction over ("a", "b") of a value that varies
+    over "a" alone sends it over "a" (4 ranks, not 8) and counts the copies
+    "b" holds locally. lax refuses such a value unless it is first made
+    varying over "b" (pcast); jaxring gives that result."""
+    mesh = mesh_of(4, 2, names=("a", "b"))
+    rng = np.random.default_rng(3)
+    # Values near 1: a product over 8 ranks stays in range, and lax's
+    # reference for it takes logarithms.
+    x = put((1 + 0.1 * rng.standard_normal((8, 3))).astype(np.float32), mesh, P("a"))
+    y = put((1 + 0.1 * rng.standard_normal((8, 3))).astype(np.float32), mesh,
+            P(("a", "b")))
+    lax_op = {**LAX, "prod": lambda v, a: jnp.exp(jax.lax.psum(jnp.log(v), a))}[op]
+
+    def varying_over_b(v):
+        return jax.lax.pcast(v, "b", to="varying")
+
+    def run(f):
+        g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("a"), P(("a", "b"))),
+                                  out_specs=P()))
+        return g(x, y), g.lower(x, y).as_text()
+
+    got, text = run(lambda v, w: jaxring.allreduce((v, w), ("a", "b"), op=op))
+    want, _ = run(lambda v, w: (lax_op(varying_over_b(v), ("a", "b")),
+                                lax_op(w, ("a", "b"))))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    # One operation over the 4 ranks of "a", one over all 8 for the value
+    # that varies over both.
+    assert _world_sizes_sent(text) == [4, 8], text
+    if op == "sum":
+        # A bool sum counts in int32; its gradient is lax's.
+        got, _ = run(lambda v, w: jaxring.psum(v > 1, ("a", "b")))
+        want, _ = run(lambda v, w: jax.lax.psum(varying_over_b(v > 1), ("a", "b")))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+        def grads(reduce):
+            return jax.jit(jax.shard_map(
+                jax.grad(lambda v: reduce(v * v, ("a", "b")).sum()), mesh=mesh,
+                in_specs=P("a"), out_specs=P("a")))(x)
+        np.testing.assert_allclose(
+            np.asarray(grads(jaxring.psum)),
+            np.asarray(grads(lambda v, a: jax.lax.psum(varying_over_b(v), a))), rtol=1e-6)

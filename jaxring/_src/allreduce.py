@@ -938,10 +938,7 @@ def _reduce_leaf_group(leaves, axes, groups, op, rings, chunk_bytes, timeout_s,
         missing = tuple(a for a in axes if a not in varying(compat.typeof(leaf)))
         if missing:
             if not compat.auto_pcast_enabled():
-                raise ValueError(
-                    f"jaxring.allreduce over {axes}: the value is not varying "
-                    f"over {missing} (see jax.typeof(x).vma); apply "
-                    "jax.lax.pcast(x, axes, to='varying') first.")
+                _refuse_without_pcast(axes, missing)
             leaf = compat.pvary(leaf, missing)
         if compat.unreduced_axes(compat.typeof(leaf)):
             # Unreduced over other axes: an operation of its own, as a
@@ -1079,27 +1076,33 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
             sent.append(i)
     if not sent:
         return jax.tree_util.tree_unflatten(treedef, out)
+    # A value that varies over only some of the axes travels only over
+    # those: what the others would add is copies of it, counted locally.
+    send_axes = [axes_to_send(leaves[i], axes, groups) for i in sent]
     sent_leaves, restore = zip(*(_to_ring_form(leaves[i], ring_op) for i in sent))
     leaves = list(sent_leaves)
     if wire is not None:
         leaves, restore = zip(*(_to_wire_form(l, r, wire)
                                 for l, r in zip(leaves, restore)))
-    by_dtype: dict[np.dtype, list[int]] = {}
+    by_kind: dict[tuple[tuple, np.dtype], list[int]] = {}
     for i, leaf in enumerate(leaves):
-        by_dtype.setdefault(_check_dtype(leaf), []).append(i)
+        by_kind.setdefault((send_axes[i], _check_dtype(leaf)), []).append(i)
     reduced_sent: list[Any] = [None] * len(leaves)
-    world = (math.prod(compat.axis_size(a) for a in axes) if groups is None
-             else max(len(g) for g in groups))
-    for dtype, idx in by_dtype.items():
+    for (over, dtype), idx in by_kind.items():
+        world = (math.prod(compat.axis_size(a) for a in over) if groups is None
+                 else max(len(g) for g in groups))
         nbytes = sum(math.prod(leaves[i].shape) for i in idx) * dtype.itemsize
         g_rings, g_chunk, g_algorithm, g_topology, tabled = tuned_settings(
             tunable, world, nbytes, rings, chunk_bytes, algorithm, topology)
-        reduced = _reduce_leaf_group([leaves[i] for i in idx], axes, groups, ring_op,
+        reduced = _reduce_leaf_group([leaves[i] for i in idx], over, groups, ring_op,
                                      g_rings, g_chunk, timeout_s, g_algorithm,
                                      g_topology,
                                      rings_from_default="rings" in tunable and not tabled)
+        held = tuple(a for a in axes if a not in over)
         for i, r in zip(idx, reduced):
             reduced_sent[i] = restore[i](r)
+            if held:
+                reduced_sent[i] = _reduce_invariant(reduced_sent[i], ring_op, held)
     if op == "mean":
         n = _mean_divisor(axes, groups)
         reduced_sent = [v / n for v in reduced_sent]
@@ -1118,6 +1121,29 @@ def already_reduced(leaf, axes: tuple, groups) -> bool:
     if compat.unreduced_axes(aval) or getattr(aval, "is_high", False):
         return False
     return not varying(aval) & set(axes)
+
+
+def axes_to_send(leaf, axes: tuple, groups) -> tuple:
+    """The axes a reduction over axes must send leaf over: under check_vma,
+    those it varies over (all of them within axis_index_groups, whose
+    groups mix the axes, and for a value typed unreduced). Over the others
+    every rank holds a copy, which _reduce_invariant counts locally."""
+    if groups is not None or not compat.check_vma_enabled():
+        return axes
+    aval = compat.typeof(leaf)
+    if compat.unreduced_axes(aval) or getattr(aval, "is_high", False):
+        return axes
+    over = tuple(a for a in axes if a in varying(aval))
+    if over != axes and not compat.auto_pcast_enabled():
+        _refuse_without_pcast(axes, tuple(a for a in axes if a not in over))
+    return over
+
+
+def _refuse_without_pcast(axes: tuple, missing: tuple):
+    raise ValueError(
+        f"jaxring.allreduce over {axes}: the value is not varying "
+        f"over {missing} (see jax.typeof(x).vma); apply "
+        "jax.lax.pcast(x, axes, to='varying') first.")
 
 
 def _reduce_invariant(leaf, op: str, axes: tuple):
