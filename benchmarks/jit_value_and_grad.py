@@ -1,14 +1,16 @@
 """A plain jit step with jaxring.value_and_grad against the shard_map step
 under jaxring.overlap: the same MLP, batch and Adam update, timed side by side.
 
-The two send the same buckets; they differ in where the optimizer runs.
-Under shard_map + overlap the update is part of the overlapped step, and a
-bucket is waited for just before the update reads its gradients. With
-jaxring.value_and_grad the update follows the shard_map that returns the
-gradients, so every bucket is waited for at its end. Rounds alternate
-between the variants (and XLA's own all-reduce in a plain jit step, for
-reference); each round times --steps steps dispatched back to back, and the
-figures are the medians over the rounds of the time per step.
+The two send the same buckets, and XLA compiles them to one program: the
+update outside the shard_map (jit) or inside it (overlap) ends up in the
+same place once the step is partitioned. The script checks that (the
+optimized entry computations, with names and ids left out, are compared)
+and prints it. Rounds alternate between the variants (and XLA's own
+all-reduce in a plain jit step, for reference), in an order that rotates
+from round to round, since on a busy 2-core machine the variant that runs
+first after another is slowed; each round times --steps steps dispatched
+back to back. The figures are the medians over the rounds of the time per
+step, and the ratio is the median of the rounds' own ratios.
 
     python benchmarks/jit_value_and_grad.py                  # 8 devices
     python benchmarks/jit_value_and_grad.py --layers 8 --width 1024 --rounds 11
@@ -17,6 +19,7 @@ figures are the medians over the rounds of the time per step.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -100,9 +103,16 @@ def main(argv=None):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(
             np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6), out, ref)
 
+    programs = {name: _entry_program(f.lower(*start).compile().as_text())
+                for name, f in variants.items()}
+    same = (programs["jit + jaxring.value_and_grad"]
+            == programs["shard_map + jaxring.overlap"])
+
     times = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, f in variants.items():
+    names = list(variants)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            f = variants[name]
             state = start
             t0 = time.perf_counter()
             for _ in range(args.steps):
@@ -117,9 +127,25 @@ def main(argv=None):
     medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     for name, ms in medians.items():
         print(f"  {name:32s} {ms:8.2f} ms")
-    ratio = medians["jit + jaxring.value_and_grad"] / medians["shard_map + jaxring.overlap"]
-    print(f"jit + jaxring.value_and_grad / shard_map + jaxring.overlap = {ratio:.3f}")
+    print(f"  the two jaxring variants compile to the same program: {'yes' if same else 'no'}")
+    ratio = statistics.median(a / b for a, b in zip(times["jit + jaxring.value_and_grad"],
+                                                    times["shard_map + jaxring.overlap"]))
+    print(f"jit + jaxring.value_and_grad / shard_map + jaxring.overlap = {ratio:.3f} "
+          "(median of the rounds' ratios)")
     return medians
+
+
+def _entry_program(hlo: str) -> list[str]:
+    """The optimized entry computation's instructions, sorted, without
+    names, ids and source metadata, which differ between two traces of one
+    program."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[entry.index("{\n") + 2:]  # the signature names its parameters
+    entry = re.sub(r", metadata=\{[^}]*\}", "", entry)
+    entry = re.sub(r"(op_id|slot_id) = \d+", r"\1", entry)
+    entry = re.sub(r"%[\w.-]+", "%", entry)
+    entry = re.sub(r"parameter\(\d+\)", "parameter()", entry)
+    return sorted(entry.splitlines())
 
 
 if __name__ == "__main__":
