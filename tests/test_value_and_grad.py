@@ -2,7 +2,11 @@
 jax.value_and_grad's on the whole batch, and the compiled program averages
 the gradients with jaxring's buckets, not with an XLA all-reduce."""
 
+import pathlib
 import re
+import subprocess
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -311,3 +315,16 @@ def test_inside_a_shard_map_over_the_axis_is_refused():
                           check_vma=False)
     with pytest.raises(ValueError, match="already maps 'batch'; there, take"):
         jax.jit(inner)(*placed(m, params, x, y))
+
+
+def test_a_jit_step_compiles_to_the_program_of_the_shard_map_step():
+    """The optimizer outside the shard_map costs nothing: once partitioned,
+    the jit step with jaxring.value_and_grad is the shard_map step under
+    jaxring.overlap (the benchmark compares the compiled entry computations)."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "jit_value_and_grad.py"
+    with tempfile.TemporaryDirectory() as cwd:
+        res = subprocess.run([sys.executable, str(script), "--devices", "4", "--layers", "2",
+                              "--width", "64", "--rounds", "1", "--steps", "1"],
+                             capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "the two jaxring variants compile to the same program: yes" in res.stdout, res.stdout
