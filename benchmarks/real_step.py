@@ -24,7 +24,8 @@ steps, dispatched back to back; medians over --rounds rounds):
   jaxring-bn     only BatchNorm's statistics through jaxring.pmean (resnet18)
   jaxring-grads  only the gradients through jaxring.pmean
   jaxring-per-leaf  jaxring.pmean everywhere, one call per gradient leaf
-                 (jaxring.pmean of the whole tree fuses it into one buffer)
+                 (jaxring.pmean of the whole tree fuses its leaves under
+                 1 MiB into one buffer)
   compute        no gradient reduction (metrics and BatchNorm as written)
   comm           the gradients' jaxring.pmean alone
 

@@ -893,6 +893,30 @@ def test_a_value_every_rank_holds_is_reduced_where_it_is(op):
     assert "jaxring_allreduce" in mixed.lower(x, w).as_text()
 
 
+def test_large_leaves_are_reduced_alone_and_small_ones_fused():
+    """A leaf of a MiB or more is not copied into a fused buffer (on CPU a
+    large one is mapped afresh each step): it is an operation of its own,
+    with the leaf's own shape; the small leaves share one."""
+    mesh = mesh_of(4)
+    rng = np.random.default_rng(0)
+    big = put(rng.standard_normal((4 * 512, 512)).astype(np.float32), mesh, P("i"))
+    small = [put(rng.standard_normal((4, 16)).astype(np.float32), mesh, P("i"))
+             for _ in range(2)]
+
+    def run(reduce):
+        f = jax.jit(jax.shard_map(lambda *v: reduce(list(v), "i"), mesh=mesh,
+                                  in_specs=P("i"), out_specs=P(), check_vma=False))
+        return f(big, *small), f.lower(big, *small).as_text()
+
+    got, text = run(jaxring.pmean)
+    want, _ = run(jax.lax.pmean)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    operands = sorted(line.rsplit("} : (", 1)[1].split(",")[0]
+                      for line in text.splitlines() if "jaxring_allreduce_cpu(" in line)
+    assert operands == ["tensor<32xf32>", "tensor<512x512xf32>"], operands
+
+
 def _world_sizes_sent(text: str) -> list[int]:
     """The world size of every jaxring allreduce a lowered module sends."""
     return sorted(int(m) for m in re.findall(

@@ -976,8 +976,9 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
     Runs a chunked multi-ring allreduce: the buffer is split into ``rings``
     parts, each reduce-scattered and all-gathered around its own ring, in
     chunks of ``chunk_bytes``. Between the devices of one process the default
-    is the direct algorithm instead (see ``algorithm``). All leaves of the
-    pytree ``x`` of one dtype are fused into one operation.
+    is the direct algorithm instead (see ``algorithm``). The leaves of the
+    pytree ``x`` of one dtype under 1 MiB are fused into one operation; each
+    larger leaf is reduced in one of its own, with no copy.
 
     Args:
       x: an array or pytree of arrays: floats (16 to 64 bit), integers (8 to
@@ -1088,7 +1089,9 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
     for i, leaf in enumerate(leaves):
         by_kind.setdefault((send_axes[i], _check_dtype(leaf)), []).append(i)
     reduced_sent: list[Any] = [None] * len(leaves)
-    for (over, dtype), idx in by_kind.items():
+    operations = [(over, dtype, idx) for (over, dtype), group in by_kind.items()
+                  for idx in _operations(group, leaves, dtype)]
+    for over, dtype, idx in operations:
         world = (math.prod(compat.axis_size(a) for a in over) if groups is None
                  else max(len(g) for g in groups))
         nbytes = sum(math.prod(leaves[i].shape) for i in idx) * dtype.itemsize
@@ -1121,6 +1124,26 @@ def already_reduced(leaf, axes: tuple, groups) -> bool:
     if compat.unreduced_axes(aval) or getattr(aval, "is_high", False):
         return False
     return not varying(aval) & set(axes)
+
+
+# A leaf of this many bytes or more is reduced in an operation of its own
+# rather than fused: fusing copies it into and out of one buffer the size of
+# its group, and on CPU XLA maps a temporary buffer that large afresh every
+# step (above glibc's mmap threshold), so its pages fault and are zeroed each
+# time. Below it, fusion saves an operation's fixed cost per leaf.
+ALONE_BYTES = 1 << 20
+
+
+def _operations(group: list, leaves: list, dtype: np.dtype) -> list[list]:
+    """The operations that reduce the leaves group indexes (one kind): the
+    small leaves fused into one, each large leaf alone."""
+    small, alone = [], []
+    for i in group:
+        if math.prod(leaves[i].shape) * dtype.itemsize >= ALONE_BYTES:
+            alone.append([i])
+        else:
+            small.append(i)
+    return ([small] if small else []) + alone
 
 
 def axes_to_send(leaf, axes: tuple, groups) -> tuple:
