@@ -65,7 +65,9 @@ def test_overlap_benchmark_prints_every_variant_and_the_bound(tmp_path):
         assert f"{name}:" in out, out
     for line in ("overlap / serialized", "overlap / max(compute, comm)",
                  "without gang start:", "first bucket ready on every device after",
-                 "bound for any schedule, max(compute, comm) / serialized", "bucket_mb=0.25", "best: bucket_mb="):
+                 "bound for any schedule, max(compute, comm) / serialized",
+                 "bound within the step, max(compute, first ready + comm) =",
+                 "bucket_mb=0.25", "best: bucket_mb="):
         assert line in out, out
     assert (tmp_path / "t.json").stat().st_size > 0
 
