@@ -82,15 +82,24 @@ NETNS = os.path.join(HERE, "netns.py")
 class Model:
     """A trainer the benchmark runs, and how it is told when to stop."""
 
-    def __init__(self, script, metric, default_target, higher_is_better,
-                 stop_flag, limit_flag, summary_key, untimed_steps):
+    def __init__(
+        self,
+        script,
+        metric,
+        default_target,
+        higher_is_better,
+        stop_flag,
+        limit_flag,
+        summary_key,
+        untimed_steps,
+    ):
         self.trainer = os.path.join(HERE, "..", "examples", script)
-        self.metric = metric                  # what the trainer's eval lines give
+        self.metric = metric  # what the trainer's eval lines give
         self.default_target = default_target
         self.higher_is_better = higher_is_better
-        self.stop_flag = stop_flag            # stop at the target
-        self.limit_flag = limit_flag          # most steps a run may take
-        self.summary_key = summary_key        # the final value in its summary line
+        self.stop_flag = stop_flag  # stop at the target
+        self.limit_flag = limit_flag  # most steps a run may take
+        self.summary_key = summary_key  # the final value in its summary line
         # Steps before its clock starts (they compile): its training time
         # covers steps - untimed_steps steps.
         self.untimed_steps = untimed_steps
@@ -105,10 +114,26 @@ class Model:
 MODELS = {
     # pmap compiles the CNN's step twice (the state as given, then as it
     # returns it); the LM's jit once.
-    "cnn": Model("train_cnn.py", "accuracy", 0.95, True, "--target-accuracy",
-                 "--max-steps", "test accuracy=", untimed_steps=2),
-    "lm": Model("train_lm.py", "loss", 2.0, False, "--target-loss", "--steps",
-                "validation loss=", untimed_steps=1),
+    "cnn": Model(
+        "train_cnn.py",
+        "accuracy",
+        0.95,
+        True,
+        "--target-accuracy",
+        "--max-steps",
+        "test accuracy=",
+        untimed_steps=2,
+    ),
+    "lm": Model(
+        "train_lm.py",
+        "loss",
+        2.0,
+        False,
+        "--target-loss",
+        "--steps",
+        "validation loss=",
+        untimed_steps=1,
+    ),
 }
 
 CONFIGS = {
@@ -135,33 +160,53 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=list(MODELS), default="cnn")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--seed-per-round", action="store_true",
-                   help="round k trains with seed k-1 (data split, shuffling, "
-                        "initialisation), so the medians cover how steps to "
-                        "the target vary between trajectories, not only timing")
-    p.add_argument("--target", type=float, default=None,
-                   help="test accuracy (cnn, default 0.95) or validation loss "
-                        "(lm, default 2.0) to reach")
+    p.add_argument(
+        "--seed-per-round",
+        action="store_true",
+        help="round k trains with seed k-1 (data split, shuffling, "
+        "initialisation), so the medians cover how steps to "
+        "the target vary between trajectories, not only timing",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="test accuracy (cnn, default 0.95) or validation loss (lm, default 2.0) to reach",
+    )
     p.add_argument("--epochs", type=int, default=40, help="cnn: most epochs a run may take")
     p.add_argument("--max-steps", type=int, default=800, help="lm: most steps a run may take")
-    p.add_argument("--eval-every", type=int, default=None,
-                   help="steps between evaluations (default: cnn 4, lm 20)")
-    p.add_argument("--settings", nargs="+", default=["slow", "fast"],
-                   choices=["slow", "fast", "network"])
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="steps between evaluations (default: cnn 4, lm 20)",
+    )
+    p.add_argument(
+        "--settings", nargs="+", default=["slow", "fast"], choices=["slow", "fast", "network"]
+    )
     p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
-    p.add_argument("--warm-up-steps", type=int, default=16,
-                   help="the -warm configurations' uncompressed steps")
-    p.add_argument("--link", default="auto",
-                   help='the slow setting\'s link, e.g. "50Mbit,50us" (default: calibrated)')
-    p.add_argument("--latency-us", type=float, default=50.0,
-                   help="latency of the calibrated link")
-    p.add_argument("--processes", type=int, default=4,
-                   help="processes of the network setting")
-    p.add_argument("--rate", default="auto",
-                   help='the network setting\'s tbf rate, e.g. "40mbit" (default: calibrated)')
-    p.add_argument("--batch-norm", choices=("sync", "local"), default="sync",
-                   help="cnn: BatchNorm statistics averaged over the devices (sync) "
-                        "or each device's own (local)")
+    p.add_argument(
+        "--warm-up-steps", type=int, default=16, help="the -warm configurations' uncompressed steps"
+    )
+    p.add_argument(
+        "--link",
+        default="auto",
+        help='the slow setting\'s link, e.g. "50Mbit,50us" (default: calibrated)',
+    )
+    p.add_argument("--latency-us", type=float, default=50.0, help="latency of the calibrated link")
+    p.add_argument("--processes", type=int, default=4, help="processes of the network setting")
+    p.add_argument(
+        "--rate",
+        default="auto",
+        help='the network setting\'s tbf rate, e.g. "40mbit" (default: calibrated)',
+    )
+    p.add_argument(
+        "--batch-norm",
+        choices=("sync", "local"),
+        default="sync",
+        help="cnn: BatchNorm statistics averaged over the devices (sync) "
+        "or each device's own (local)",
+    )
     p.add_argument("--plot", default=None, help="accuracy against time, as a PNG")
     p.add_argument("--json", default=None, help="every run's evaluations, as JSON")
     args = p.parse_args(argv)
@@ -177,24 +222,48 @@ def parse_args(argv=None):
     return args
 
 
-def train(args, config: str, link: str | None, max_steps: int | None = None,
-          rate: str | None = None, network: bool = False, seed: int = 0) -> dict:
+def train(
+    args,
+    config: str,
+    link: str | None,
+    max_steps: int | None = None,
+    rate: str | None = None,
+    network: bool = False,
+    seed: int = 0,
+) -> dict:
     """One run of the trainer: its evaluations, steps, bytes per step and
     final accuracy. In the network setting it runs over namespaces (at
     rate, or unlimited) and process 0's lines are read."""
     spec = args.spec
-    budget = (["--epochs", str(args.epochs)] if args.model == "cnn"
-              else ["--steps", str(args.max_steps)])
+    budget = (
+        ["--epochs", str(args.epochs)] if args.model == "cnn" else ["--steps", str(args.max_steps)]
+    )
     flags = CONFIGS[config]
     if config.endswith("-warm"):
         flags = flags + [str(args.warm_up_steps)]
     if args.model == "cnn":
         flags = flags + ["--batch-norm", args.batch_norm]
-    cmd = [sys.executable, spec.trainer, "--quiet", "--mode", "overlap", "--seed", str(seed),
-           *budget, *flags]
+    cmd = [
+        sys.executable,
+        spec.trainer,
+        "--quiet",
+        "--mode",
+        "overlap",
+        "--seed",
+        str(seed),
+        *budget,
+        *flags,
+    ]
     if network:
-        cmd = [sys.executable, NETNS, "--nodes", str(args.processes),
-               *(["--rate", rate] if rate else []), "--", *cmd[1:]]
+        cmd = [
+            sys.executable,
+            NETNS,
+            "--nodes",
+            str(args.processes),
+            *(["--rate", rate] if rate else []),
+            "--",
+            *cmd[1:],
+        ]
     else:
         cmd += ["--devices", "8"]
     if max_steps is None:
@@ -214,10 +283,14 @@ def train(args, config: str, link: str | None, max_steps: int | None = None,
     summary = next(l for l in lines if l.startswith("mode="))
     fields = dict(f.split("=", 1) for f in summary.split() if "=" in f)
     final = float(summary.split(spec.summary_key)[1].split()[0])
-    return {"config": config, "evals": evals, "steps": int(fields["steps"]),
-            "bytes_per_step": int(fields["bytes/step"]),
-            "final": final,
-            "seconds": float(summary.split("time after compile=")[1].split()[0])}
+    return {
+        "config": config,
+        "evals": evals,
+        "steps": int(fields["steps"]),
+        "bytes_per_step": int(fields["bytes/step"]),
+        "final": final,
+        "seconds": float(summary.split("time after compile=")[1].split()[0]),
+    }
 
 
 def to_target(run: dict, target: float, spec: Model) -> tuple[float, float] | None:
@@ -232,6 +305,7 @@ def calibrated_link(args) -> str:
     """A link on which a ring allreduce of the float32 gradients takes about
     twice the compute step, measured here without emulation."""
     from jaxring.demo import calibrated_link as link_for
+
     probe = train(args, "fp32", None, max_steps=40)
     step_s = probe["seconds"] / args.spec.timed_steps(probe)
     return link_for(2 * step_s, probe["bytes_per_step"], 8, args.latency_us)
@@ -248,15 +322,18 @@ def calibrated_rate(args) -> str:
     return f"{max(1, round(per_link * 8 / 1e6))}mbit"
 
 
-def report(setting: str, link: str | None, runs: dict, target: float,
-           spec: Model) -> dict:
+def report(setting: str, link: str | None, runs: dict, target: float, spec: Model) -> dict:
     what = "test accuracy" if spec.metric == "accuracy" else "validation loss"
-    print(f"\n== {setting}: {link or 'no link emulation'}, "
-          f"target {what} {target:.2f}, medians over "
-          f"{len(next(iter(runs.values())))} round(s)")
+    print(
+        f"\n== {setting}: {link or 'no link emulation'}, "
+        f"target {what} {target:.2f}, medians over "
+        f"{len(next(iter(runs.values())))} round(s)"
+    )
     final = "final acc" if spec.metric == "accuracy" else "val loss"
-    print(f"{'config':>16} {'steps':>6} {'s to target':>12} {'ms/step':>8} "
-          f"{'bytes/step':>11} {final:>9} {'vs fp32':>8} {'vs bf16':>8}")
+    print(
+        f"{'config':>16} {'steps':>6} {'s to target':>12} {'ms/step':>8} "
+        f"{'bytes/step':>11} {final:>9} {'vs fp32':>8} {'vs bf16':>8}"
+    )
     rows = {}
     for config, rs in runs.items():
         reached = [to_target(r, target, spec) for r in rs]
@@ -264,32 +341,39 @@ def report(setting: str, link: str | None, runs: dict, target: float,
         rows[config] = {
             "steps": statistics.median(s for s, _ in ok) if len(ok) == len(rs) else None,
             "seconds": statistics.median(t for _, t in ok) if len(ok) == len(rs) else None,
-            "ms_per_step": statistics.median(
-                1e3 * r["seconds"] / spec.timed_steps(r) for r in rs),
+            "ms_per_step": statistics.median(1e3 * r["seconds"] / spec.timed_steps(r) for r in rs),
             "bytes_per_step": rs[0]["bytes_per_step"],
-            "final": statistics.median(r["final"] for r in rs)}
+            "final": statistics.median(r["final"] for r in rs),
+        }
     for config, row in rows.items():
+
         def ratio(base):
             b = rows.get(base, {}).get("seconds")
             return f"{row['seconds'] / b:.2f}" if row["seconds"] and b else "-"
+
         steps = f"{row['steps']:.0f}" if row["steps"] else "not reached"
         secs = f"{row['seconds']:.2f}" if row["seconds"] else "-"
-        print(f"{config:>16} {steps:>6} {secs:>12} {row['ms_per_step']:>8.1f} "
-              f"{row['bytes_per_step']:>11,} {row['final']:>9.4f} "
-              f"{ratio('fp32'):>8} {ratio('bf16-wire'):>8}")
+        print(
+            f"{config:>16} {steps:>6} {secs:>12} {row['ms_per_step']:>8.1f} "
+            f"{row['bytes_per_step']:>11,} {row['final']:>9.4f} "
+            f"{ratio('fp32'):>8} {ratio('bf16-wire'):>8}"
+        )
     return rows
 
 
 def plot(path: str, results: dict, spec: Model) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
     for ax, (setting, data) in zip(axes[0], results.items()):
         for config, rs in data["runs"].items():
             r = rs[0]
-            ax.plot([e[1] for e in r["evals"]], [e[2] for e in r["evals"]],
-                    label=config, marker=".")
+            ax.plot(
+                [e[1] for e in r["evals"]], [e[2] for e in r["evals"]], label=config, marker="."
+            )
         ax.set_title(f"{setting}: {data['link'] or 'no link emulation'}")
         ax.set_xlabel("training seconds (round 1)")
         ax.set_ylabel("test accuracy" if spec.metric == "accuracy" else "validation loss")
@@ -314,18 +398,34 @@ def main(argv=None) -> int:
         runs = {c: [] for c in args.configs}
         for round_ in range(args.rounds):
             for config in args.configs:
-                r = train(args, config, link, rate=rate, network=setting == "network",
-                          seed=round_ if args.seed_per_round else 0)
+                r = train(
+                    args,
+                    config,
+                    link,
+                    rate=rate,
+                    network=setting == "network",
+                    seed=round_ if args.seed_per_round else 0,
+                )
                 runs[config].append(r)
-                print(f"[{setting} round {round_ + 1}] {config}: {r['steps']} steps, "
-                      f"{r['seconds']:.2f} s, {args.spec.metric} {r['final']:.4f}",
-                      flush=True)
-        where = (f"emulated link {link}" if link else
-                 f"{args.processes} processes, tbf {rate}" if rate else None)
+                print(
+                    f"[{setting} round {round_ + 1}] {config}: {r['steps']} steps, "
+                    f"{r['seconds']:.2f} s, {args.spec.metric} {r['final']:.4f}",
+                    flush=True,
+                )
+        where = (
+            f"emulated link {link}"
+            if link
+            else f"{args.processes} processes, tbf {rate}"
+            if rate
+            else None
+        )
         if args.model == "cnn" and args.batch_norm == "local":
             where = f"{where or 'no link emulation'}, BatchNorm statistics per device"
-        results[setting] = {"link": where, "runs": runs,
-                            "rows": report(setting, where, runs, args.target, args.spec)}
+        results[setting] = {
+            "link": where,
+            "runs": runs,
+            "rows": report(setting, where, runs, args.target, args.spec),
+        }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

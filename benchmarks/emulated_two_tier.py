@@ -27,7 +27,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tcp_allreduce import alternating_rounds, fmt_bytes, parse_bytes  # noqa: E402
+from tcp_allreduce import alternating_rounds, fmt_bytes, parse_bytes
 
 
 def main() -> None:
@@ -42,8 +42,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     n = args.hosts * args.per_host
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={n}")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    )
 
     import jax
     import numpy as np
@@ -56,20 +57,27 @@ def main() -> None:
     nbytes = parse_bytes(args.size)
     mesh = jax.make_mesh((n,), ("i",), devices=jax.devices()[:n])
     rng = np.random.default_rng(0)
-    x = jax.device_put(rng.standard_normal((n, nbytes // 4)).astype(np.float32),
-                       NamedSharding(mesh, P("i")))
+    x = jax.device_put(
+        rng.standard_normal((n, nbytes // 4)).astype(np.float32), NamedSharding(mesh, P("i"))
+    )
 
     def program(reduce):
-        return jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=P("i"),
-                                     out_specs=P("i"), check_vma=False))
+        return jax.jit(
+            jax.shard_map(reduce, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False)
+        )
 
     plans = {"flat": "flat", "tiered": (args.per_host, args.hosts)}
 
     def programs():
         # Settings are read at trace time: new functions for each setting.
-        return {name: program(lambda v, t=topo: jaxring.allreduce(
-            v, "i", topology=t, rings=args.rings, algorithm="ring"))
-            for name, topo in plans.items()}
+        return {
+            name: program(
+                lambda v, t=topo: jaxring.allreduce(
+                    v, "i", topology=t, rings=args.rings, algorithm="ring"
+                )
+            )
+            for name, topo in plans.items()
+        }
 
     want = np.asarray(program(lambda v: jax.lax.psum(v, "i"))(x))
     # Without emulation first: the CPU time of moving the data.
@@ -84,30 +92,47 @@ def main() -> None:
     jaxring.config.reset("cpu_link")
 
     (_, intra_bw, intra_lat), (_, inter_bw, inter_lat) = parse_links(link)
-    machine = cost_model.Machine(tiers=(
-        cost_model.Tier(args.per_host, intra_lat, 1 / intra_bw),
-        cost_model.Tier(args.hosts, inter_lat, 1 / inter_bw, shared_by=args.per_host)))
+    machine = cost_model.Machine(
+        tiers=(
+            cost_model.Tier(args.per_host, intra_lat, 1 / intra_bw),
+            cost_model.Tier(args.hosts, inter_lat, 1 / inter_bw, shared_by=args.per_host),
+        )
+    )
     chunk = jaxring.config.chunk_bytes
     predicted = {
         "flat": cost_model.flat_ring_time(machine, nbytes, args.rings, chunk),
         "tiered": cost_model.tiered_time(machine, nbytes, args.rings, chunk),
     }
     factor = 2 * (n - 1) / n * nbytes
-    print(f"{n} devices as {args.hosts} emulated hosts x {args.per_host} "
-          f"(cpu_link {link!r}), {fmt_bytes(nbytes)} per device, "
-          f"{args.rings} rings, median of {args.rounds} rounds")
+    print(
+        f"{n} devices as {args.hosts} emulated hosts x {args.per_host} "
+        f"(cpu_link {link!r}), {fmt_bytes(nbytes)} per device, "
+        f"{args.rings} rings, median of {args.rounds} rounds"
+    )
     print(f"{'plan':8} {'measured':>10} {'busbw':>12} {'model':>10} {'no-link CPU':>12}")
-    result = {"devices": n, "hosts": args.hosts, "per_host": args.per_host,
-              "link": link, "bytes": nbytes, "rings": args.rings, "plans": {}}
+    result = {
+        "devices": n,
+        "hosts": args.hosts,
+        "per_host": args.per_host,
+        "link": link,
+        "bytes": nbytes,
+        "rings": args.rings,
+        "plans": {},
+    }
     for name in fns:
         t = statistics.median(samples[name])
         c = statistics.median(cpu[name])
-        print(f"{name:8} {1e3 * t:8.1f} ms {factor / t / 1e9:8.3f} GB/s "
-              f"{1e3 * predicted[name]:8.1f} ms {1e3 * c:9.1f} ms")
-        result["plans"][name] = {"seconds": t, "samples": samples[name],
-                                 "busbw_gbs": factor / t / 1e9,
-                                 "model_seconds": predicted[name],
-                                 "cpu_seconds_without_link": c}
+        print(
+            f"{name:8} {1e3 * t:8.1f} ms {factor / t / 1e9:8.3f} GB/s "
+            f"{1e3 * predicted[name]:8.1f} ms {1e3 * c:9.1f} ms"
+        )
+        result["plans"][name] = {
+            "seconds": t,
+            "samples": samples[name],
+            "busbw_gbs": factor / t / 1e9,
+            "model_seconds": predicted[name],
+            "cpu_seconds_without_link": c,
+        }
     measured = statistics.median(samples["flat"]) / statistics.median(samples["tiered"])
     model = predicted["flat"] / predicted["tiered"]
     print(f"tiered / flat busbw: measured {measured:.2f}x, model {model:.2f}x")

@@ -17,11 +17,19 @@ import time
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--links", nargs="+", default=["41Mbit,50us", "1Gbit,20us", "100Gbit"],
-                    help="cpu_link settings to measure, each as in jaxring.config")
+    ap.add_argument(
+        "--links",
+        nargs="+",
+        default=["41Mbit,50us", "1Gbit,20us", "100Gbit"],
+        help="cpu_link settings to measure, each as in jaxring.config",
+    )
     ap.add_argument("--devices", type=int, default=8)
-    ap.add_argument("--sizes", nargs="+", default=["256", "1K", "2K", "4K", "8K", "16K", "64K"],
-                    help="bytes per device (K, M suffixes)")
+    ap.add_argument(
+        "--sizes",
+        nargs="+",
+        default=["256", "1K", "2K", "4K", "8K", "16K", "64K"],
+        help="bytes per device (K, M suffixes)",
+    )
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     return ap.parse_args()
@@ -38,8 +46,9 @@ def size_text(n: int) -> str:
 
 def main():
     args = parse_args()
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={args.devices}")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    )
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -54,10 +63,17 @@ def main():
     rings, chunk = jaxring.config.rings, jaxring.config.chunk_bytes
 
     def call(algorithm, nbytes):
-        f = jax.jit(jax.shard_map(lambda v: jaxring.psum(v, "i", algorithm=algorithm),
-                                  mesh=mesh, in_specs=P("i"), out_specs=P("i")))
-        x = jax.device_put(np.ones(args.devices * (nbytes // 4), np.float32),
-                           NamedSharding(mesh, P("i")))
+        f = jax.jit(
+            jax.shard_map(
+                lambda v: jaxring.psum(v, "i", algorithm=algorithm),
+                mesh=mesh,
+                in_specs=P("i"),
+                out_specs=P("i"),
+            )
+        )
+        x = jax.device_put(
+            np.ones(args.devices * (nbytes // 4), np.float32), NamedSharding(mesh, P("i"))
+        )
         f(x).block_until_ready()
         return lambda: f(x).block_until_ready()
 
@@ -69,29 +85,44 @@ def main():
             times.append(time.perf_counter() - t)
         return float(np.median(times)) * 1e3
 
-    print(f"# {args.devices} devices in one process, float32, ms per call "
-          f"(median of {args.calls}, best of {args.rounds} rounds); rings {rings}")
+    print(
+        f"# {args.devices} devices in one process, float32, ms per call "
+        f"(median of {args.calls}, best of {args.rounds} rounds); rings {rings}"
+    )
     for link in args.links:
         jaxring.config.update("cpu_link", link)
         machine = cost_model.emulated_machine(parse_links(link), args.devices)
         print(f"\n## cpu_link {link}")
-        print(f"{'bytes':>9} | {'ring':>8} {'exchange':>9} | {'ring/exch':>9} | "
-              f"{'model ring/exch':>15} | auto picks")
+        print(
+            f"{'bytes':>9} | {'ring':>8} {'exchange':>9} | {'ring/exch':>9} | "
+            f"{'model ring/exch':>15} | auto picks"
+        )
         for nbytes in sizes:
             runs = {a: call(a, nbytes) for a in ("ring", "exchange")}
             best = {a: float("inf") for a in runs}
             for _ in range(args.rounds):
                 for a in runs:
                     best[a] = min(best[a], median_ms(runs[a]))
-            model = (cost_model.flat_ring_time(machine, nbytes, rings, chunk)
-                     / cost_model.exchange_time(machine, nbytes, rings, chunk)
-                     if machine is not None else float("nan"))
+            model = (
+                cost_model.flat_ring_time(machine, nbytes, rings, chunk)
+                / cost_model.exchange_time(machine, nbytes, rings, chunk)
+                if machine is not None
+                else float("nan")
+            )
             picks = resolve_algorithm(
-                "auto", parse_links(link), np.zeros(args.devices, np.int64),
-                nbytes=nbytes, world=args.devices, rings=rings, chunk_bytes=chunk)
-            print(f"{size_text(nbytes):>9} | {best['ring']:8.3f} {best['exchange']:9.3f} | "
-                  f"{best['ring'] / best['exchange']:8.2f}x | {model:14.2f}x | {picks}",
-                  flush=True)
+                "auto",
+                parse_links(link),
+                np.zeros(args.devices, np.int64),
+                nbytes=nbytes,
+                world=args.devices,
+                rings=rings,
+                chunk_bytes=chunk,
+            )
+            print(
+                f"{size_text(nbytes):>9} | {best['ring']:8.3f} {best['exchange']:9.3f} | "
+                f"{best['ring'] / best['exchange']:8.2f}x | {model:14.2f}x | {picks}",
+                flush=True,
+            )
     jaxring.config.reset("cpu_link")
     return 0
 

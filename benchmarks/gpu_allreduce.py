@@ -33,22 +33,29 @@ import gpu_bench_worker  # beside this script, on sys.path when run as one
 
 def kernel_bandwidth(nbytes: int, iters: int) -> None:
     from jaxring import _jaxring, _jaxring_cuda
-    print(f"reduce kernel vs device-to-device copy, {nbytes / 2**20:.0f} MiB, "
-          f"mean of {iters} calls")
+
+    print(
+        f"reduce kernel vs device-to-device copy, {nbytes / 2**20:.0f} MiB, mean of {iters} calls"
+    )
     print(f"{'dtype':>10} {'reduce GB/s':>12} {'copy GB/s':>10} {'ratio':>7}")
     for name in ("float32", "bfloat16", "float16", "float64", "int32", "int8"):
         reduce_s, copy_s = _jaxring_cuda.time_reduce_and_copy(
-            _jaxring.ELEM_TYPES[name], nbytes, iters)
+            _jaxring.ELEM_TYPES[name], nbytes, iters
+        )
         reduce_bw, copy_bw = 3 * nbytes / reduce_s / 1e9, 2 * nbytes / copy_s / 1e9
         print(f"{name:>10} {reduce_bw:>12.0f} {copy_bw:>10.0f} {reduce_bw / copy_bw:>7.3f}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", nargs="+", default=["kernel", "busbw", "overlap"],
-                        choices=["kernel", "busbw", "overlap", "sweep"],
-                        help="which benchmarks to run (default kernel, busbw and "
-                             "overlap; sweep: busbw by rings and chunk size, world 2)")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["kernel", "busbw", "overlap"],
+        choices=["kernel", "busbw", "overlap", "sweep"],
+        help="which benchmarks to run (default kernel, busbw and "
+        "overlap; sweep: busbw by rings and chunk size, world 2)",
+    )
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--kernel-bytes", type=int, default=1 << 30)
     parser.add_argument("--iters", type=int, default=20)
@@ -61,7 +68,7 @@ def main(argv=None) -> int:
         print(results[0][1])
         if any(code != 0 for code, _ in results):
             rc = 1
-            for code, out in results[1:]:
+            for _code, out in results[1:]:
                 print(out[-2000:])
     if "sweep" in args.parts:
         results = gpu_bench_worker.launch(2, "bench_sweep", timeout=300)

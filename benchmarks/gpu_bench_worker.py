@@ -19,8 +19,9 @@ from jaxring._src import gpu_job
 from jaxring._src.gpu_job import Job, median_seconds, mlp_inputs, mlp_step, serve
 
 
-def launch(processes: int, mode: str, timeout: float = 240,
-           log_dir: str | None = None) -> list[tuple[int, str]]:
+def launch(
+    processes: int, mode: str, timeout: float = 240, log_dir: str | None = None
+) -> list[tuple[int, str]]:
     """A job of this worker (gpu_job.launch)."""
     return gpu_job.launch(__file__, processes, mode, timeout, log_dir)
 
@@ -31,15 +32,20 @@ def bench(job: Job) -> int:
     rows = []
     for nbytes in sizes:
         x = job.global_array(np.ones(nbytes // 4, np.float32))
-        fns = {a: job.allreduce_fn(algorithm=a, chunk_bytes=max(1 << 20, nbytes // 8))
-               for a in ("ring", "nccl")}
+        fns = {
+            a: job.allreduce_fn(algorithm=a, chunk_bytes=max(1 << 20, nbytes // 8))
+            for a in ("ring", "nccl")
+        }
         seconds = median_seconds(job, fns, (x,), rounds, iters)
-        busbw = {a: 2 * (job.nprocs - 1) / job.nprocs * nbytes / s / 1e9
-                 for a, s in seconds.items()}
+        busbw = {
+            a: 2 * (job.nprocs - 1) / job.nprocs * nbytes / s / 1e9 for a, s in seconds.items()
+        }
         rows.append((nbytes, busbw["ring"], busbw["nccl"]))
     if job.pid == 0:
-        print(f"world {job.nprocs} on one GPU: busbw GB/s, float32 sum "
-              f"(median of {rounds} rounds of {iters} calls)")
+        print(
+            f"world {job.nprocs} on one GPU: busbw GB/s, float32 sum "
+            f"(median of {rounds} rounds of {iters} calls)"
+        )
         print(f"{'bytes':>12} {'ring':>10} {'nccl':>10} {'ring/nccl':>10}")
         for nbytes, ring, nccl in rows:
             print(f"{nbytes:>12} {ring:>10.2f} {nccl:>10.2f} {ring / nccl:>10.3f}")
@@ -51,18 +57,23 @@ def bench_sweep(job: Job) -> int:
     16 to 256 MiB: which of the ring's parameters its gap to NCCL depends
     on."""
     rounds, iters = 3, 5
-    configs = [("nccl", 2, 1 << 22)] + [("ring", r, c) for r in (1, 2, 4)
-                                        for c in (1 << 20, 1 << 22, 1 << 24)]
+    configs = [("nccl", 2, 1 << 22)] + [
+        ("ring", r, c) for r in (1, 2, 4) for c in (1 << 20, 1 << 22, 1 << 24)
+    ]
     results = {}
     for nbytes in (1 << 24, 1 << 26, 1 << 28):
         x = job.global_array(np.ones(nbytes // 4, np.float32))
-        fns = {cfg: job.allreduce_fn(algorithm=cfg[0], rings=cfg[1], chunk_bytes=cfg[2])
-               for cfg in configs}
+        fns = {
+            cfg: job.allreduce_fn(algorithm=cfg[0], rings=cfg[1], chunk_bytes=cfg[2])
+            for cfg in configs
+        }
         for cfg, s in median_seconds(job, fns, (x,), rounds, iters).items():
             results[(nbytes, cfg)] = 2 * (job.nprocs - 1) / job.nprocs * nbytes / s / 1e9
     if job.pid == 0:
-        print(f"world {job.nprocs} on one GPU: busbw GB/s by configuration, float32 sum "
-              f"(median of {rounds} rounds of {iters} calls); ratio to nccl in brackets")
+        print(
+            f"world {job.nprocs} on one GPU: busbw GB/s by configuration, float32 sum "
+            f"(median of {rounds} rounds of {iters} calls); ratio to nccl in brackets"
+        )
         sizes = sorted({n for n, _ in results})
         print(f"{'algorithm rings chunk':>24} " + " ".join(f"{n >> 20:>9} MiB" for n in sizes))
         for cfg in configs:
@@ -70,8 +81,10 @@ def bench_sweep(job: Job) -> int:
             for n in sizes:
                 bw = results[(n, cfg)]
                 cells.append(f"{bw:6.2f} ({bw / results[(n, configs[0])]:.2f})")
-            print(f"{cfg[0]:>10} {cfg[1]:>5} {cfg[2] >> 10:>6}K " + " ".join(
-                f"{c:>13}" for c in cells))
+            print(
+                f"{cfg[0]:>10} {cfg[1]:>5} {cfg[2] >> 10:>6}K "
+                + " ".join(f"{c:>13}" for c in cells)
+            )
     return 0
 
 
@@ -79,17 +92,23 @@ def overlap_bench(job: Job) -> int:
     ws, x = mlp_inputs(job, 2048, 8, 512)
     # Buckets of 25 MiB (PyTorch DDP's default) and of 4 MiB: every bucket
     # is an allreduce of its own, with its own per-step costs.
-    fns = {"pmean at end": mlp_step(job, False),
-           "overlap 25 MiB": mlp_step(job, True, bucket_mb=25.0),
-           "overlap 4 MiB": mlp_step(job, True, bucket_mb=4.0)}
+    fns = {
+        "pmean at end": mlp_step(job, False),
+        "overlap 25 MiB": mlp_step(job, True, bucket_mb=25.0),
+        "overlap 4 MiB": mlp_step(job, True, bucket_mb=4.0),
+    }
     med = median_seconds(job, fns, (ws, x), rounds=5, iters=5)
     if job.pid == 0:
-        print(f"overlap on GPU, world {job.nprocs}, 8x2048^2 MLP (128 MiB of "
-              f"gradients), median of 5 rounds of 5 steps: "
-              + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items())
-              + "; overlap/plain = " + ", ".join(
-                  f"{med[k] / med['pmean at end']:.3f} ({k})" for k in med if k != "pmean at end"),
-              flush=True)
+        print(
+            f"overlap on GPU, world {job.nprocs}, 8x2048^2 MLP (128 MiB of "
+            f"gradients), median of 5 rounds of 5 steps: "
+            + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items())
+            + "; overlap/plain = "
+            + ", ".join(
+                f"{med[k] / med['pmean at end']:.3f} ({k})" for k in med if k != "pmean at end"
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -40,6 +40,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     import jaxring
+
     jaxring.use_cpu_devices(args.devices)  # before JAX starts its backend
     if args.link:
         jaxring.config.update("cpu_link", args.link)
@@ -52,9 +53,15 @@ def main(argv=None):
     mesh = jax.make_mesh((args.devices,), ("batch",))
     optimizer = optax.adam(1e-3)
     rng = np.random.default_rng(0)
-    params = [{"w": jnp.asarray(rng.normal(0, args.width ** -0.5, (args.width, args.width)),
-                                jnp.float32),
-               "b": jnp.zeros((args.width,), jnp.float32)} for _ in range(args.layers)]
+    params = [
+        {
+            "w": jnp.asarray(
+                rng.normal(0, args.width**-0.5, (args.width, args.width)), jnp.float32
+            ),
+            "b": jnp.zeros((args.width,), jnp.float32),
+        }
+        for _ in range(args.layers)
+    ]
     n = args.devices * args.per_device_batch
     x = rng.normal(size=(n, args.width)).astype(np.float32)
     y = rng.normal(size=(n, args.width)).astype(np.float32)
@@ -70,13 +77,13 @@ def main(argv=None):
 
     @jax.jit
     def jit_step(params, opt_state, x, y):
-        loss, grads = jaxring.value_and_grad(loss_fn, mesh=mesh, axis_name="batch")(
-            params, x, y)
+        loss, grads = jaxring.value_and_grad(loss_fn, mesh=mesh, axis_name="batch")(params, x, y)
         return *update(params, opt_state, grads), loss
 
     @jax.jit
-    @jax.shard_map(mesh=mesh, in_specs=(P(), P(), P("batch"), P("batch")),
-                   out_specs=P(), check_vma=False)
+    @jax.shard_map(
+        mesh=mesh, in_specs=(P(), P(), P("batch"), P("batch")), out_specs=P(), check_vma=False
+    )
     @jaxring.overlap(axis_name="batch")
     def shard_map_step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
@@ -88,30 +95,39 @@ def main(argv=None):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         return *update(params, opt_state, grads), loss
 
-    variants = {"jit + jaxring.value_and_grad": jit_step,
-                "shard_map + jaxring.overlap": shard_map_step,
-                "jit + jax.value_and_grad (XLA)": xla_step}
+    variants = {
+        "jit + jaxring.value_and_grad": jit_step,
+        "shard_map + jaxring.overlap": shard_map_step,
+        "jit + jax.value_and_grad (XLA)": xla_step,
+    }
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
-    start = (jax.device_put(params, replicated),
-             jax.device_put(optimizer.init(params), replicated),
-             *jax.device_put((x, y), sharded))
+    start = (
+        jax.device_put(params, replicated),
+        jax.device_put(optimizer.init(params), replicated),
+        *jax.device_put((x, y), sharded),
+    )
 
     # Compile, and check that the variants compute the same step.
     outs = {name: jax.block_until_ready(f(*start)) for name, f in variants.items()}
     ref = outs["shard_map + jaxring.overlap"]
-    for name, out in outs.items():
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(
-            np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6), out, ref)
+    for out in outs.values():
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(
+                np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6
+            ),
+            out,
+            ref,
+        )
 
-    programs = {name: _entry_program(f.lower(*start).compile().as_text())
-                for name, f in variants.items()}
-    same = (programs["jit + jaxring.value_and_grad"]
-            == programs["shard_map + jaxring.overlap"])
+    programs = {
+        name: _entry_program(f.lower(*start).compile().as_text()) for name, f in variants.items()
+    }
+    same = programs["jit + jaxring.value_and_grad"] == programs["shard_map + jaxring.overlap"]
 
     times = {name: [] for name in variants}
     names = list(variants)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             f = variants[name]
             state = start
             t0 = time.perf_counter()
@@ -121,17 +137,23 @@ def main(argv=None):
             times[name].append((time.perf_counter() - t0) / args.steps)
 
     mib = sum(v.size * 4 for v in jax.tree.leaves(params)) / 2**20
-    print(f"{args.devices} devices, {args.layers} layers of {args.width}, "
-          f"{mib:.1f} MiB of gradients, batch {n}, {args.rounds} rounds of "
-          f"{args.steps} steps (median ms per step)")
+    print(
+        f"{args.devices} devices, {args.layers} layers of {args.width}, "
+        f"{mib:.1f} MiB of gradients, batch {n}, {args.rounds} rounds of "
+        f"{args.steps} steps (median ms per step)"
+    )
     medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     for name, ms in medians.items():
         print(f"  {name:32s} {ms:8.2f} ms")
     print(f"  the two jaxring variants compile to the same program: {'yes' if same else 'no'}")
-    ratio = statistics.median(a / b for a, b in zip(times["jit + jaxring.value_and_grad"],
-                                                    times["shard_map + jaxring.overlap"]))
-    print(f"jit + jaxring.value_and_grad / shard_map + jaxring.overlap = {ratio:.3f} "
-          "(median of the rounds' ratios)")
+    ratio = statistics.median(
+        a / b
+        for a, b in zip(times["jit + jaxring.value_and_grad"], times["shard_map + jaxring.overlap"])
+    )
+    print(
+        f"jit + jaxring.value_and_grad / shard_map + jaxring.overlap = {ratio:.3f} "
+        "(median of the rounds' ratios)"
+    )
     return medians
 
 
@@ -139,8 +161,8 @@ def _entry_program(hlo: str) -> list[str]:
     """The optimized entry computation's instructions, sorted, without
     names, ids and source metadata, which differ between two traces of one
     program."""
-    entry = hlo[hlo.index("\nENTRY"):]
-    entry = entry[entry.index("{\n") + 2:]  # the signature names its parameters
+    entry = hlo[hlo.index("\nENTRY") :]
+    entry = entry[entry.index("{\n") + 2 :]  # the signature names its parameters
     entry = re.sub(r", metadata=\{[^}]*\}", "", entry)
     entry = re.sub(r"(op_id|slot_id) = \d+", r"\1", entry)
     entry = re.sub(r"%[\w.-]+", "%", entry)

@@ -34,8 +34,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tcp_allreduce import (alternating_rounds, fmt_bytes, iterations,  # noqa: E402
-                           parse_bytes)
+from tcp_allreduce import alternating_rounds, fmt_bytes, iterations, parse_bytes
 
 
 def missing() -> str | None:
@@ -57,12 +56,14 @@ def worker(args) -> None:
     port = None
     if rank == 0:
         import socket
+
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
     port = comm.bcast(port, root=0)
 
     import jax
+
     jax.config.update("jax_num_cpu_devices", 1)
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=size, process_id=rank)
     import jax.numpy as jnp
@@ -73,8 +74,15 @@ def worker(args) -> None:
     import jaxring
 
     mesh = Mesh(np.array(jax.devices()), ("i",))
-    ring = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i"), mesh=mesh,
-                                 in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    ring = jax.jit(
+        jax.shard_map(
+            lambda v: jaxring.allreduce(v, "i"),
+            mesh=mesh,
+            in_specs=P("i"),
+            out_specs=P("i"),
+            check_vma=False,
+        )
+    )
 
     def mpi_sum(v):
         out = mpi4jax.allreduce(v, op=MPI.SUM, comm=comm)
@@ -87,7 +95,8 @@ def worker(args) -> None:
         count = nbytes // 4
         local = np.full((1, count), rank + 1, np.float32)
         sharded = jax.make_array_from_process_local_data(
-            NamedSharding(mesh, P("i")), local, (size, count))
+            NamedSharding(mesh, P("i")), local, (size, count)
+        )
         plain = jnp.asarray(local[0])
         want = np.full(count, size * (size + 1) // 2, np.float32)
         got_ring = np.asarray(ring(sharded).addressable_data(0))[0]
@@ -110,8 +119,11 @@ def worker(args) -> None:
             row[f"{name}_busbw"] = nbytes * factor / row[f"{name}_s"] / 1e9
         rows.append(row)
         if rank == 0:
-            print(f"measured {fmt_bytes(nbytes)}: jaxring {row['jaxring_busbw']:.3f} GB/s, "
-                  f"mpi4jax {row['mpi4jax_busbw']:.3f} GB/s", flush=True)
+            print(
+                f"measured {fmt_bytes(nbytes)}: jaxring {row['jaxring_busbw']:.3f} GB/s, "
+                f"mpi4jax {row['mpi4jax_busbw']:.3f} GB/s",
+                flush=True,
+            )
         nbytes *= 4
     if rank == 0:
         with open(args.worker_json, "w") as f:
@@ -120,16 +132,21 @@ def worker(args) -> None:
 
 def table(rows: list[dict], btl: str, transport: str) -> str:
     n = rows[0]["processes"]
-    head = (f"{'bytes':>10} | {'jaxring GB/s':>12} | {'mpi4jax GB/s':>12} | "
-            f"{'jaxring/mpi4jax':>15}")
-    lines = [f"# {n} processes, 1 CPU device each, float32, busbw, median of "
-             f"alternating rounds; jaxring JAXRING_TRANSPORT={transport}, "
-             f"JAXRING_ALGORITHM={os.environ.get('JAXRING_ALGORITHM', 'auto')}, "
-             f"Open MPI btl self,{btl}", head, "-" * len(head)]
+    head = f"{'bytes':>10} | {'jaxring GB/s':>12} | {'mpi4jax GB/s':>12} | {'jaxring/mpi4jax':>15}"
+    lines = [
+        f"# {n} processes, 1 CPU device each, float32, busbw, median of "
+        f"alternating rounds; jaxring JAXRING_TRANSPORT={transport}, "
+        f"JAXRING_ALGORITHM={os.environ.get('JAXRING_ALGORITHM', 'auto')}, "
+        f"Open MPI btl self,{btl}",
+        head,
+        "-" * len(head),
+    ]
     for r in rows:
-        lines.append(f"{fmt_bytes(r['bytes']):>10} | {r['jaxring_busbw']:>12.3f} | "
-                     f"{r['mpi4jax_busbw']:>12.3f} | "
-                     f"{r['jaxring_busbw'] / r['mpi4jax_busbw']:>14.2f}x")
+        lines.append(
+            f"{fmt_bytes(r['bytes']):>10} | {r['jaxring_busbw']:>12.3f} | "
+            f"{r['mpi4jax_busbw']:>12.3f} | "
+            f"{r['jaxring_busbw'] / r['mpi4jax_busbw']:>14.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -139,9 +156,12 @@ def main(argv=None) -> int:
     ap.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("64K"))
     ap.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("256M"))
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--mpi-btl", default="vader",
-                    help="Open MPI's transfer layer beside self: vader (Open MPI 4's "
-                         "shared memory), sm (Open MPI 5's) or tcp")
+    ap.add_argument(
+        "--mpi-btl",
+        default="vader",
+        help="Open MPI's transfer layer beside self: vader (Open MPI 4's "
+        "shared memory), sm (Open MPI 5's) or tcp",
+    )
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -153,17 +173,35 @@ def main(argv=None) -> int:
         print(f"mpi4jax_compare: skipped, this machine lacks {lack}")
         return 0
     transport = os.environ.get("JAXRING_TRANSPORT", "auto")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ,
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        JAX_PLATFORMS="cpu",
+    )
     results = {}
     for n in args.processes:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            cmd = ["mpirun", "-n", str(n), "--oversubscribe",
-                   "--mca", "btl", f"self,{args.mpi_btl}",
-                   sys.executable, os.path.abspath(__file__),
-                   "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
-                   "--rounds", str(args.rounds), "--worker-json", out]
+            cmd = [
+                "mpirun",
+                "-n",
+                str(n),
+                "--oversubscribe",
+                "--mca",
+                "btl",
+                f"self,{args.mpi_btl}",
+                sys.executable,
+                os.path.abspath(__file__),
+                "--min-bytes",
+                str(args.min_bytes),
+                "--max-bytes",
+                str(args.max_bytes),
+                "--rounds",
+                str(args.rounds),
+                "--worker-json",
+                out,
+            ]
             r = subprocess.run(cmd, cwd=tmp, env=env)
             if r.returncode != 0:
                 print(f"the {n}-process MPI job failed with status {r.returncode}")

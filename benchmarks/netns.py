@@ -47,7 +47,7 @@ class Network:
     def address(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}"
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         try:
             self._build()
         except BaseException:
@@ -60,8 +60,25 @@ class Network:
 
     def _shape(self, ns: str, dev: str) -> None:
         if self.rate:
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
-               "tbf", "rate", self.rate, "burst", self.burst, "latency", "50ms")
+            sh(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                self.rate,
+                "burst",
+                self.burst,
+                "latency",
+                "50ms",
+            )
 
     def _build(self) -> None:
         sh("ip", "netns", "add", self.hub)
@@ -71,17 +88,51 @@ class Network:
             sh("ip", "netns", "add", ns)
             sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
             # Created inside the hub, the node's end is then moved into ns.
-            sh("ip", "netns", "exec", self.hub, "ip", "link", "add", f"h{i}",
-               "type", "veth", "peer", "name", f"e{i}")
-            sh("ip", "netns", "exec", self.hub, "ip", "link", "set", f"e{i}",
-               "netns", ns, "name", "eth0")
-            sh("ip", "netns", "exec", self.hub, "ip", "link", "set", f"h{i}",
-               "master", "br0", "up")
-            sh("ip", "netns", "exec", ns, "ip", "addr", "add",
-               f"{self.address(i)}/24", "dev", "eth0")
+            sh(
+                "ip",
+                "netns",
+                "exec",
+                self.hub,
+                "ip",
+                "link",
+                "add",
+                f"h{i}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"e{i}",
+            )
+            sh(
+                "ip",
+                "netns",
+                "exec",
+                self.hub,
+                "ip",
+                "link",
+                "set",
+                f"e{i}",
+                "netns",
+                ns,
+                "name",
+                "eth0",
+            )
+            sh("ip", "netns", "exec", self.hub, "ip", "link", "set", f"h{i}", "master", "br0", "up")
+            sh(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "ip",
+                "addr",
+                "add",
+                f"{self.address(i)}/24",
+                "dev",
+                "eth0",
+            )
             sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
-            self._shape(ns, "eth0")            # node -> bridge
-            self._shape(self.hub, f"h{i}")     # bridge -> node
+            self._shape(ns, "eth0")  # node -> bridge
+            self._shape(self.hub, f"h{i}")  # bridge -> node
             # `ip netns exec` mounts /etc/netns/NAME/hosts over /etc/hosts.
             # Gloo (JAX's CPU collectives) advertises the address its host
             # name resolves to, so in each namespace it must be the node's.
@@ -106,20 +157,41 @@ def check_rate(net: Network, seconds: float = 3.0) -> float:
     """One TCP stream node 1 -> node 0 for `seconds`; returns bytes/s."""
     port = 29400
     server = subprocess.Popen(
-        ["ip", "netns", "exec", net.nodes[0], sys.executable, "-c",
-         "import socket,sys\n"
-         "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
-         f"s.bind(('{net.address(0)}',{port}));s.listen(1);c,_=s.accept();n=0\n"
-         "b=bytearray(1<<20)\n"
-         "while True:\n r=c.recv_into(b)\n if not r: break\n n+=r\n"
-         "print(n)"], stdout=subprocess.PIPE, text=True)
+        [
+            "ip",
+            "netns",
+            "exec",
+            net.nodes[0],
+            sys.executable,
+            "-c",
+            "import socket,sys\n"
+            "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+            f"s.bind(('{net.address(0)}',{port}));s.listen(1);c,_=s.accept();n=0\n"
+            "b=bytearray(1<<20)\n"
+            "while True:\n r=c.recv_into(b)\n if not r: break\n n+=r\n"
+            "print(n)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(0.5)
     client = subprocess.run(
-        ["ip", "netns", "exec", net.nodes[1], sys.executable, "-c",
-         "import socket,time\n"
-         f"c=socket.create_connection(('{net.address(0)}',{port}));b=bytes(1<<20)\n"
-         f"t=time.time()\nwhile time.time()-t<{seconds}: c.sendall(b)\n"
-         "c.close();print(time.time()-t)"], capture_output=True, text=True, check=True)
+        [
+            "ip",
+            "netns",
+            "exec",
+            net.nodes[1],
+            sys.executable,
+            "-c",
+            "import socket,time\n"
+            f"c=socket.create_connection(('{net.address(0)}',{port}));b=bytes(1<<20)\n"
+            f"t=time.time()\nwhile time.time()-t<{seconds}: c.sendall(b)\n"
+            "c.close();print(time.time()-t)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     received = int(server.communicate(timeout=30)[0])
     return received / float(client.stdout)
 
@@ -129,8 +201,11 @@ def main(argv=None) -> int:
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--rate", default=None, help="tbf rate of every link, e.g. 1gbit")
     ap.add_argument("--check", action="store_true", help="measure the link, then exit")
-    ap.add_argument("command", nargs=argparse.REMAINDER,
-                    help="-- SCRIPT [ARGS]: run under jaxring.launch, one process per node")
+    ap.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="-- SCRIPT [ARGS]: run under jaxring.launch, one process per node",
+    )
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("benchmarks/netns.py needs root (network namespaces)")
@@ -145,13 +220,25 @@ def main(argv=None) -> int:
     with Network(args.nodes, args.rate) as net:
         if args.check:
             rate = check_rate(net)
-            print(f"link {args.rate or 'unlimited'}: one TCP stream moves "
-                  f"{rate / 1e9:.3f} GB/s ({rate * 8 / 1e9:.3f} Gbit/s)")
+            print(
+                f"link {args.rate or 'unlimited'}: one TCP stream moves "
+                f"{rate / 1e9:.3f} GB/s ({rate * 8 / 1e9:.3f} Gbit/s)"
+            )
             return 0
-        launcher = [sys.executable, "-m", "jaxring.launch", "-n", str(args.nodes),
-                    "--devices-per-process", "1",
-                    "--coordinator", f"{net.address(0)}:29500",
-                    "--prefix-command", net.exec_prefix(), *command]
+        launcher = [
+            sys.executable,
+            "-m",
+            "jaxring.launch",
+            "-n",
+            str(args.nodes),
+            "--devices-per-process",
+            "1",
+            "--coordinator",
+            f"{net.address(0)}:29500",
+            "--prefix-command",
+            net.exec_prefix(),
+            *command,
+        ]
         return subprocess.run(launcher).returncode
 
 

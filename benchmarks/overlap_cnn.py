@@ -37,18 +37,29 @@ def parse_args(argv=None):
     p.add_argument("--image", type=int, default=32, help="image side in pixels")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--link", default=None,
-                   help='emulated link, e.g. "2Gbit,20us" (default: calibrated '
-                        "so that comm takes about as long as the backward pass)")
-    p.add_argument("--latency-us", type=float, default=20.0,
-                   help="latency of the calibrated link")
-    p.add_argument("--bucket-mb", type=float, default=None,
-                   help="bucket size for the headline figures (default: jaxring's)")
-    p.add_argument("--timeline", default=None,
-                   help="write a Perfetto trace of one serialized and one "
-                        "overlapped step to this path")
-    p.add_argument("--sweep", default="0.0625,0.25,1,4",
-                   help="comma-separated bucket_mb values to sweep ('' to skip)")
+    p.add_argument(
+        "--link",
+        default=None,
+        help='emulated link, e.g. "2Gbit,20us" (default: calibrated '
+        "so that comm takes about as long as the backward pass)",
+    )
+    p.add_argument("--latency-us", type=float, default=20.0, help="latency of the calibrated link")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="bucket size for the headline figures (default: jaxring's)",
+    )
+    p.add_argument(
+        "--timeline",
+        default=None,
+        help="write a Perfetto trace of one serialized and one overlapped step to this path",
+    )
+    p.add_argument(
+        "--sweep",
+        default="0.0625,0.25,1,4",
+        help="comma-separated bucket_mb values to sweep ('' to skip)",
+    )
     return p.parse_args(argv)
 
 
@@ -60,6 +71,7 @@ def first_bucket_ready(f, args, steps):
     import tempfile
 
     import jax
+
     import jaxring
     from jaxring._src.timeline import host_span
 
@@ -77,8 +89,11 @@ def first_bucket_ready(f, args, steps):
     spans = [e for e in events if e.get("ph") == "X"]
     waits = []
     for step in (e for e in spans if e["name"].startswith("step ")):
-        joins = [e["ts"] for e in spans if e["name"] == "bucket 0"
-                 and step["ts"] <= e["ts"] <= step["ts"] + step["dur"]]
+        joins = [
+            e["ts"]
+            for e in spans
+            if e["name"] == "bucket 0" and step["ts"] <= e["ts"] <= step["ts"] + step["dur"]
+        ]
         if joins:
             waits.append((max(joins) - step["ts"]) / 1e6)
     if not waits:
@@ -89,6 +104,7 @@ def first_bucket_ready(f, args, steps):
 def main(argv=None):
     args = parse_args(argv)
     import jaxring
+
     jaxring.use_cpu_devices(args.devices)  # before JAX starts its backend
     import jax
     import jax.numpy as jnp
@@ -110,12 +126,21 @@ def main(argv=None):
         return make_train_step(strides, reduce_grads)
 
     def sharded(fn, out_specs=(P(), P())):
-        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("batch"), P("batch")),
-                                     out_specs=out_specs, check_vma=False))
+        return jax.jit(
+            jax.shard_map(
+                fn,
+                mesh=mesh,
+                in_specs=(P(), P("batch"), P("batch")),
+                out_specs=out_specs,
+                check_vma=False,
+            )
+        )
 
     b = args.per_device_batch * n
-    x = jax.device_put(jnp.asarray(rng.normal(size=(b, args.image, args.image, 3)), jnp.float32),
-                       NamedSharding(mesh, P("batch")))
+    x = jax.device_put(
+        jnp.asarray(rng.normal(size=(b, args.image, args.image, 3)), jnp.float32),
+        NamedSharding(mesh, P("batch")),
+    )
     y = jax.device_put(jnp.asarray(rng.integers(0, 10, b)), NamedSharding(mesh, P("batch")))
     grads_like = jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), params)
     grads_like = jax.device_put(grads_like, NamedSharding(mesh, P("batch")))
@@ -134,8 +159,11 @@ def main(argv=None):
         # The setting is read when the step is traced: trace it here.
         jaxring.config.update("cpu_gang_start", gang)
         try:
-            f = sharded(jaxring.overlap(make_step(lambda g: jax.lax.pmean(g, "batch")),
-                                        axis_name="batch", **kw))
+            f = sharded(
+                jaxring.overlap(
+                    make_step(lambda g: jax.lax.pmean(g, "batch")), axis_name="batch", **kw
+                )
+            )
             timed(f, params, x, y)
         finally:
             jaxring.config.reset("cpu_gang_start")
@@ -182,8 +210,10 @@ def main(argv=None):
         comm = measure(variants, ["comm"], 3)["comm"]
         if abs(comm / backward - 1) > 0.1:
             link = calibrated_link(backward * backward / comm, grad_bytes, n, args.latency_us)
-            print(f"calibration: comm took {comm * 1e3:.1f} ms on the first link; "
-                  "correcting the bandwidth")
+            print(
+                f"calibration: comm took {comm * 1e3:.1f} ms on the first link; "
+                "correcting the bandwidth"
+            )
             variants = build(link, args.bucket_mb)
         print(f"calibrated link: {link} (backward pass ~{backward * 1e3:.1f} ms)")
     else:
@@ -191,16 +221,20 @@ def main(argv=None):
 
     names = ["compute", "comm", "serialized", "overlap", "overlap, no gang"]
     t = measure(variants, names, args.rounds)
-    print(f"\njaxring overlap benchmark: {args.layers}-layer CNN, {n} devices, "
-          f"{grad_bytes / 2**20:.2f} MiB of gradients, link {link}, "
-          f"bucket_mb={args.bucket_mb or 'default'}, median of {args.rounds} rounds")
+    print(
+        f"\njaxring overlap benchmark: {args.layers}-layer CNN, {n} devices, "
+        f"{grad_bytes / 2**20:.2f} MiB of gradients, link {link}, "
+        f"bucket_mb={args.bucket_mb or 'default'}, median of {args.rounds} rounds"
+    )
     for k in names:
         print(f"  {k:>16}: {t[k] * 1e3:8.1f} ms")
     bound = max(t["compute"], t["comm"])
     print(f"  overlap / serialized          = {t['overlap'] / t['serialized']:.3f}  (goal <= 0.65)")
     print(f"  overlap / max(compute, comm)  = {t['overlap'] / bound:.3f}  (goal <= 1.15)")
-    print(f"  without gang start: {t['overlap, no gang'] / t['serialized']:.3f} and "
-          f"{t['overlap, no gang'] / bound:.3f}")
+    print(
+        f"  without gang start: {t['overlap, no gang'] / t['serialized']:.3f} and "
+        f"{t['overlap, no gang'] / bound:.3f}"
+    )
     # No schedule beats max(compute, comm). That bound, not compute + comm,
     # is what serialized is to be compared with: the virtual devices finish
     # their backward passes apart, and a ring moves the data of the devices
@@ -208,20 +242,26 @@ def main(argv=None):
     # How soon the first bucket is ready on every device (read from the
     # overlapped step's own timeline) is how soon every ring can move.
     ready = first_bucket_ready(*variants["overlap"], steps=5)
-    print(f"  first bucket ready on every device after {ready * 1e3:.1f} ms "
-          "(median of 5 overlapped steps)")
-    print(f"  bound for any schedule, max(compute, comm) / serialized = "
-          f"{bound / t['serialized']:.3f}")
+    print(
+        f"  first bucket ready on every device after {ready * 1e3:.1f} ms "
+        "(median of 5 overlapped steps)"
+    )
+    print(
+        f"  bound for any schedule, max(compute, comm) / serialized = {bound / t['serialized']:.3f}"
+    )
     # Within one step nothing can be sent before the first bucket is ready:
     # a schedule that keeps the link busy from then on ends at ready + comm.
     # Below that only a schedule that crosses the step boundary can go
     # (the next step's forward pass beside this step's last buckets).
     in_step = max(t["compute"], ready + t["comm"])
-    print(f"  bound within the step, max(compute, first ready + comm) = "
-          f"{in_step * 1e3:.1f} ms; overlap / it = {t['overlap'] / in_step:.3f}")
+    print(
+        f"  bound within the step, max(compute, first ready + comm) = "
+        f"{in_step * 1e3:.1f} ms; overlap / it = {t['overlap'] / in_step:.3f}"
+    )
 
     if args.timeline:
         from jaxring._src.timeline import host_span
+
         with jaxring.timeline(args.timeline):
             for k in ("serialized", "overlap"):
                 f, a = variants[k]
@@ -237,9 +277,11 @@ def main(argv=None):
             v = build(link, mb)
             r = measure(v, ["serialized", "overlap"], max(3, args.rounds // 2))
             results[mb] = r["overlap"]
-            print(f"  bucket_mb={mb:<6g} overlap {r['overlap'] * 1e3:8.1f} ms   "
-                  f"serialized {r['serialized'] * 1e3:8.1f} ms   "
-                  f"ratio {r['overlap'] / r['serialized']:.3f}")
+            print(
+                f"  bucket_mb={mb:<6g} overlap {r['overlap'] * 1e3:8.1f} ms   "
+                f"serialized {r['serialized'] * 1e3:8.1f} ms   "
+                f"ratio {r['overlap'] / r['serialized']:.3f}"
+            )
         best = min(results, key=results.get)
         print(f"  best: bucket_mb={best:g}")
     jaxring.config.reset("cpu_link")

@@ -36,7 +36,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import netns  # noqa: E402  (benchmarks/netns.py)
+import netns
 
 
 def worker(args) -> None:
@@ -60,17 +60,30 @@ def worker(args) -> None:
     replicated = NamedSharding(mesh, P())
     x = jax.make_array_from_callback(images.shape, batch, lambda i: images[i])
     y = jax.make_array_from_callback(labels.shape, batch, lambda i: labels[i])
-    p0 = jax.tree.map(lambda a: jax.make_array_from_callback(
-        a.shape, replicated, lambda i, a=np.asarray(a): a[i]), params)
+    p0 = jax.tree.map(
+        lambda a: jax.make_array_from_callback(
+            a.shape, replicated, lambda i, a=np.asarray(a): a[i]
+        ),
+        params,
+    )
 
     def sharded(fn):
-        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("batch"), P("batch")),
-                                     out_specs=(P(), P()), check_vma=False))
+        return jax.jit(
+            jax.shard_map(
+                fn,
+                mesh=mesh,
+                in_specs=(P(), P("batch"), P("batch")),
+                out_specs=(P(), P()),
+                check_vma=False,
+            )
+        )
 
     pmean = make_train_step(strides, lambda g: jax.lax.pmean(g, "batch"))
-    variants = {"compute": sharded(make_train_step(strides, lambda g: g)),
-                "gloo": sharded(pmean),
-                "overlap": sharded(jaxring.overlap(pmean, axis_name="batch"))}
+    variants = {
+        "compute": sharded(make_train_step(strides, lambda g: g)),
+        "gloo": sharded(pmean),
+        "overlap": sharded(jaxring.overlap(pmean, axis_name="batch")),
+    }
 
     def timed(f):
         t0 = time.perf_counter()
@@ -95,18 +108,35 @@ def worker(args) -> None:
 
 
 def run_job(args, rate: str | None, calibrate: bool) -> dict:
-    with tempfile.TemporaryDirectory() as tmp, \
-            netns.Network(args.processes, rate) as net:
+    with tempfile.TemporaryDirectory() as tmp, netns.Network(args.processes, rate) as net:
         os.chmod(tmp, 0o755)
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "jaxring.launch", "-n", str(args.processes),
-               "--devices-per-process", "1",
-               "--coordinator", f"{net.address(0)}:29500",
-               "--prefix-command", net.exec_prefix(),
-               os.path.abspath(__file__), "--worker-json", out,
-               "--rounds", str(args.rounds), "--layers", str(args.layers),
-               "--width", str(args.width), "--image", str(args.image),
-               "--per-device-batch", str(args.per_device_batch)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxring.launch",
+            "-n",
+            str(args.processes),
+            "--devices-per-process",
+            "1",
+            "--coordinator",
+            f"{net.address(0)}:29500",
+            "--prefix-command",
+            net.exec_prefix(),
+            os.path.abspath(__file__),
+            "--worker-json",
+            out,
+            "--rounds",
+            str(args.rounds),
+            "--layers",
+            str(args.layers),
+            "--width",
+            str(args.width),
+            "--image",
+            str(args.image),
+            "--per-device-batch",
+            str(args.per_device_batch),
+        ]
         if calibrate:
             cmd.append("--calibrate")
         r = subprocess.run(cmd, cwd=tmp)
@@ -120,6 +150,7 @@ def plot(t: dict, path: str, title: str) -> None:
     """Each variant's step time: the median as a bar, every round as a dot,
     and the goal (0.6 x Gloo's) as a line."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -166,13 +197,17 @@ def main(argv=None) -> int:
         # in the time of the backward pass (2/3 of the compute step).
         bytes_per_s = 2 * (n - 1) / n * base["grad_bytes"] / (2 / 3 * base["compute"])
         rate = f"{int(bytes_per_s * 8 / 1e6)}mbit"
-        print(f"calibration: compute step {base['compute'] * 1e3:.1f} ms on "
-              f"{n} processes, {base['grad_bytes'] / 2**20:.2f} MiB of gradients "
-              f"-> links of {rate}")
+        print(
+            f"calibration: compute step {base['compute'] * 1e3:.1f} ms on "
+            f"{n} processes, {base['grad_bytes'] / 2**20:.2f} MiB of gradients "
+            f"-> links of {rate}"
+        )
     t = run_job(args, rate, calibrate=False)
-    print(f"\n{args.layers}-layer CNN on {t['processes']} processes (1 CPU device "
-          f"each, {os.cpu_count()} cores), {t['grad_bytes'] / 2**20:.2f} MiB of "
-          f"gradients, tbf links of {rate}, median of {args.rounds} alternating rounds")
+    print(
+        f"\n{args.layers}-layer CNN on {t['processes']} processes (1 CPU device "
+        f"each, {os.cpu_count()} cores), {t['grad_bytes'] / 2**20:.2f} MiB of "
+        f"gradients, tbf links of {rate}, median of {args.rounds} alternating rounds"
+    )
     for k in ("compute", "gloo", "overlap"):
         print(f"  {k:>8}: {t[k] * 1e3:8.1f} ms")
     print(f"  overlap / gloo = {t['overlap'] / t['gloo']:.3f}  (goal <= 0.6)")
@@ -180,9 +215,13 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(t, rate=rate, layers=args.layers, cores=os.cpu_count()), f, indent=1)
     if args.plot:
-        plot(t, args.plot, f"{args.layers}-layer CNN, {t['processes']} processes, "
-                           f"tbf links of {rate}: overlap / gloo = "
-                           f"{t['overlap'] / t['gloo']:.2f}")
+        plot(
+            t,
+            args.plot,
+            f"{args.layers}-layer CNN, {t['processes']} processes, "
+            f"tbf links of {rate}: overlap / gloo = "
+            f"{t['overlap'] / t['gloo']:.2f}",
+        )
         print(f"plot written to {args.plot}")
     return 0
 

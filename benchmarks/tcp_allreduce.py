@@ -61,7 +61,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import netns  # noqa: E402  (benchmarks/netns.py)
+import netns
 
 SIZES_DEFAULT = ("4K", "256M")
 
@@ -113,13 +113,21 @@ def worker(args) -> None:
     mesh = Mesh(devices, ("i",))
 
     def program(reduce):
-        return jax.jit(jax.shard_map(lambda v: reduce(v, "i"), mesh=mesh,
-                                     in_specs=P("i"), out_specs=P("i"),
-                                     check_vma=False))
+        return jax.jit(
+            jax.shard_map(
+                lambda v: reduce(v, "i"),
+                mesh=mesh,
+                in_specs=P("i"),
+                out_specs=P("i"),
+                check_vma=False,
+            )
+        )
 
     if args.worker_direct:
-        fns = {"jaxring": program(lambda v, a: jaxring.allreduce(v, a, algorithm="direct")),
-               "gloo": program(jax.lax.psum)}
+        fns = {
+            "jaxring": program(lambda v, a: jaxring.allreduce(v, a, algorithm="direct")),
+            "gloo": program(jax.lax.psum),
+        }
     else:
         fns = {"jaxring": program(jaxring.allreduce), "gloo": program(jax.lax.psum)}
         names = ("ring", "exchange") if args.exchange else ()
@@ -127,21 +135,21 @@ def worker(args) -> None:
             # The direct algorithm over the host segment, where the job has
             # one (every process on this host, /dev/shm large enough), and
             # the ring over shared-memory links beside it.
-            fns["host_direct"] = program(
-                lambda v, a: jaxring.allreduce(v, a, algorithm="direct"))
+            fns["host_direct"] = program(lambda v, a: jaxring.allreduce(v, a, algorithm="direct"))
             names = ("ring", "exchange") if args.exchange else ("ring",)
         for name in names:
-            fns[name] = program(
-                lambda v, a, name=name: jaxring.allreduce(v, a, algorithm=name))
+            fns[name] = program(lambda v, a, name=name: jaxring.allreduce(v, a, algorithm=name))
     rows = []
     size = args.min_bytes
     while size <= args.max_bytes:
         count = size // 4
-        local = np.stack([np.full(count, d.process_index * len(jax.local_devices()) + k + 1,
-                                  np.float32)
-                          for k, d in enumerate(jax.local_devices())])
-        x = jax.make_array_from_process_local_data(
-            NamedSharding(mesh, P("i")), local, (n, count))
+        local = np.stack(
+            [
+                np.full(count, d.process_index * len(jax.local_devices()) + k + 1, np.float32)
+                for k, d in enumerate(jax.local_devices())
+            ]
+        )
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("i")), local, (n, count))
         if size == args.min_bytes and "host_direct" in fns:
             try:
                 fns["host_direct"](x)
@@ -161,8 +169,11 @@ def worker(args) -> None:
             row[f"{k}_busbw"] = size * factor / t / 1e9
         rows.append(row)
         if jax.process_index() == 0:
-            print(f"measured {fmt_bytes(size)}: jaxring {row['jaxring_busbw']:.3f} "
-                  f"GB/s, gloo {row['gloo_busbw']:.3f} GB/s", flush=True)
+            print(
+                f"measured {fmt_bytes(size)}: jaxring {row['jaxring_busbw']:.3f} "
+                f"GB/s, gloo {row['gloo_busbw']:.3f} GB/s",
+                flush=True,
+            )
         del x
         size *= 4
     if jax.process_index() == 0:
@@ -172,22 +183,26 @@ def worker(args) -> None:
 
 # Columns: (title, job, key) where job is a JAXRING_TRANSPORT value or
 # "direct" (the one-process job).
-COLUMNS = (("shm", "auto", "jaxring"), ("tcp", "tcp", "jaxring"),
-           ("gloo", "auto", "gloo"), ("gloo (tcp job)", "tcp", "gloo"),
-           ("direct", "direct", "jaxring"), ("shm direct", "auto", "host_direct"),
-           ("shm ring", "auto", "ring"),
-           ("shm exchange", "auto", "exchange"), ("tcp ring", "tcp", "ring"),
-           ("tcp exchange", "tcp", "exchange"))
+COLUMNS = (
+    ("shm", "auto", "jaxring"),
+    ("tcp", "tcp", "jaxring"),
+    ("gloo", "auto", "gloo"),
+    ("gloo (tcp job)", "tcp", "gloo"),
+    ("direct", "direct", "jaxring"),
+    ("shm direct", "auto", "host_direct"),
+    ("shm ring", "auto", "ring"),
+    ("shm exchange", "auto", "exchange"),
+    ("tcp ring", "tcp", "ring"),
+    ("tcp exchange", "tcp", "exchange"),
+)
 
 
-def table(jobs: dict[str, list[dict]], n: int, launcher: str = "",
-          devices: int = 1) -> str:
+def table(jobs: dict[str, list[dict]], n: int, launcher: str = "", devices: int = 1) -> str:
     """busbw (GB/s) of every job beside each other, and the ratios the
     benchmark's goals are stated in: each against a reference timed in the
     same job where there is one (shm/gloo in the auto job, tcp/gloo in the
     tcp job), across jobs run back to back otherwise."""
-    cols = [(t, j, k) for t, j, k in COLUMNS
-            if j in jobs and f"{k}_busbw" in jobs[j][0]]
+    cols = [(t, j, k) for t, j, k in COLUMNS if j in jobs and f"{k}_busbw" in jobs[j][0]]
     sizes = [r["bytes"] for r in next(iter(jobs.values()))]
     busbw = {(j, k): {r["bytes"]: r[f"{k}_busbw"] for r in jobs[j]} for _, j, k in cols}
     ratios = []
@@ -207,41 +222,54 @@ def table(jobs: dict[str, list[dict]], n: int, launcher: str = "",
     for title, job in (("shm", "auto"), ("tcp", "tcp")):
         if (title + " exchange", job, "exchange") in cols:
             ratios.append((f"{title} exch/ring", (job, "exchange"), (job, "ring")))
-    head = (f"{'bytes':>10} | " + " ".join(f"{t:>14}" for t, _, _ in cols) + " | " +
-            " ".join(f"{t:>10}" for t, _, _ in ratios))
+    head = (
+        f"{'bytes':>10} | "
+        + " ".join(f"{t:>14}" for t, _, _ in cols)
+        + " | "
+        + " ".join(f"{t:>10}" for t, _, _ in ratios)
+    )
     each = "1 CPU device" if devices == 1 else f"{devices} CPU devices"
-    lines = [f"# {n} processes, {each} each, float32, busbw GB/s, "
-             f"median of alternating rounds (direct: 1 process, {n * devices} devices)"
-             + (f"; jaxring.launch {launcher}" if launcher else ""),
-             head, "-" * len(head)]
+    lines = [
+        f"# {n} processes, {each} each, float32, busbw GB/s, "
+        f"median of alternating rounds (direct: 1 process, {n * devices} devices)"
+        + (f"; jaxring.launch {launcher}" if launcher else ""),
+        head,
+        "-" * len(head),
+    ]
     for size in sizes:
         lines.append(
-            f"{fmt_bytes(size):>10} | " +
-            " ".join(f"{busbw[(j, k)][size]:>14.3f}" for _, j, k in cols) + " | " +
-            " ".join(f"{busbw[a][size] / busbw[b][size]:>9.2f}x" for _, a, b in ratios))
+            f"{fmt_bytes(size):>10} | "
+            + " ".join(f"{busbw[(j, k)][size]:>14.3f}" for _, j, k in cols)
+            + " | "
+            + " ".join(f"{busbw[a][size] / busbw[b][size]:>9.2f}x" for _, a, b in ratios)
+        )
     return "\n".join(lines)
 
 
 def plot(results: dict[int, list[dict]], path: str, title: str) -> None:
     if importlib.util.find_spec("matplotlib") is None:
-        print(f"matplotlib is not installed: no plot written to {path} "
-              "(pip install 'jaxring[bench]')")
+        print(
+            f"matplotlib is not installed: no plot written to {path} (pip install 'jaxring[bench]')"
+        )
         return
     from jaxring.bench import plot_busbw
+
     lines = []
-    names = {"auto": "jaxring, shared memory", "tcp": "jaxring, TCP",
-             "direct": "in-process direct"}
+    names = {"auto": "jaxring, shared memory", "tcp": "jaxring, TCP", "direct": "in-process direct"}
     for n, jobs in sorted(results.items()):
         for job, rows in jobs.items():
             sizes = [r["bytes"] for r in rows]
-            where = ("as many devices in one process" if job == "direct"
-                     else f"{n} processes")
-            lines.append((f"{names[job]}, {where}", sizes,
-                          [r["jaxring_busbw"] for r in rows]))
+            where = "as many devices in one process" if job == "direct" else f"{n} processes"
+            lines.append((f"{names[job]}, {where}", sizes, [r["jaxring_busbw"] for r in rows]))
         rows = jobs.get("auto") or jobs.get("tcp")
         if rows:
-            lines.append((f"Gloo (lax.psum), {n} processes", [r["bytes"] for r in rows],
-                          [r["gloo_busbw"] for r in rows]))
+            lines.append(
+                (
+                    f"Gloo (lax.psum), {n} processes",
+                    [r["bytes"] for r in rows],
+                    [r["gloo_busbw"] for r in rows],
+                )
+            )
     plot_busbw(lines, path, title, xlabel="bytes per rank")
     print(f"plot written to {path}")
 
@@ -265,24 +293,45 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default="tcp_allreduce.png", help="PNG path ('' for none)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--title", default="allreduce over loopback TCP")
-    ap.add_argument("--netns-rate", default=None,
-                    help="run over namespaces linked at this tbf rate (e.g. 1gbit)")
-    ap.add_argument("--transports", nargs="+", default=["auto", "tcp"],
-                    choices=["auto", "tcp"],
-                    help="JAXRING_TRANSPORT of each job across processes")
-    ap.add_argument("--devices-per-process", type=int, default=1,
-                    help="CPU devices in each process of the jobs across processes "
-                         "(with more than one, \"shm ring\" is the tiered ring plan)")
-    ap.add_argument("--cpu-bind", choices=["none", "cores"], default="none",
-                    help="jaxring.launch --cpu-bind for the jobs across processes")
-    ap.add_argument("--keep-freed-memory", action="store_true",
-                    help="jaxring.launch --keep-freed-memory for every job "
-                         "(glibc keeps freed buffers: no fresh pages per call)")
-    ap.add_argument("--no-direct", action="store_true",
-                    help="skip the one-process job (the in-process bound)")
-    ap.add_argument("--exchange", action="store_true",
-                    help='also time algorithm="ring" and "exchange" in the jobs '
-                         'across processes')
+    ap.add_argument(
+        "--netns-rate",
+        default=None,
+        help="run over namespaces linked at this tbf rate (e.g. 1gbit)",
+    )
+    ap.add_argument(
+        "--transports",
+        nargs="+",
+        default=["auto", "tcp"],
+        choices=["auto", "tcp"],
+        help="JAXRING_TRANSPORT of each job across processes",
+    )
+    ap.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=1,
+        help="CPU devices in each process of the jobs across processes "
+        '(with more than one, "shm ring" is the tiered ring plan)',
+    )
+    ap.add_argument(
+        "--cpu-bind",
+        choices=["none", "cores"],
+        default="none",
+        help="jaxring.launch --cpu-bind for the jobs across processes",
+    )
+    ap.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="jaxring.launch --keep-freed-memory for every job "
+        "(glibc keeps freed buffers: no fresh pages per call)",
+    )
+    ap.add_argument(
+        "--no-direct", action="store_true", help="skip the one-process job (the in-process bound)"
+    )
+    ap.add_argument(
+        "--exchange",
+        action="store_true",
+        help='also time algorithm="ring" and "exchange" in the jobs across processes',
+    )
     ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker-direct", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -325,27 +374,58 @@ def run_job(args, n: int, job: str) -> list[dict] | None:
     env = dict(os.environ)
     if job != "direct":
         env["JAXRING_TRANSPORT"] = job
-    with tempfile.TemporaryDirectory() as tmp, \
-            network(args.netns_rate if job != "direct" else None, n) as net:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        network(args.netns_rate if job != "direct" else None, n) as net,
+    ):
         out = os.path.join(tmp, "rows.json")
         if job == "direct":
-            cmd = [sys.executable, "-m", "jaxring.launch", "-n", "1",
-                   "--devices-per-process", str(n * args.devices_per_process)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "jaxring.launch",
+                "-n",
+                "1",
+                "--devices-per-process",
+                str(n * args.devices_per_process),
+            ]
         else:
-            cmd = [sys.executable, "-m", "jaxring.launch", "-n", str(n),
-                   "--devices-per-process", str(args.devices_per_process),
-                   "--cpu-bind", args.cpu_bind]
+            cmd = [
+                sys.executable,
+                "-m",
+                "jaxring.launch",
+                "-n",
+                str(n),
+                "--devices-per-process",
+                str(args.devices_per_process),
+                "--cpu-bind",
+                args.cpu_bind,
+            ]
         if args.keep_freed_memory:
             cmd.append("--keep-freed-memory")
         if net is not None:
-            cmd += ["--coordinator", f"{net.address(0)}:29500",
-                    "--prefix-command", net.exec_prefix()]
+            cmd += [
+                "--coordinator",
+                f"{net.address(0)}:29500",
+                "--prefix-command",
+                net.exec_prefix(),
+            ]
             rate = netns.check_rate(net)
-            print(f"# network: {n} namespaces, tbf {args.netns_rate} per link; "
-                  f"one TCP stream measures {rate / 1e9:.3f} GB/s")
-        cmd += [os.path.abspath(__file__),
-                "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
-                "--rounds", str(args.rounds), "--worker-json", out]
+            print(
+                f"# network: {n} namespaces, tbf {args.netns_rate} per link; "
+                f"one TCP stream measures {rate / 1e9:.3f} GB/s"
+            )
+        cmd += [
+            os.path.abspath(__file__),
+            "--min-bytes",
+            str(args.min_bytes),
+            "--max-bytes",
+            str(args.max_bytes),
+            "--rounds",
+            str(args.rounds),
+            "--worker-json",
+            out,
+        ]
         if job == "direct":
             cmd.append("--worker-direct")
         elif args.exchange:
@@ -358,6 +438,7 @@ def run_job(args, n: int, job: str) -> list[dict] | None:
             return None
         with open(out) as f:
             return json.load(f)
+
 
 if __name__ == "__main__":
     sys.exit(main())

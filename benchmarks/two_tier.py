@@ -48,8 +48,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import netns  # noqa: E402  (benchmarks/netns.py)
-from tcp_allreduce import alternating_rounds, fmt_bytes, parse_bytes  # noqa: E402
+import netns
+from tcp_allreduce import alternating_rounds, fmt_bytes, parse_bytes
 
 HOSTS, PER_HOST = 2, 2
 
@@ -84,9 +84,15 @@ def worker(args) -> None:
         # order: lowering assigns the op ids, which must agree.
         jaxring.config.update("tuning", tuning)
         try:
-            f = jax.jit(jax.shard_map(
-                lambda v: jaxring.allreduce(v, "i", **kwargs), mesh=mesh,
-                in_specs=P("i"), out_specs=P("i"), check_vma=False))
+            f = jax.jit(
+                jax.shard_map(
+                    lambda v: jaxring.allreduce(v, "i", **kwargs),
+                    mesh=mesh,
+                    in_specs=P("i"),
+                    out_specs=P("i"),
+                    check_vma=False,
+                )
+            )
             lowered = f.lower(x)
             return lowered.compile(), lowered.as_text()
         finally:
@@ -97,8 +103,7 @@ def worker(args) -> None:
     while size <= args.max_bytes:
         count = size // 4
         local = np.full((1, count), jax.process_index() + 1, np.float32)
-        x = jax.make_array_from_process_local_data(
-            NamedSharding(mesh, P("i")), local, (n, count))
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("i")), local, (n, count))
         fns, lowered_as = {}, {}
         for k, kwargs in variants.items():
             fns[k], text = compiled(x, kwargs, args.tuning if k == "tuned" else "off")
@@ -108,8 +113,10 @@ def worker(args) -> None:
             plan = "flat" if tiers == "dense<>" else "tiered"
             lowered_as[k] = f"{plan} r={rings} c={fmt_bytes(int(chunk))}"
         if jax.process_index() == 0:
-            print(f"{fmt_bytes(size)}: " + "; ".join(
-                f"{k} runs {v}" for k, v in lowered_as.items()), flush=True)
+            print(
+                f"{fmt_bytes(size)}: " + "; ".join(f"{k} runs {v}" for k, v in lowered_as.items()),
+                flush=True,
+            )
         outs = {k: np.asarray(f(x).addressable_data(0)) for k, f in fns.items()}
         want = n * (n + 1) / 2
         for k, got in outs.items():
@@ -125,8 +132,11 @@ def worker(args) -> None:
             row[f"{k}_rounds_s"] = samples[k]
         rows.append(row)
         if jax.process_index() == 0:
-            print(f"measured {fmt_bytes(size)}: " + ", ".join(
-                f"{k} {row[f'{k}_busbw']:.3f} GB/s" for k in fns), flush=True)
+            print(
+                f"measured {fmt_bytes(size)}: "
+                + ", ".join(f"{k} {row[f'{k}_busbw']:.3f} GB/s" for k in fns),
+                flush=True,
+            )
         del x
         size *= 4
     if jax.process_index() == 0:
@@ -136,27 +146,38 @@ def worker(args) -> None:
 
 def table(rows: list[dict], rate: str, measured: float) -> str:
     tuned = "tuned_s" in rows[0]
-    head = (f"{'bytes':>10} | {'flat ms':>9} {'busbw GB/s':>10} | "
-            f"{'tiered ms':>9} {'busbw GB/s':>10} | {'tiered/flat':>11}")
+    head = (
+        f"{'bytes':>10} | {'flat ms':>9} {'busbw GB/s':>10} | "
+        f"{'tiered ms':>9} {'busbw GB/s':>10} | {'tiered/flat':>11}"
+    )
     if tuned:
         head += f" | {'tuned ms':>9} {'busbw GB/s':>10} | {'tuned/best fixed':>16}"
-    lines = [f"# {HOSTS} hosts x {PER_HOST} processes, 1 CPU device each, "
-             f"float32; host links tbf {rate} (one TCP stream: "
-             f"{measured / 1e9:.3f} GB/s); median of alternating rounds",
-             head, "-" * len(head)]
+    lines = [
+        f"# {HOSTS} hosts x {PER_HOST} processes, 1 CPU device each, "
+        f"float32; host links tbf {rate} (one TCP stream: "
+        f"{measured / 1e9:.3f} GB/s); median of alternating rounds",
+        head,
+        "-" * len(head),
+    ]
     for r in rows:
-        line = (f"{fmt_bytes(r['bytes']):>10} | {r['flat_s'] * 1e3:>9.1f} "
-                f"{r['flat_busbw']:>10.3f} | {r['tiered_s'] * 1e3:>9.1f} "
-                f"{r['tiered_busbw']:>10.3f} | {r['tiered_busbw'] / r['flat_busbw']:>10.2f}x")
+        line = (
+            f"{fmt_bytes(r['bytes']):>10} | {r['flat_s'] * 1e3:>9.1f} "
+            f"{r['flat_busbw']:>10.3f} | {r['tiered_s'] * 1e3:>9.1f} "
+            f"{r['tiered_busbw']:>10.3f} | {r['tiered_busbw'] / r['flat_busbw']:>10.2f}x"
+        )
         if tuned:
             # busbw ratio: above 1 the table's choice beat both fixed ones.
             best = max(r["flat_busbw"], r["tiered_busbw"])
-            line += (f" | {r['tuned_s'] * 1e3:>9.1f} {r['tuned_busbw']:>10.3f} | "
-                     f"{r['tuned_busbw'] / best:>15.2f}x")
+            line += (
+                f" | {r['tuned_s'] * 1e3:>9.1f} {r['tuned_busbw']:>10.3f} | "
+                f"{r['tuned_busbw'] / best:>15.2f}x"
+            )
         lines.append(line)
     if tuned:
-        lines.append("# tuned runs, per size: " + "; ".join(
-            f"{fmt_bytes(r['bytes'])} {r['lowered']['tuned']}" for r in rows))
+        lines.append(
+            "# tuned runs, per size: "
+            + "; ".join(f"{fmt_bytes(r['bytes'])} {r['lowered']['tuned']}" for r in rows)
+        )
     return "\n".join(lines)
 
 
@@ -165,9 +186,12 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         print(f"matplotlib is not installed: no plot written to {path}")
         return
     from jaxring.bench import plot_busbw
+
     sizes = [r["bytes"] for r in rows]
-    series = [("flat ring", sizes, [r["flat_busbw"] for r in rows]),
-              ("tiered plan (2, 2)", sizes, [r["tiered_busbw"] for r in rows])]
+    series = [
+        ("flat ring", sizes, [r["flat_busbw"] for r in rows]),
+        ("tiered plan (2, 2)", sizes, [r["tiered_busbw"] for r in rows]),
+    ]
     if "tuned_busbw" in rows[0]:
         series.append(("autotuned", sizes, [r["tuned_busbw"] for r in rows]))
     plot_busbw(series, path, title, xlabel="bytes per process")
@@ -180,11 +204,15 @@ def main(argv=None) -> int:
     ap.add_argument("--min-bytes", type=parse_bytes, default=parse_bytes("1M"))
     ap.add_argument("--max-bytes", type=parse_bytes, default=parse_bytes("256M"))
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tune-max-bytes", type=parse_bytes, default=parse_bytes("64M"),
-                    help="largest size the autotuner measures (larger messages "
-                         "take its choice for this size)")
-    ap.add_argument("--no-tune", action="store_true",
-                    help="skip the autotuner and the tuned variant")
+    ap.add_argument(
+        "--tune-max-bytes",
+        type=parse_bytes,
+        default=parse_bytes("64M"),
+        help="largest size the autotuner measures (larger messages take its choice for this size)",
+    )
+    ap.add_argument(
+        "--no-tune", action="store_true", help="skip the autotuner and the tuned variant"
+    )
     ap.add_argument("--tuning", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--plot", default="two_tier.png", help="PNG path ('' for none)")
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -202,28 +230,61 @@ def main(argv=None) -> int:
         node = f"{net.tag}n$(({{rank}} / {PER_HOST}))"
         # The processes of a host share memory, those of different hosts
         # only the tbf-limited links.
-        prefix = "sh -c " + shlex.quote(
-            f'exec ip netns exec {node} env JAXRING_HOST_ID={node} "$@"') + " _"
-        launch = [sys.executable, "-m", "jaxring.launch", "-n", str(HOSTS * PER_HOST),
-                  "--devices-per-process", "1",
-                  "--coordinator", f"{net.address(0)}:29500",
-                  "--prefix-command", prefix]
+        prefix = (
+            "sh -c "
+            + shlex.quote(f'exec ip netns exec {node} env JAXRING_HOST_ID={node} "$@"')
+            + " _"
+        )
+        launch = [
+            sys.executable,
+            "-m",
+            "jaxring.launch",
+            "-n",
+            str(HOSTS * PER_HOST),
+            "--devices-per-process",
+            "1",
+            "--coordinator",
+            f"{net.address(0)}:29500",
+            "--prefix-command",
+            prefix,
+        ]
         os.chmod(tmp, 0o755)
         tuning = []
         if not args.no_tune:
             path = os.path.join(tmp, "tuning.json")
             print("autotuner, across the four processes:", flush=True)
-            r = subprocess.run([*launch, "-m", "jaxring.tune", "--quick",
-                                "--min-bytes", str(args.min_bytes),
-                                "--max-bytes", str(min(args.max_bytes, args.tune_max_bytes)),
-                                "--out", path], cwd=tmp)
+            r = subprocess.run(
+                [
+                    *launch,
+                    "-m",
+                    "jaxring.tune",
+                    "--quick",
+                    "--min-bytes",
+                    str(args.min_bytes),
+                    "--max-bytes",
+                    str(min(args.max_bytes, args.tune_max_bytes)),
+                    "--out",
+                    path,
+                ],
+                cwd=tmp,
+            )
             if r.returncode != 0:
                 print(f"the autotuner failed with status {r.returncode}")
                 return r.returncode
             tuning = ["--tuning", path]
-        cmd = [*launch, os.path.abspath(__file__),
-               "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
-               "--rounds", str(args.rounds), "--worker-json", out, *tuning]
+        cmd = [
+            *launch,
+            os.path.abspath(__file__),
+            "--min-bytes",
+            str(args.min_bytes),
+            "--max-bytes",
+            str(args.max_bytes),
+            "--rounds",
+            str(args.rounds),
+            "--worker-json",
+            out,
+            *tuning,
+        ]
         r = subprocess.run(cmd, cwd=tmp)
         if r.returncode != 0:
             print(f"the job failed with status {r.returncode}")
@@ -233,11 +294,16 @@ def main(argv=None) -> int:
     print(table(rows, args.rate, measured))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rate": args.rate, "measured_bytes_per_s": measured,
-                       "rows": rows}, f, indent=1)
+            json.dump(
+                {"rate": args.rate, "measured_bytes_per_s": measured, "rows": rows}, f, indent=1
+            )
     if args.plot:
-        plot(rows, args.plot, f"flat ring vs tiered plan, {HOSTS} hosts x "
-             f"{PER_HOST} processes, host links {args.rate}")
+        plot(
+            rows,
+            args.plot,
+            f"flat ring vs tiered plan, {HOSTS} hosts x "
+            f"{PER_HOST} processes, host links {args.rate}",
+        )
     return 0
 
 

@@ -12,42 +12,65 @@ def parser(doc: str) -> argparse.ArgumentParser:
     """An argument parser described by the first paragraph of doc, with the
     options every example takes."""
     p = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
-    p.add_argument("--mode", choices=MODES, default="overlap",
-                   help="overlap: @jaxring.overlap; allreduce: jaxring.pmean; "
-                        "psum: jax.lax.pmean")
-    p.add_argument("--devices", type=int, default=None,
-                   help="virtual CPU devices (default 8; under python -m jaxring.launch, "
-                        "every process's devices)")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="overlap",
+        help="overlap: @jaxring.overlap; allreduce: jaxring.pmean; psum: jax.lax.pmean",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="virtual CPU devices (default 8; under python -m jaxring.launch, "
+        "every process's devices)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--link", default=None, help='emulated link, e.g. "1Gbit,50us"')
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--compression", choices=COMPRESSIONS, default="none",
-                   help="gradient compression (jaxring.compression), which then "
-                        "averages the gradients itself: wire16 (bfloat16 with error "
-                        "feedback) or powersgd (rank --rank)")
+    p.add_argument(
+        "--compression",
+        choices=COMPRESSIONS,
+        default="none",
+        help="gradient compression (jaxring.compression), which then "
+        "averages the gradients itself: wire16 (bfloat16 with error "
+        "feedback) or powersgd (rank --rank)",
+    )
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
-    p.add_argument("--min-size", type=int, default=None,
-                   help="PowerSGD's min_size: matrices of fewer elements go "
-                        "uncompressed (default: jaxring.compression.powersgd's)")
-    p.add_argument("--wire-dtype", choices=("bfloat16", "float16"), default=None,
-                   help="float32 values travel in this format: with --compression, "
-                        "the transformation's (wire16's format; PowerSGD's factors "
-                        "and whole leaves); without, jaxring.overlap's (--mode overlap)")
-    p.add_argument("--report", action="store_true",
-                   help="print jaxring.overlap's bucket summary when the step is "
-                        "traced (--mode overlap)")
-    p.add_argument("--check-update", action="store_true",
-                   help="run one step with SGD, compare its update with the one "
-                        "computed from the whole batch on one device, and exit "
-                        "(non-zero if they differ)")
+    p.add_argument(
+        "--min-size",
+        type=int,
+        default=None,
+        help="PowerSGD's min_size: matrices of fewer elements go "
+        "uncompressed (default: jaxring.compression.powersgd's)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        choices=("bfloat16", "float16"),
+        default=None,
+        help="float32 values travel in this format: with --compression, "
+        "the transformation's (wire16's format; PowerSGD's factors "
+        "and whole leaves); without, jaxring.overlap's (--mode overlap)",
+    )
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="print jaxring.overlap's bucket summary when the step is traced (--mode overlap)",
+    )
+    p.add_argument(
+        "--check-update",
+        action="store_true",
+        help="run one step with SGD, compare its update with the one "
+        "computed from the whole batch on one device, and exit "
+        "(non-zero if they differ)",
+    )
     return p
 
 
 COMPRESSIONS = ("none", "wire16", "powersgd")
 
 
-def check_update(args, step, plain_step, inputs, params=lambda state: state,
-                 rtol=1e-3) -> None:
+def check_update(args, step, plain_step, inputs, params=lambda state: state, rtol=1e-3) -> None:
     """Runs step (the data-parallel step; its first input and output hold
     the params, which `params` takes out) once on inputs, and plain_step
     (the same step without jaxring.overlap) on one device with the whole
@@ -58,25 +81,36 @@ def check_update(args, step, plain_step, inputs, params=lambda state: state,
     import jax
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
+
     if jax.process_count() > 1 or args.compression != "none":
-        raise SystemExit("--check-update runs in one process, without --compression "
-                         "(which approximates the full-batch update by design)")
+        raise SystemExit(
+            "--check-update runs in one process, without --compression "
+            "(which approximates the full-batch update by design)"
+        )
     one = Mesh(np.array(jax.devices()[:1]), ("batch",))
-    whole = jax.jit(jax.shard_map(plain_step, mesh=one, in_specs=P(), out_specs=P(),
-                                  check_vma=False))
+    whole = jax.jit(
+        jax.shard_map(plain_step, mesh=one, in_specs=P(), out_specs=P(), check_vma=False)
+    )
     before = jax.tree.map(np.asarray, params(inputs[0]))
-    want = jax.tree.map(lambda new, old: np.asarray(new) - old,
-                        params(whole(*jax.tree.map(np.asarray, inputs))[0]), before)
-    got = jax.tree.map(lambda new, old: np.asarray(new) - old,
-                       params(step(*inputs)[0]), before)
+    want = jax.tree.map(
+        lambda new, old: np.asarray(new) - old,
+        params(whole(*jax.tree.map(np.asarray, inputs))[0]),
+        before,
+    )
+    got = jax.tree.map(lambda new, old: np.asarray(new) - old, params(step(*inputs)[0]), before)
     scale = max(float(np.max(np.abs(w))) for w in jax.tree.leaves(want))
-    diff = max(float(np.max(np.abs(g - w)))
-               for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-    print(f"update check: max |update - whole-batch update| = {diff:.3g}, "
-          f"max |whole-batch update| = {scale:.3g}")
+    diff = max(
+        float(np.max(np.abs(g - w))) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+    )
+    print(
+        f"update check: max |update - whole-batch update| = {diff:.3g}, "
+        f"max |whole-batch update| = {scale:.3g}"
+    )
     if not diff <= rtol * scale:
-        raise SystemExit("update check failed: the step's update differs from the "
-                         "one computed from the whole batch on one device")
+        raise SystemExit(
+            "update check failed: the step's update differs from the "
+            "one computed from the whole batch on one device"
+        )
 
 
 def with_compression(args, optimizer):
@@ -86,11 +120,19 @@ def with_compression(args, optimizer):
     if args.compression == "none":
         return optimizer
     import optax
+
     import jaxring.compression as jc
-    first = (jc.wire16("batch", dtype=args.wire_dtype or "bfloat16")
-             if args.compression == "wire16"
-             else jc.powersgd("batch", rank=args.rank, wire_dtype=args.wire_dtype,
-                              **({} if args.min_size is None else {"min_size": args.min_size})))
+
+    first = (
+        jc.wire16("batch", dtype=args.wire_dtype or "bfloat16")
+        if args.compression == "wire16"
+        else jc.powersgd(
+            "batch",
+            rank=args.rank,
+            wire_dtype=args.wire_dtype,
+            **({} if args.min_size is None else {"min_size": args.min_size}),
+        )
+    )
     return optax.chain(first, optimizer)
 
 
@@ -105,25 +147,33 @@ def start(args):
     ``jax.device_put`` keeps each process's own rows."""
     import jaxring
     from jaxring.launch import launched_process_count
+
     processes = launched_process_count()
     if processes == 1:
         args.devices = args.devices or 8
         jaxring.use_cpu_devices(args.devices)
     import jax
+
     if processes > 1:
         if args.devices not in (None, jax.device_count()):
-            raise SystemExit(f"--devices {args.devices}: the job has {jax.device_count()} "
-                             "devices (set them with the launcher's --devices-per-process)")
+            raise SystemExit(
+                f"--devices {args.devices}: the job has {jax.device_count()} "
+                "devices (set them with the launcher's --devices-per-process)"
+            )
         if args.link:
-            raise SystemExit("--link emulates the links inside one process; across "
-                             "processes the traffic crosses a real network")
+            raise SystemExit(
+                "--link emulates the links inside one process; across "
+                "processes the traffic crosses a real network"
+            )
         args.devices = jax.device_count()
         if jax.process_index() > 0:
             args.quiet, args.timeline = True, None
     if args.wire_dtype and args.mode != "overlap" and args.compression == "none":
-        raise SystemExit("--wire-dtype without --compression is an option of "
-                         "jaxring.overlap: use it with --mode overlap (or with "
-                         "--compression wire16|powersgd in any mode)")
+        raise SystemExit(
+            "--wire-dtype without --compression is an option of "
+            "jaxring.overlap: use it with --mode overlap (or with "
+            "--compression wire16|powersgd in any mode)"
+        )
     if args.batch % args.devices:
         raise SystemExit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
     if args.link:
@@ -136,11 +186,15 @@ def apply_gradients(state, grads, warm_up=None, **changes):
     or None for none) on to a compressing optimizer: PowerSGD's warm-up
     chosen by the training loop (jaxring.compression.powersgd)."""
     import optax
+
     extra = {} if warm_up is None else {"warm_up": warm_up}
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params, **extra)
-    return state.replace(step=state.step + 1,
-                         params=optax.apply_updates(state.params, updates),
-                         opt_state=opt_state, **changes)
+    return state.replace(
+        step=state.step + 1,
+        params=optax.apply_updates(state.params, updates),
+        opt_state=opt_state,
+        **changes,
+    )
 
 
 def optimizer_state_on(mesh, optimizer, params):
@@ -148,8 +202,10 @@ def optimizer_state_on(mesh, optimizer, params):
     but for a compressing optimizer's per-rank rows (its error feedback),
     which are split over the "batch" axis."""
     import jax
-    import jaxring.compression as jc
     from jax.sharding import NamedSharding
+
+    import jaxring.compression as jc
+
     state = jc.for_ranks(optimizer.init(params), mesh.shape["batch"])
     specs = jc.state_specs(state, "batch")
     return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), specs
@@ -164,12 +220,16 @@ def overlap_wire_dtype(args):
 def gradient_wire_bytes(args, params, opt_state) -> int:
     """Bytes of gradients each rank sends into the allreduces per step."""
     import jax
-    import jaxring.compression as jc
     import numpy as np
+
+    import jaxring.compression as jc
+
     if args.compression != "none":
         return jc.report(opt_state).wire_bytes
-    return sum(v.size * (2 if args.wire_dtype and v.dtype == np.float32 else v.dtype.itemsize)
-               for v in jax.tree.leaves(params))
+    return sum(
+        v.size * (2 if args.wire_dtype and v.dtype == np.float32 else v.dtype.itemsize)
+        for v in jax.tree.leaves(params)
+    )
 
 
 def on_host(tree):
@@ -177,4 +237,5 @@ def on_host(tree):
     (in a job of several processes, jit cannot mix such arrays with local ones)."""
     import jax
     import numpy as np
+
     return jax.tree.map(np.asarray, tree)

@@ -5,12 +5,12 @@ import functools
 
 import jaxring
 
-jaxring.use_cpu_devices(8)          # before JAX starts; drop on GPUs
+jaxring.use_cpu_devices(8)  # before JAX starts; drop on GPUs
 
-import jax                           # noqa: E402
-import jax.numpy as jnp              # noqa: E402
-import numpy as np                   # noqa: E402
-import optax                         # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 mesh = jax.make_mesh((jax.device_count(),), ("batch",))
@@ -26,9 +26,14 @@ def loss_fn(params, x, y):
 # is their one reduction (under the default check_vma=True autodiff would
 # already sum them over "batch"; docs/overlap.md).
 @jax.jit
-@functools.partial(jax.shard_map, mesh=mesh, out_specs=P(), check_vma=False,
-                   in_specs=(P(), P(), P("batch"), P("batch")))
-@jaxring.overlap(axis_name="batch")   # the gradients' pmean overlaps the backward pass
+@functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    out_specs=P(),
+    check_vma=False,
+    in_specs=(P(), P(), P("batch"), P("batch")),
+)
+@jaxring.overlap(axis_name="batch")  # the gradients' pmean overlaps the backward pass
 def train_step(params, opt_state, x, y):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
     grads = jax.lax.pmean(grads, "batch")
@@ -37,8 +42,11 @@ def train_step(params, opt_state, x, y):
 
 
 rng = np.random.default_rng(0)
-params = {"w1": jnp.asarray(rng.normal(0, 0.3, (32, 64)), jnp.float32),
-          "b1": jnp.zeros(64), "w2": jnp.asarray(rng.normal(0, 0.3, (64, 1)), jnp.float32)}
+params = {
+    "w1": jnp.asarray(rng.normal(0, 0.3, (32, 64)), jnp.float32),
+    "b1": jnp.zeros(64),
+    "w2": jnp.asarray(rng.normal(0, 0.3, (64, 1)), jnp.float32),
+}
 truth = rng.normal(size=(32, 1))
 
 

@@ -44,16 +44,32 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--timeline", default=None, help="write a Perfetto trace of the last epoch")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    p.add_argument("--eval-every", type=int, default=0,
-                   help="print the test accuracy every this many steps (its time "
-                        "left out of the training time)")
-    p.add_argument("--target-accuracy", type=float, default=None,
-                   help="with --eval-every: stop once the test accuracy reaches this")
-    p.add_argument("--batch-norm", choices=("sync", "local"), default="sync",
-                   help="sync: BatchNorm's statistics averaged over the devices "
-                        "(flax's examples); local: each device's own")
-    p.add_argument("--warm-up-steps", type=int, default=0,
-                   help="with --compression powersgd: steps averaged uncompressed first")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="print the test accuracy every this many steps (its time "
+        "left out of the training time)",
+    )
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=None,
+        help="with --eval-every: stop once the test accuracy reaches this",
+    )
+    p.add_argument(
+        "--batch-norm",
+        choices=("sync", "local"),
+        default="sync",
+        help="sync: BatchNorm's statistics averaged over the devices "
+        "(flax's examples); local: each device's own",
+    )
+    p.add_argument(
+        "--warm-up-steps",
+        type=int,
+        default=0,
+        help="with --compression powersgd: steps averaged uncompressed first",
+    )
     args = p.parse_args(argv)
     if args.warm_up_steps and args.compression != "powersgd":
         p.error("--warm-up-steps is PowerSGD's warm-up: use it with --compression powersgd")
@@ -84,7 +100,8 @@ def main(argv=None):
     images = (digits.images / 16.0).astype(np.float32)
     images = images.repeat(2, axis=1).repeat(2, axis=2)[..., None]  # 16x16x1
     x_train, x_test, y_train, y_test = train_test_split(
-        images, digits.target, test_size=0.2, random_state=args.seed, stratify=digits.target)
+        images, digits.target, test_size=0.2, random_state=args.seed, stratify=digits.target
+    )
 
     class Block(nn.Module):
         features: int
@@ -93,8 +110,12 @@ def main(argv=None):
         @nn.compact
         def __call__(self, x, train):
             synced = train and args.batch_norm == "sync"
-            norm = functools.partial(nn.BatchNorm, use_running_average=not train,
-                                     momentum=0.9, axis_name="batch" if synced else None)
+            norm = functools.partial(
+                nn.BatchNorm,
+                use_running_average=not train,
+                momentum=0.9,
+                axis_name="batch" if synced else None,
+            )
             y = nn.Conv(self.features, (3, 3), self.stride, use_bias=False)(x)
             y = nn.relu(norm()(y))
             y = norm()(nn.Conv(self.features, (3, 3), use_bias=False)(y))
@@ -122,37 +143,48 @@ def main(argv=None):
     @jax.jit
     def new_state(key):
         variables = model.init(key, jnp.ones((1, 16, 16, 1)), train=False)
-        return State.create(apply_fn=model.apply, params=variables["params"],
-                            batch_stats=variables["batch_stats"], tx=tx)
+        return State.create(
+            apply_fn=model.apply,
+            params=variables["params"],
+            batch_stats=variables["batch_stats"],
+            tx=tx,
+        )
+
     state = new_state(jax.random.key(args.seed))
 
-    mean = {"overlap": jax.lax.pmean, "psum": jax.lax.pmean,
-            "allreduce": jaxring.pmean}[args.mode]
+    mean = {"overlap": jax.lax.pmean, "psum": jax.lax.pmean, "allreduce": jaxring.pmean}[args.mode]
 
     def train_step(state, images, labels, warm_up=None):
         def loss_fn(params):
             logits, updates = state.apply_fn(
-                {"params": params, "batch_stats": state.batch_stats}, images,
-                train=True, mutable=["batch_stats"])
+                {"params": params, "batch_stats": state.batch_stats},
+                images,
+                train=True,
+                mutable=["batch_stats"],
+            )
             loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
             return loss, (updates, (jnp.argmax(logits, -1) == labels).mean())
+
         (loss, (updates, accuracy)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         if args.compression == "none":
             grads = mean(grads, "batch")  # else the optimizer averages them
-        state = common.apply_gradients(state, grads, warm_up,
-                                       batch_stats=updates["batch_stats"])
+        state = common.apply_gradients(state, grads, warm_up, batch_stats=updates["batch_stats"])
         return state, mean(loss, "batch"), mean(accuracy, "batch")
 
     def compiled_step(warm_up):
         f = functools.partial(train_step, warm_up=warm_up)
         if args.mode == "overlap":
-            f = jaxring.overlap(f, axis_name="batch", report=args.report,
-                                wire_dtype=common.overlap_wire_dtype(args))
+            f = jaxring.overlap(
+                f, axis_name="batch", report=args.report, wire_dtype=common.overlap_wire_dtype(args)
+            )
         return jax.pmap(f, axis_name="batch")
 
     # One compiled step per phase: during the warm-up, uncompressed.
-    steps = ({w: compiled_step(w) for w in (True, False)} if args.warm_up_steps
-             else {False: compiled_step(None)})
+    steps = (
+        {w: compiled_step(w) for w in (True, False)}
+        if args.warm_up_steps
+        else {False: compiled_step(None)}
+    )
     wire_bytes = common.gradient_wire_bytes(args, state.params, state.opt_state)
     # One copy of the state per local device (flax's replicate).
     local = jax.local_device_count()
@@ -160,8 +192,9 @@ def main(argv=None):
 
     @jax.jit
     def predict(state, x):
-        return state.apply_fn({"params": state.params, "batch_stats": state.batch_stats},
-                              x, train=False)
+        return state.apply_fn(
+            {"params": state.params, "batch_stats": state.batch_stats}, x, train=False
+        )
 
     def test_accuracy(state):
         # Device 0's parameters and running statistics (with --batch-norm
@@ -171,30 +204,41 @@ def main(argv=None):
         return float((logits.argmax(-1) == y_test).mean())
 
     rng = np.random.default_rng(args.seed)
-    mine = slice(jax.process_index() * jax.local_device_count(),
-                 (jax.process_index() + 1) * jax.local_device_count())
+    mine = slice(
+        jax.process_index() * jax.local_device_count(),
+        (jax.process_index() + 1) * jax.local_device_count(),
+    )
     if args.warm_up_steps:
         # Compile the compressed step now, on throwaway steps (twice: pmap
         # compiles for the state as given, then as it returns it), so that
         # the switch does not stall the timed run.
-        xb = x_train[:args.batch].reshape(n, -1, 16, 16, 1)[mine]
-        yb = y_train[:args.batch].reshape(n, -1)[mine]
+        xb = x_train[: args.batch].reshape(n, -1, 16, 16, 1)[mine]
+        yb = y_train[: args.batch].reshape(n, -1)[mine]
         jax.block_until_ready(steps[False](steps[False](state, xb, yb)[0], xb, yb))
     if args.check_update:
         if args.batch_norm == "local":
-            raise SystemExit("--check-update: with --batch-norm local each device "
-                             "normalizes by its own statistics, not the whole batch's")
-        idx = rng.permutation(len(x_train))[:args.batch]
+            raise SystemExit(
+                "--check-update: with --batch-norm local each device "
+                "normalizes by its own statistics, not the whole batch's"
+            )
+        idx = rng.permutation(len(x_train))[: args.batch]
 
         def data_parallel(one_state, x, y):
             copies = jax.tree.map(lambda v: np.stack([np.asarray(v)] * local), one_state)
             out = steps[False](copies, x.reshape(n, -1, 16, 16, 1), y.reshape(n, -1))
             return jax.tree.map(lambda v: np.asarray(v)[0], out)
 
-        common.check_update(args, data_parallel, functools.partial(train_step, warm_up=None),
-                            (jax.tree.map(lambda v: np.asarray(v)[0], state),
-                             x_train[idx].reshape(-1, 16, 16, 1), y_train[idx]),
-                            params=lambda s: s.params)
+        common.check_update(
+            args,
+            data_parallel,
+            functools.partial(train_step, warm_up=None),
+            (
+                jax.tree.map(lambda v: np.asarray(v)[0], state),
+                x_train[idx].reshape(-1, 16, 16, 1),
+                y_train[idx],
+            ),
+            params=lambda s: s.params,
+        )
         return
     steps_per_epoch = len(x_train) // args.batch
     total = args.epochs * steps_per_epoch
@@ -204,14 +248,15 @@ def main(argv=None):
     bar = tqdm(total=total, disable=args.quiet, unit="step")
     for epoch in range(args.epochs):
         last = epoch == args.epochs - 1 or n_done + steps_per_epoch >= total
-        trace = (jaxring.timeline(args.timeline) if args.timeline and last
-                 else contextlib.nullcontext())
+        trace = (
+            jaxring.timeline(args.timeline) if args.timeline and last else contextlib.nullcontext()
+        )
         order = rng.permutation(len(x_train))
         with trace:
             for i in range(steps_per_epoch):
                 if n_done == total:
                     break
-                idx = order[i * args.batch:(i + 1) * args.batch]
+                idx = order[i * args.batch : (i + 1) * args.batch]
                 # pmap takes this process's devices' rows (all of them in one process).
                 xb = x_train[idx].reshape(n, -1, 16, 16, 1)[mine]
                 yb = y_train[idx].reshape(n, -1)[mine]
@@ -224,18 +269,27 @@ def main(argv=None):
                     # pmap compiles the step twice: for the state as given,
                     # then as it returns it.
                     t0, first = time.perf_counter(), n_done
-                rate = (0.0 if t0 is None else
-                        (n_done - first) * args.batch / max(time.perf_counter() - t0, 1e-9))
-                bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}",
-                                acc=f"{float(acc[0]):.3f}", samples_per_s=f"{rate:.0f}")
+                rate = (
+                    0.0
+                    if t0 is None
+                    else (n_done - first) * args.batch / max(time.perf_counter() - t0, 1e-9)
+                )
+                bar.set_postfix(
+                    epoch=epoch + 1,
+                    loss=f"{loss:.4f}",
+                    acc=f"{float(acc[0]):.3f}",
+                    samples_per_s=f"{rate:.0f}",
+                )
                 bar.update()
                 if args.eval_every and n_done % args.eval_every == 0:
                     paused = time.perf_counter()
                     t0 = paused if t0 is None else t0
                     accuracy = test_accuracy(state)
-                    print(f"eval step={n_done} "
-                          f"seconds={paused - t0 - left_out:.3f} accuracy={accuracy:.4f}",
-                          flush=True)
+                    print(
+                        f"eval step={n_done} "
+                        f"seconds={paused - t0 - left_out:.3f} accuracy={accuracy:.4f}",
+                        flush=True,
+                    )
                     left_out += time.perf_counter() - paused
                     if args.target_accuracy is not None and accuracy >= args.target_accuracy:
                         reached = True
@@ -246,10 +300,12 @@ def main(argv=None):
 
     elapsed = time.perf_counter() - t0 - left_out if t0 else 0.0
     test_acc = test_accuracy(state)
-    print(f"mode={args.mode} compression={args.compression} batch-norm={args.batch_norm} "
-          f"devices={n} steps={n_done} "
-          f"final loss={losses[-1]:.4f} test accuracy={test_acc:.4f} "
-          f"bytes/step={wire_bytes} time after compile={elapsed:.1f} s")
+    print(
+        f"mode={args.mode} compression={args.compression} batch-norm={args.batch_norm} "
+        f"devices={n} steps={n_done} "
+        f"final loss={losses[-1]:.4f} test accuracy={test_acc:.4f} "
+        f"bytes/step={wire_bytes} time after compile={elapsed:.1f} s"
+    )
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))
     if args.timeline:
         print(f"timeline of the last epoch: {args.timeline}")

@@ -26,23 +26,37 @@ import time
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--mode", choices=("overlap", "psum"), default="overlap",
-                   help="overlap: jaxring.value_and_grad; psum: jax.value_and_grad "
-                        "(XLA's all-reduce)")
+    p.add_argument(
+        "--mode",
+        choices=("overlap", "psum"),
+        default="overlap",
+        help="overlap: jaxring.value_and_grad; psum: jax.value_and_grad (XLA's all-reduce)",
+    )
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=128, help="global batch size")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--bucket-mb", type=float, default=None,
-                   help="jaxring.overlap's bucket_mb (default: jaxring's)")
-    p.add_argument("--wire-dtype", choices=("bfloat16", "float16"), default=None,
-                   help="float32 gradients travel in this format (--mode overlap)")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="jaxring.overlap's bucket_mb (default: jaxring's)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        choices=("bfloat16", "float16"),
+        default=None,
+        help="float32 gradients travel in this format (--mode overlap)",
+    )
     p.add_argument("--link", default=None, help='emulated link, e.g. "1Gbit,50us"')
-    p.add_argument("--check-update", action="store_true",
-                   help="print how far the first step's update is from the one "
-                        "computed from the whole batch on one device")
+    p.add_argument(
+        "--check-update",
+        action="store_true",
+        help="print how far the first step's update is from the one "
+        "computed from the whole batch on one device",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -52,9 +66,12 @@ def main(argv=None):
     if args.batch % args.devices:
         raise SystemExit(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
     if args.mode != "overlap" and (args.wire_dtype or args.bucket_mb):
-        raise SystemExit("--wire-dtype and --bucket-mb are options of "
-                         "jaxring.value_and_grad: use them with --mode overlap")
+        raise SystemExit(
+            "--wire-dtype and --bucket-mb are options of "
+            "jaxring.value_and_grad: use them with --mode overlap"
+        )
     import jaxring
+
     jaxring.use_cpu_devices(args.devices)  # before anything starts JAX's backend
     if args.link:
         jaxring.config.update("cpu_link", args.link)
@@ -72,7 +89,8 @@ def main(argv=None):
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     x_train, x_test, y_train, y_test = train_test_split(
-        x, digits.target, test_size=0.2, random_state=args.seed, stratify=digits.target)
+        x, digits.target, test_size=0.2, random_state=args.seed, stratify=digits.target
+    )
 
     class MLP(nn.Module):
         hidden: int
@@ -95,10 +113,12 @@ def main(argv=None):
     # Auto axes: XLA places the shardings inside the step, as in most jit
     # code. (Explicit axes also work with jaxring, but jax 0.11's explicit
     # sharding cannot differentiate optax's integer-label cross entropy.)
-    mesh = jax.make_mesh((args.devices,), ("batch",),
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    options = {k: v for k, v in (("bucket_mb", args.bucket_mb),
-                                 ("wire_dtype", args.wire_dtype)) if v is not None}
+    mesh = jax.make_mesh((args.devices,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    options = {
+        k: v
+        for k, v in (("bucket_mb", args.bucket_mb), ("wire_dtype", args.wire_dtype))
+        if v is not None
+    }
 
     def make_step(grad_fn):
         @jax.jit
@@ -107,13 +127,14 @@ def main(argv=None):
             # of those is the whole batch's, the shards being equal.
             (loss, accuracy), grads = grad_fn(params, images, labels)
             updates, opt_state = optimizer.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state, loss,
-                    jnp.mean(accuracy))
+            return (optax.apply_updates(params, updates), opt_state, loss, jnp.mean(accuracy))
+
         return train_step
 
     if args.mode == "overlap":
-        step = make_step(jaxring.value_and_grad(loss_fn, mesh=mesh, axis_name="batch",
-                                                has_aux=True, **options))
+        step = make_step(
+            jaxring.value_and_grad(loss_fn, mesh=mesh, axis_name="batch", has_aux=True, **options)
+        )
     else:
         step = make_step(jax.value_and_grad(loss_fn, has_aux=True))
 
@@ -125,19 +146,23 @@ def main(argv=None):
         nonlocal order, at
         if at + args.batch > len(order):
             order, at = rng.permutation(len(x_train)), 0
-        idx = order[at:at + args.batch]
+        idx = order[at : at + args.batch]
         at += args.batch
         return x_train[idx], y_train[idx]
 
     opt_state = optimizer.init(params)
     if args.check_update:
-        images, labels = x_train[:args.batch], y_train[:args.batch]
+        images, labels = x_train[: args.batch], y_train[: args.batch]
         # Uncommitted arrays: the reference runs on one device.
         ref_params, ref_state, *_ = make_step(jax.value_and_grad(loss_fn, has_aux=True))(
-            params, opt_state, images, labels)
+            params, opt_state, images, labels
+        )
         got_params, got_state, *_ = step(
-            jax.device_put(params, replicated), jax.device_put(opt_state, replicated),
-            jax.device_put(images, sharded), jax.device_put(labels, sharded))
+            jax.device_put(params, replicated),
+            jax.device_put(opt_state, replicated),
+            jax.device_put(images, sharded),
+            jax.device_put(labels, sharded),
+        )
 
         def largest(tree):
             return max(float(np.max(np.abs(np.asarray(v)))) for v in jax.tree.leaves(tree))
@@ -146,10 +171,13 @@ def main(argv=None):
         update = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), ref_params, params)
         # Adam's first update is about lr * sign(gradient) whatever the
         # gradients' scale; its first moment is the averaged gradient itself.
-        mu_diff = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b),
-                               got_state[0].mu, ref_state[0].mu)
-        print(f"update check: params_diff={largest(diff):.3e} update={largest(update):.3e} "
-              f"mu_diff={largest(mu_diff):.3e} mu={largest(ref_state[0].mu):.3e}")
+        mu_diff = jax.tree.map(
+            lambda a, b: np.asarray(a) - np.asarray(b), got_state[0].mu, ref_state[0].mu
+        )
+        print(
+            f"update check: params_diff={largest(diff):.3e} update={largest(update):.3e} "
+            f"mu_diff={largest(mu_diff):.3e} mu={largest(ref_state[0].mu):.3e}"
+        )
 
     params = jax.device_put(params, replicated)
     opt_state = jax.device_put(opt_state, replicated)
@@ -162,17 +190,20 @@ def main(argv=None):
         if t0 is None:
             t0 = time.perf_counter()  # after compiling
         rate = i * args.batch / max(time.perf_counter() - t0, 1e-9)
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", acc=f"{float(acc):.3f}",
-                        samples_per_s=f"{rate:.0f}")
+        bar.set_postfix(
+            loss=f"{losses[-1]:.4f}", acc=f"{float(acc):.3f}", samples_per_s=f"{rate:.0f}"
+        )
         bar.update()
     bar.close()
 
     logits = np.asarray(jax.jit(model.apply)({"params": jax.device_get(params)}, x_test))
     test_acc = float((logits.argmax(-1) == y_test).mean())
     elapsed = time.perf_counter() - t0 if t0 else 0.0
-    print(f"mode={args.mode} devices={args.devices} steps={args.steps} "
-          f"final loss={losses[-1]:.4f} test accuracy={test_acc:.4f} "
-          f"time after compile={elapsed:.1f} s")
+    print(
+        f"mode={args.mode} devices={args.devices} steps={args.steps} "
+        f"final loss={losses[-1]:.4f} test accuracy={test_acc:.4f} "
+        f"time after compile={elapsed:.1f} s"
+    )
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))
     return test_acc
 

@@ -37,12 +37,21 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--corpus-mb", type=float, default=2.0,
-                   help="MB of standard-library source to read")
-    p.add_argument("--eval-every", type=int, default=0,
-                   help="print the validation loss every this many steps (0: at the end only)")
-    p.add_argument("--target-loss", type=float, default=None,
-                   help="with --eval-every: stop once the validation loss is this low")
+    p.add_argument(
+        "--corpus-mb", type=float, default=2.0, help="MB of standard-library source to read"
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="print the validation loss every this many steps (0: at the end only)",
+    )
+    p.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="with --eval-every: stop once the validation loss is this low",
+    )
     p.add_argument("--timeline", default=None, help="write a Perfetto trace of the last 10 steps")
     return p.parse_args(argv)
 
@@ -90,12 +99,18 @@ def main(argv=None):
         return jnp.asarray(rng.normal(0, scale, shape), jnp.float32)
 
     w, c = args.width, args.context
-    params = {"embed": init((vocab, w), 0.02), "pos": init((c, w), 0.02),
-              "out": init((w, vocab), w ** -0.5)}
+    params = {
+        "embed": init((vocab, w), 0.02),
+        "pos": init((c, w), 0.02),
+        "out": init((w, vocab), w**-0.5),
+    }
     for i in range(args.layers):
         params[f"block{i}"] = {
-            "qkv": init((w, 3 * w), w ** -0.5), "proj": init((w, w), w ** -0.5),
-            "up": init((w, 4 * w), w ** -0.5), "down": init((4 * w, w), (4 * w) ** -0.5)}
+            "qkv": init((w, 3 * w), w**-0.5),
+            "proj": init((w, w), w**-0.5),
+            "up": init((w, 4 * w), w**-0.5),
+            "down": init((4 * w, w), (4 * w) ** -0.5),
+        }
 
     def norm(h):
         return (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
@@ -107,7 +122,7 @@ def main(argv=None):
         for i in range(args.layers):
             with jax.named_scope(f"block{i}"):
                 q, k, v = jnp.split(norm(h) @ p[f"block{i}"]["qkv"], 3, axis=-1)
-                heads = lambda x: x.reshape(b, t, args.heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
+                heads = lambda x: x.reshape(b, t, args.heads, -1).transpose(0, 2, 1, 3)
                 q, k, v = heads(q), heads(k), heads(v)
                 att = jnp.where(mask, q @ k.transpose(0, 1, 3, 2) / (q.shape[-1] ** 0.5), -1e9)
                 y = (jax.nn.softmax(att, -1) @ v).transpose(0, 2, 1, 3).reshape(b, t, w)
@@ -122,10 +137,9 @@ def main(argv=None):
     # SGD for --check-update: Adam's update hardly changes with the
     # gradient's scale.
     optimizer = common.with_compression(
-        args, optax.sgd(args.lr) if args.check_update
-        else optax.adamw(args.lr, weight_decay=0.01))
-    mean = {"overlap": jax.lax.pmean, "psum": jax.lax.pmean,
-            "allreduce": jaxring.pmean}[args.mode]
+        args, optax.sgd(args.lr) if args.check_update else optax.adamw(args.lr, weight_decay=0.01)
+    )
+    mean = {"overlap": jax.lax.pmean, "psum": jax.lax.pmean, "allreduce": jaxring.pmean}[args.mode]
 
     def train_step(params, opt_state, seqs):
         loss, grads = jax.value_and_grad(loss_of)(params, seqs)
@@ -136,24 +150,38 @@ def main(argv=None):
 
     plain_step = train_step
     if args.mode == "overlap":
-        train_step = jaxring.overlap(train_step, axis_name="batch", report=args.report,
-                                     wire_dtype=common.overlap_wire_dtype(args))
+        train_step = jaxring.overlap(
+            train_step,
+            axis_name="batch",
+            report=args.report,
+            wire_dtype=common.overlap_wire_dtype(args),
+        )
 
     mesh = jax.make_mesh((n,), ("batch",))
     opt_state, opt_specs = common.optimizer_state_on(mesh, optimizer, params)
-    step = jax.jit(jax.shard_map(train_step, mesh=mesh,
-                                 in_specs=(P(), opt_specs, P("batch")),
-                                 out_specs=(P(), opt_specs, P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(
+            train_step,
+            mesh=mesh,
+            in_specs=(P(), opt_specs, P("batch")),
+            out_specs=(P(), opt_specs, P()),
+            check_vma=False,
+        )
+    )
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
     params = jax.device_put(params, replicated)
 
     def sample(source, count, gen=rng):
         starts = gen.integers(0, len(source) - c - 1, count)
-        return np.stack([source[s:s + c + 1] for s in starts]).astype(np.int32)
+        return np.stack([source[s : s + c + 1] for s in starts]).astype(np.int32)
 
     if args.check_update:
-        common.check_update(args, step, plain_step, (
-            params, opt_state, jax.device_put(sample(train_text, args.batch), sharded)))
+        common.check_update(
+            args,
+            step,
+            plain_step,
+            (params, opt_state, jax.device_put(sample(train_text, args.batch), sharded)),
+        )
         return
 
     valid_batch = sample(valid_text, 256, valid_rng)
@@ -186,8 +214,10 @@ def main(argv=None):
                 # Evaluation time is left out of the training time.
                 paused = time.perf_counter()
                 value = validation_loss()
-                print(f"eval step={steps_done} seconds={paused - t0 - left_out:.3f} "
-                      f"loss={value:.4f}", flush=True)
+                print(
+                    f"eval step={steps_done} seconds={paused - t0 - left_out:.3f} loss={value:.4f}",
+                    flush=True,
+                )
                 left_out += time.perf_counter() - paused
                 if args.target_loss is not None and value <= args.target_loss:
                     break
@@ -195,16 +225,20 @@ def main(argv=None):
 
     elapsed = time.perf_counter() - t0 - left_out if t0 else 0.0
     valid = validation_loss()
-    print(f"mode={args.mode} compression={args.compression} devices={n} "
-          f"steps={steps_done} final loss={losses[-1]:.4f} "
-          f"validation loss={valid:.4f} bits/char={valid / np.log(2):.3f} "
-          f"bytes/step={wire_bytes} time after compile={elapsed:.1f} s")
+    print(
+        f"mode={args.mode} compression={args.compression} devices={n} "
+        f"steps={steps_done} final loss={losses[-1]:.4f} "
+        f"validation loss={valid:.4f} bits/char={valid / np.log(2):.3f} "
+        f"bytes/step={wire_bytes} time after compile={elapsed:.1f} s"
+    )
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))
     if args.timeline and steps_done > trace_from:
         print(f"timeline of steps {trace_from + 1} to {steps_done}: {args.timeline}")
     elif args.timeline:
-        print(f"no timeline: the run ended at step {steps_done}, before step "
-              f"{trace_from + 1} where the trace would start")
+        print(
+            f"no timeline: the run ended at step {steps_done}, before step "
+            f"{trace_from + 1} where the trace would start"
+        )
     return valid
 
 

@@ -49,21 +49,26 @@ def main(argv=None):
     from sklearn.model_selection import train_test_split
     from tqdm import tqdm
 
-
     # Data: 1797 8x8 images of digits, bundled with scikit-learn.
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     x_train, x_test, y_train, y_test = train_test_split(
-        x, digits.target, test_size=0.2, random_state=args.seed, stratify=digits.target)
+        x, digits.target, test_size=0.2, random_state=args.seed, stratify=digits.target
+    )
 
     rng = np.random.default_rng(args.seed)
 
     def dense(n_in, n_out):
-        return {"w": jnp.asarray(rng.normal(0, (2 / n_in) ** 0.5, (n_in, n_out)), jnp.float32),
-                "b": jnp.zeros((n_out,), jnp.float32)}
+        return {
+            "w": jnp.asarray(rng.normal(0, (2 / n_in) ** 0.5, (n_in, n_out)), jnp.float32),
+            "b": jnp.zeros((n_out,), jnp.float32),
+        }
 
-    params = {"hidden1": dense(64, args.hidden), "hidden2": dense(args.hidden, args.hidden),
-              "out": dense(args.hidden, 10)}
+    params = {
+        "hidden1": dense(64, args.hidden),
+        "hidden2": dense(args.hidden, args.hidden),
+        "out": dense(args.hidden, 10),
+    }
 
     def model(p, images):
         h = jax.nn.relu(images @ p["hidden1"]["w"] + p["hidden1"]["b"])
@@ -72,40 +77,63 @@ def main(argv=None):
 
     # SGD for the check: Adam's update hardly changes with the gradient's scale.
     optimizer = common.with_compression(
-        args, optax.sgd(args.lr) if args.check_update else optax.adam(args.lr))
-    mean = {"overlap": jax.lax.pmean, "psum": jax.lax.pmean,
-            "allreduce": jaxring.pmean}[args.mode]
+        args, optax.sgd(args.lr) if args.check_update else optax.adam(args.lr)
+    )
+    mean = {"overlap": jax.lax.pmean, "psum": jax.lax.pmean, "allreduce": jaxring.pmean}[args.mode]
 
     def train_step(params, opt_state, images, labels):
         def loss_fn(p):
             logits = model(p, images)
             loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
             return loss, (jnp.argmax(logits, -1) == labels).mean()
+
         (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         if args.compression == "none":
             grads = mean(grads, "batch")  # else the optimizer averages them
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state,
-                mean(loss, "batch"), mean(accuracy, "batch"))
+        return (
+            optax.apply_updates(params, updates),
+            opt_state,
+            mean(loss, "batch"),
+            mean(accuracy, "batch"),
+        )
 
     plain_step = train_step
     if args.mode == "overlap":
-        train_step = jaxring.overlap(train_step, axis_name="batch", report=args.report,
-                                     wire_dtype=common.overlap_wire_dtype(args))
+        train_step = jaxring.overlap(
+            train_step,
+            axis_name="batch",
+            report=args.report,
+            wire_dtype=common.overlap_wire_dtype(args),
+        )
 
     mesh = jax.make_mesh((args.devices,), ("batch",))
     opt_state, opt_specs = common.optimizer_state_on(mesh, optimizer, params)
-    step = jax.jit(jax.shard_map(train_step, mesh=mesh,
-                                 in_specs=(P(), opt_specs, P("batch"), P("batch")),
-                                 out_specs=(P(), opt_specs, P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(
+            train_step,
+            mesh=mesh,
+            in_specs=(P(), opt_specs, P("batch"), P("batch")),
+            out_specs=(P(), opt_specs, P(), P()),
+            check_vma=False,
+        )
+    )
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
     params = jax.device_put(params, replicated)
 
     if args.check_update:
-        idx = rng.permutation(len(x_train))[:args.batch]
-        common.check_update(args, step, plain_step, (params, opt_state,
-                            jax.device_put(x_train[idx], sharded),
-                            jax.device_put(y_train[idx], sharded)))
+        idx = rng.permutation(len(x_train))[: args.batch]
+        common.check_update(
+            args,
+            step,
+            plain_step,
+            (
+                params,
+                opt_state,
+                jax.device_put(x_train[idx], sharded),
+                jax.device_put(y_train[idx], sharded),
+            ),
+        )
         return
 
     steps_per_epoch = len(x_train) // args.batch
@@ -116,14 +144,15 @@ def main(argv=None):
     bar = tqdm(total=total, disable=args.quiet, unit="step")
     for epoch in range(args.epochs):
         last = epoch == args.epochs - 1 or n_done + steps_per_epoch >= total
-        trace = (jaxring.timeline(args.timeline) if args.timeline and last
-                 else contextlib.nullcontext())
+        trace = (
+            jaxring.timeline(args.timeline) if args.timeline and last else contextlib.nullcontext()
+        )
         order = rng.permutation(len(x_train))
         with trace:
             for i in range(steps_per_epoch):
                 if n_done == total:
                     break
-                idx = order[i * args.batch:(i + 1) * args.batch]
+                idx = order[i * args.batch : (i + 1) * args.batch]
                 images = jax.device_put(x_train[idx], sharded)
                 labels = jax.device_put(y_train[idx], sharded)
                 params, opt_state, loss, acc = step(params, opt_state, images, labels)
@@ -134,8 +163,12 @@ def main(argv=None):
                     t0 = time.perf_counter()  # after compiling
                     first = n_done
                 rate = (n_done - first) * args.batch / max(time.perf_counter() - t0, 1e-9)
-                bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}", acc=f"{float(acc):.3f}",
-                                samples_per_s=f"{rate:.0f}")
+                bar.set_postfix(
+                    epoch=epoch + 1,
+                    loss=f"{loss:.4f}",
+                    acc=f"{float(acc):.3f}",
+                    samples_per_s=f"{rate:.0f}",
+                )
                 bar.update()
         if n_done == total:
             break
@@ -145,9 +178,11 @@ def main(argv=None):
     logits = np.asarray(predict(common.on_host(params), x_test))
     test_acc = float((logits.argmax(-1) == y_test).mean())
     elapsed = time.perf_counter() - t0 if t0 else 0.0
-    print(f"mode={args.mode} compression={args.compression} devices={args.devices} steps={n_done} "
-          f"final loss={losses[-1]:.4f} test accuracy={test_acc:.4f} "
-          f"time after compile={elapsed:.1f} s")
+    print(
+        f"mode={args.mode} compression={args.compression} devices={args.devices} steps={n_done} "
+        f"final loss={losses[-1]:.4f} test accuracy={test_acc:.4f} "
+        f"time after compile={elapsed:.1f} s"
+    )
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))
     if args.timeline:
         print(f"timeline of the last epoch: {args.timeline}")

@@ -44,6 +44,7 @@ def _time_calls(f, x, iters: int) -> float:
     run, like a step's gradients, rather than every call faulting in fresh
     pages for an output nobody reads."""
     import jax
+
     t0 = time.perf_counter()
     out = None
     for _ in range(iters):
@@ -59,8 +60,10 @@ def _compare(fns, x, min_time: float, rounds: int) -> list[float]:
     times every fn once, over the same number of calls, and the median over
     rounds is reported.
     """
-    import jax
     import statistics
+
+    import jax
+
     for f in fns:
         jax.block_until_ready(f(x))  # compile and warm up
     # Calls per round: enough for min_time / rounds with the slowest fn.
@@ -73,9 +76,18 @@ def _compare(fns, x, min_time: float, rounds: int) -> list[float]:
     return [statistics.median(s) for s in samples]
 
 
-def run(devices: int, min_bytes: int, max_bytes: int, dtype: str,
-        rings: int | None, chunk_bytes: int | None, min_time: float,
-        rounds: int = 5, out=sys.stdout, algorithm: str | None = None) -> list[dict]:
+def run(
+    devices: int,
+    min_bytes: int,
+    max_bytes: int,
+    dtype: str,
+    rings: int | None,
+    chunk_bytes: int | None,
+    min_time: float,
+    rounds: int = 5,
+    out=sys.stdout,
+    algorithm: str | None = None,
+) -> list[dict]:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -88,59 +100,82 @@ def run(devices: int, min_bytes: int, max_bytes: int, dtype: str,
     spec = P("i")
 
     def program(reduce):
-        return jax.jit(jax.shard_map(lambda v: reduce(v, "i"), mesh=mesh,
-                                     in_specs=spec, out_specs=spec,
-                                     check_vma=False))
+        return jax.jit(
+            jax.shard_map(
+                lambda v: reduce(v, "i"), mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False
+            )
+        )
 
-    ours = program(lambda v, a: jaxring.allreduce(v, a, rings=rings,
-                                                  chunk_bytes=chunk_bytes,
-                                                  algorithm=algorithm))
+    ours = program(
+        lambda v, a: jaxring.allreduce(
+            v, a, rings=rings, chunk_bytes=chunk_bytes, algorithm=algorithm
+        )
+    )
     theirs = program(jax.lax.psum)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     factor = 2 * (devices - 1) / devices
     rows = []
-    print(f"# median of {rounds} alternating rounds per size; "
-          "speedup = psum time / jaxring time", file=out)
-    print(f"# jaxring.allreduce vs lax.psum on {devices} virtual CPU devices "
-          f"({os.cpu_count()} cores), dtype {dtype}, rings="
-          f"{rings or jaxring.config.rings}, chunk_bytes="
-          f"{chunk_bytes or jaxring.config.chunk_bytes}, algorithm="
-          f"{algorithm or jaxring.config.algorithm}", file=out)
-    header = (f"{'bytes/device':>14} {'count':>10} | {'jaxring us':>11} {'algbw GB/s':>10} "
-              f"{'busbw GB/s':>10} | {'psum us':>11} {'algbw GB/s':>10} {'busbw GB/s':>10} "
-              f"| {'speedup':>7}")
+    print(
+        f"# median of {rounds} alternating rounds per size; speedup = psum time / jaxring time",
+        file=out,
+    )
+    print(
+        f"# jaxring.allreduce vs lax.psum on {devices} virtual CPU devices "
+        f"({os.cpu_count()} cores), dtype {dtype}, rings="
+        f"{rings or jaxring.config.rings}, chunk_bytes="
+        f"{chunk_bytes or jaxring.config.chunk_bytes}, algorithm="
+        f"{algorithm or jaxring.config.algorithm}",
+        file=out,
+    )
+    header = (
+        f"{'bytes/device':>14} {'count':>10} | {'jaxring us':>11} {'algbw GB/s':>10} "
+        f"{'busbw GB/s':>10} | {'psum us':>11} {'algbw GB/s':>10} {'busbw GB/s':>10} "
+        f"| {'speedup':>7}"
+    )
     print(header, file=out)
     print("-" * len(header), file=out)
     size = min_bytes
     while size <= max_bytes:
         count = max(1, size // np_dtype.itemsize)
-        x = jax.device_put(np.ones((devices, count), np_dtype),
-                           NamedSharding(mesh, spec))
+        x = jax.device_put(np.ones((devices, count), np_dtype), NamedSharding(mesh, spec))
         # Correctness first: the table means nothing if the sums differ.
         if not np.array_equal(np.asarray(ours(x)), np.asarray(theirs(x))):
             raise SystemExit(f"jaxring and psum disagree at {size} bytes")
         t_ours, t_lax = _compare([ours, theirs], x, min_time, rounds)
         nbytes = count * np_dtype.itemsize
-        row = dict(bytes=nbytes, count=count, jaxring_s=t_ours, psum_s=t_lax,
-                   jaxring_busbw=nbytes / t_ours * factor / 1e9,
-                   psum_busbw=nbytes / t_lax * factor / 1e9,
-                   speedup=t_lax / t_ours)
+        row = dict(
+            bytes=nbytes,
+            count=count,
+            jaxring_s=t_ours,
+            psum_s=t_lax,
+            jaxring_busbw=nbytes / t_ours * factor / 1e9,
+            psum_busbw=nbytes / t_lax * factor / 1e9,
+            speedup=t_lax / t_ours,
+        )
         rows.append(row)
-        print(f"{_fmt_bytes(nbytes):>14} {count:>10} | {t_ours * 1e6:>11.1f} "
-              f"{nbytes / t_ours / 1e9:>10.3f} {row['jaxring_busbw']:>10.3f} | "
-              f"{t_lax * 1e6:>11.1f} {nbytes / t_lax / 1e9:>10.3f} "
-              f"{row['psum_busbw']:>10.3f} | {row['speedup']:>6.2f}x", file=out)
+        print(
+            f"{_fmt_bytes(nbytes):>14} {count:>10} | {t_ours * 1e6:>11.1f} "
+            f"{nbytes / t_ours / 1e9:>10.3f} {row['jaxring_busbw']:>10.3f} | "
+            f"{t_lax * 1e6:>11.1f} {nbytes / t_lax / 1e9:>10.3f} "
+            f"{row['psum_busbw']:>10.3f} | {row['speedup']:>6.2f}x",
+            file=out,
+        )
         out.flush()
         del x
         size *= 4
     return rows
 
 
-def plot_busbw(lines: list[tuple[str, list[int], list[float]]], path: str,
-               title: str, xlabel: str = "bytes per device") -> None:
+def plot_busbw(
+    lines: list[tuple[str, list[int], list[float]]],
+    path: str,
+    title: str,
+    xlabel: str = "bytes per device",
+) -> None:
     """A PNG of busbw against message size: one (label, sizes, busbw) line
     each, alternating solid and dashed. Needs matplotlib."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -161,8 +196,14 @@ def plot_busbw(lines: list[tuple[str, list[int], list[float]]], path: str,
 def plot(rows: list[dict], path: str, title: str) -> None:
     """busbw against message size, one line per implementation."""
     sizes = [r["bytes"] for r in rows]
-    plot_busbw([("jaxring.allreduce", sizes, [r["jaxring_busbw"] for r in rows]),
-                ("lax.psum", sizes, [r["psum_busbw"] for r in rows])], path, title)
+    plot_busbw(
+        [
+            ("jaxring.allreduce", sizes, [r["jaxring_busbw"] for r in rows]),
+            ("lax.psum", sizes, [r["psum_busbw"] for r in rows]),
+        ],
+        path,
+        title,
+    )
 
 
 def main(argv=None) -> int:
@@ -173,28 +214,54 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rings", type=int, default=None)
     ap.add_argument("--chunk-bytes", type=_parse_bytes, default=None)
-    ap.add_argument("--algorithm", choices=["auto", "ring", "direct"], default=None,
-                    help="jaxring's algorithm (default: jaxring.config.algorithm, "
-                         "auto = direct between the devices of one process)")
-    ap.add_argument("--min-time", type=float, default=0.5,
-                    help="seconds of calls timed per size and implementation")
-    ap.add_argument("--rounds", type=int, default=5,
-                    help="alternating timing rounds per size (median reported)")
-    ap.add_argument("--plot", metavar="PATH", default=None,
-                    help="also write busbw against size as a PNG (needs matplotlib)")
+    ap.add_argument(
+        "--algorithm",
+        choices=["auto", "ring", "direct"],
+        default=None,
+        help="jaxring's algorithm (default: jaxring.config.algorithm, "
+        "auto = direct between the devices of one process)",
+    )
+    ap.add_argument(
+        "--min-time",
+        type=float,
+        default=0.5,
+        help="seconds of calls timed per size and implementation",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="alternating timing rounds per size (median reported)"
+    )
+    ap.add_argument(
+        "--plot",
+        metavar="PATH",
+        default=None,
+        help="also write busbw against size as a PNG (needs matplotlib)",
+    )
     args = ap.parse_args(argv)
     # Fail before the long run, not after it.
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib "
-                         "(or jaxring[bench])")
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib (or jaxring[bench])")
     # The device count must be fixed before JAX starts its CPU backend.
     from jaxring._src import runtime
+
     runtime.use_cpu_devices(args.devices)
-    rows = run(args.devices, args.min_bytes, args.max_bytes, args.dtype, args.rings,
-               args.chunk_bytes, args.min_time, args.rounds, algorithm=args.algorithm)
+    rows = run(
+        args.devices,
+        args.min_bytes,
+        args.max_bytes,
+        args.dtype,
+        args.rings,
+        args.chunk_bytes,
+        args.min_time,
+        args.rounds,
+        algorithm=args.algorithm,
+    )
     if args.plot:
-        plot(rows, args.plot, f"allreduce on {args.devices} virtual CPU devices "
-                              f"({os.cpu_count()} cores), {args.dtype}")
+        plot(
+            rows,
+            args.plot,
+            f"allreduce on {args.devices} virtual CPU devices "
+            f"({os.cpu_count()} cores), {args.dtype}",
+        )
         print(f"# plot written to {args.plot}")
     return 0
 

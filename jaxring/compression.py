@@ -16,13 +16,21 @@ docs/compression.md.
 try:
     import optax  # noqa: F401
 except ImportError:
-    raise ImportError("jaxring.compression makes optax transformations; "
-                      "install optax (pip install 'jaxring[compression]')") from None
+    raise ImportError(
+        "jaxring.compression makes optax transformations; "
+        "install optax (pip install 'jaxring[compression]')"
+    ) from None
 
-from jaxring._src.compress_common import (  # noqa: E402
-    CompressionReport, LeafPlan, for_ranks, rank_mask, report, state_specs)
-from jaxring._src.compress_powersgd import PowerSGDState, powersgd  # noqa: E402
-from jaxring._src.compress_wire16 import Wire16State, wire16  # noqa: E402
+from jaxring._src.compress_common import (
+    CompressionReport,
+    LeafPlan,
+    for_ranks,
+    rank_mask,
+    report,
+    state_specs,
+)
+from jaxring._src.compress_powersgd import PowerSGDState, powersgd
+from jaxring._src.compress_wire16 import Wire16State, wire16
 
 __all__ = [
     "CompressionReport",

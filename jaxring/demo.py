@@ -25,8 +25,8 @@ import statistics
 import sys
 import time
 
-
 # ---- the model (also used by benchmarks/overlap_cnn.py) ---------------------
+
 
 def cnn_init(layers: int = 12, width: int = 128, seed: int = 0):
     """Parameters and strides of a ResNet-shaped CNN: the image halves where
@@ -34,6 +34,7 @@ def cnn_init(layers: int = 12, width: int = 128, seed: int = 0):
     the parameters (the gradient bytes) grow toward the output."""
     import jax.numpy as jnp
     import numpy as np
+
     rng = np.random.default_rng(seed)
     chans = [3] + [min(width, 16 * 2 ** (i // 2)) for i in range(layers)]
     strides = tuple(2 if i > 0 and chans[i + 1] > chans[i] else 1 for i in range(layers))
@@ -41,21 +42,27 @@ def cnn_init(layers: int = 12, width: int = 128, seed: int = 0):
     for i in range(layers):
         fan_in = 9 * chans[i]
         params[f"conv{i}"] = {
-            "w": jnp.asarray(rng.normal(0, (2 / fan_in) ** 0.5,
-                                        (3, 3, chans[i], chans[i + 1])), jnp.float32),
-            "b": jnp.zeros((chans[i + 1],), jnp.float32)}
-    params["head"] = {"w": jnp.asarray(rng.normal(0, 0.05, (chans[-1], 10)), jnp.float32),
-                      "b": jnp.zeros((10,), jnp.float32)}
+            "w": jnp.asarray(
+                rng.normal(0, (2 / fan_in) ** 0.5, (3, 3, chans[i], chans[i + 1])), jnp.float32
+            ),
+            "b": jnp.zeros((chans[i + 1],), jnp.float32),
+        }
+    params["head"] = {
+        "w": jnp.asarray(rng.normal(0, 0.05, (chans[-1], 10)), jnp.float32),
+        "b": jnp.zeros((10,), jnp.float32),
+    }
     return params, strides
 
 
 def cnn_apply(params, strides, x):
     import jax
+
     for i, s in enumerate(strides):
         with jax.named_scope(f"conv{i}"):
             p = params[f"conv{i}"]
             x = jax.lax.conv_general_dilated(
-                x, p["w"], (s, s), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+                x, p["w"], (s, s), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
             x = jax.nn.relu(x + p["b"])
     return x.mean(axis=(1, 2)) @ params["head"]["w"] + params["head"]["b"]
 
@@ -68,17 +75,21 @@ def make_train_step(strides, reduce_grads, lr: float = 0.05):
     def step(params, images, labels):
         def loss_fn(p):
             logits = cnn_apply(p, strides, images)
-            return -jnp.mean(jnp.take_along_axis(
-                jax.nn.log_softmax(logits), labels[:, None], axis=1))
+            return -jnp.mean(
+                jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1)
+            )
+
         loss, grads = jax.value_and_grad(loss_fn)(params)
         grads = reduce_grads(grads)
         params = jax.tree.map(lambda a, g: a - lr * g, params, grads)
         return params, jax.lax.pmean(loss, "batch")[None]
+
     return step
 
 
-def calibrated_link(backward_s: float, grad_bytes: int, devices: int,
-                    latency_us: float = 20.0) -> str:
+def calibrated_link(
+    backward_s: float, grad_bytes: int, devices: int, latency_us: float = 20.0
+) -> str:
     """A link on which a ring allreduce of grad_bytes takes backward_s."""
     rate = 2 * (devices - 1) / devices * grad_bytes / max(backward_s, 1e-4)
     return f"{rate * 8 / 1e6:.0f}Mbit,{latency_us:g}us"
@@ -86,24 +97,30 @@ def calibrated_link(backward_s: float, grad_bytes: int, devices: int,
 
 # ---- the demo ---------------------------------------------------------------
 
+
 def _parse(argv):
     p = argparse.ArgumentParser(description="jaxring overlap demo trainer")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--per-device-batch", type=int, default=16)
-    p.add_argument("--link", default=None,
-                   help='emulated link, e.g. "1Gbit,20us" (default: calibrated)')
-    p.add_argument("--timeline", default="jaxring_timeline.json",
-                   help="where to write the trace ('' to skip)")
-    p.add_argument("--plot", default="jaxring_demo.png",
-                   help="where to write the loss and step-time plot ('' to skip; "
-                        "needs matplotlib)")
+    p.add_argument(
+        "--link", default=None, help='emulated link, e.g. "1Gbit,20us" (default: calibrated)'
+    )
+    p.add_argument(
+        "--timeline", default="jaxring_timeline.json", help="where to write the trace ('' to skip)"
+    )
+    p.add_argument(
+        "--plot",
+        default="jaxring_demo.png",
+        help="where to write the loss and step-time plot ('' to skip; needs matplotlib)",
+    )
     return p.parse_args(argv)
 
 
 def plot(path: str, losses: dict, times: dict) -> None:
     """Loss and step time per step, one line per version, as a PNG."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
@@ -128,6 +145,7 @@ def plot(path: str, losses: dict, times: dict) -> None:
 def main(argv=None) -> int:
     args = _parse(argv)
     from jaxring._src import runtime
+
     runtime.use_cpu_devices(args.devices)
     import jax
     import jax.numpy as jnp
@@ -139,8 +157,10 @@ def main(argv=None) -> int:
 
     n = args.devices
     if len(jax.devices()) < n:
-        raise SystemExit(f"jaxring-demo: asked for {n} devices, JAX has "
-                         f"{len(jax.devices())} (JAX started before the demo set XLA_FLAGS?)")
+        raise SystemExit(
+            f"jaxring-demo: asked for {n} devices, JAX has "
+            f"{len(jax.devices())} (JAX started before the demo set XLA_FLAGS?)"
+        )
     mesh = jax.make_mesh((n,), ("batch",))
     params, strides = cnn_init()
     # Replicated on the mesh, as the steps return them, so that the first
@@ -156,8 +176,15 @@ def main(argv=None) -> int:
     def sharded(step):
         # check_vma=False: the step's pmean is the gradient reduction, as
         # under pmap.
-        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch"), P("batch")),
-                                     out_specs=(P(), P()), check_vma=False))
+        return jax.jit(
+            jax.shard_map(
+                step,
+                mesh=mesh,
+                in_specs=(P(), P("batch"), P("batch")),
+                out_specs=(P(), P()),
+                check_vma=False,
+            )
+        )
 
     def timed(f, *a):
         t0 = time.perf_counter()
@@ -177,10 +204,13 @@ def main(argv=None) -> int:
 
     plain = sharded(make_train_step(strides, lambda g: jaxring.pmean(g, "batch")))
     overlapped_step = jaxring.overlap(
-        make_train_step(strides, lambda g: jax.lax.pmean(g, "batch")), axis_name="batch")
+        make_train_step(strides, lambda g: jax.lax.pmean(g, "batch")), axis_name="batch"
+    )
 
-    print(f"jaxring demo: 12-layer CNN, {n} virtual CPU devices, "
-          f"{grad_bytes / 2**20:.2f} MiB of gradients, emulated link {link}")
+    print(
+        f"jaxring demo: 12-layer CNN, {n} virtual CPU devices, "
+        f"{grad_bytes / 2**20:.2f} MiB of gradients, emulated link {link}"
+    )
     report = {}
 
     def explained(p, x, y):
@@ -191,12 +221,17 @@ def main(argv=None) -> int:
     jax.block_until_ready(plain(params, images, labels))  # compile both
     jax.block_until_ready(overlapped(params, images, labels))
     r = report["r"]
-    print(f"overlap chose {len(r.buckets)} buckets: "
-          + ", ".join(f"{b.nbytes / 2**20:.2f}" for b in r.buckets) + " MiB "
-          "(jaxring.explain(step, ...) lists their leaves and placement)")
+    print(
+        f"overlap chose {len(r.buckets)} buckets: "
+        + ", ".join(f"{b.nbytes / 2**20:.2f}" for b in r.buckets)
+        + " MiB "
+        "(jaxring.explain(step, ...) lists their leaves and placement)"
+    )
 
-    print(f"\n{'step':>4}  {'loss, pmean at end':>18}  {'loss, overlap':>13}  "
-          f"{'time, pmean at end':>18}  {'time, overlap':>13}")
+    print(
+        f"\n{'step':>4}  {'loss, pmean at end':>18}  {'loss, overlap':>13}  "
+        f"{'time, pmean at end':>18}  {'time, overlap':>13}"
+    )
     p_plain, p_ov = params, params
     times_plain, times_ov, losses_plain, losses_ov = [], [], [], []
     for i in range(args.steps):
@@ -206,30 +241,42 @@ def main(argv=None) -> int:
         times_ov.append(t_ov)
         losses_plain.append(float(loss_plain[0]))
         losses_ov.append(float(loss_ov[0]))
-        print(f"{i + 1:>4}  {float(loss_plain[0]):>18.6f}  {float(loss_ov[0]):>13.6f}  "
-              f"{t_plain * 1e3:>15.1f} ms  {t_ov * 1e3:>10.1f} ms")
+        print(
+            f"{i + 1:>4}  {float(loss_plain[0]):>18.6f}  {float(loss_ov[0]):>13.6f}  "
+            f"{t_plain * 1e3:>15.1f} ms  {t_ov * 1e3:>10.1f} ms"
+        )
     mp, mo = statistics.median(times_plain), statistics.median(times_ov)
-    diff = max(float(jnp.max(jnp.abs(a - b)))
-               for a, b in zip(jax.tree.leaves(p_plain), jax.tree.leaves(p_ov)))
-    print(f"\nmedian step: pmean at end {mp * 1e3:.1f} ms, overlap {mo * 1e3:.1f} ms "
-          f"(overlap / pmean at end = {mo / mp:.2f})")
-    print(f"largest parameter difference after {args.steps} steps: {diff:.2e} "
-          "(rounding: the buckets sum in a different order)")
+    diff = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(p_plain), jax.tree.leaves(p_ov))
+    )
+    print(
+        f"\nmedian step: pmean at end {mp * 1e3:.1f} ms, overlap {mo * 1e3:.1f} ms "
+        f"(overlap / pmean at end = {mo / mp:.2f})"
+    )
+    print(
+        f"largest parameter difference after {args.steps} steps: {diff:.2e} "
+        "(rounding: the buckets sum in a different order)"
+    )
 
     if args.timeline:
         with jaxring.timeline(args.timeline):
             for name, f, p in (("pmean at end", plain, p_plain), ("overlap", overlapped, p_ov)):
                 with host_span(f"step, {name}"):
                     jax.block_until_ready(f(p, images, labels))
-        print(f"timeline of one step of each: {args.timeline} "
-              "(open in https://ui.perfetto.dev)")
+        print(f"timeline of one step of each: {args.timeline} (open in https://ui.perfetto.dev)")
     if args.plot:
         if importlib.util.find_spec("matplotlib") is None:
-            print(f"no plot written to {args.plot}: matplotlib is not installed "
-                  "(pip install matplotlib, or jaxring[demo])")
+            print(
+                f"no plot written to {args.plot}: matplotlib is not installed "
+                "(pip install matplotlib, or jaxring[demo])"
+            )
         else:
-            plot(args.plot, {"pmean at end": losses_plain, "overlap": losses_ov},
-                 {"pmean at end": times_plain, "overlap": times_ov})
+            plot(
+                args.plot,
+                {"pmean at end": losses_plain, "overlap": losses_ov},
+                {"pmean at end": times_plain, "overlap": times_ov},
+            )
             print(f"plot of loss and step time per step: {args.plot}")
     jaxring.config.reset("cpu_link")
     return 0

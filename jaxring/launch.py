@@ -51,9 +51,11 @@ _GRACE_S = 3.0
 # for results, would still be mapped afresh each time. Limits: glibc
 # releases that cap the threshold at 32 MiB ignore it; other C libraries
 # ignore all three.
-_KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-                      "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
-                      "MALLOC_ARENA_MAX": "1"}
+_KEEP_FREED_MEMORY = {
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+    "MALLOC_ARENA_MAX": "1",
+}
 
 # What the launcher tells each process it starts (read by launched.py).
 _NUM_PROCESSES_ENV = "JAXRING_NUM_PROCESSES"
@@ -96,10 +98,14 @@ def cpu_shares(nproc: int, cores: list[list[int]]) -> list[list[int]]:
     binds an oversubscribed job). `cores` is never empty: it comes from
     this process's affinity."""
     if nproc <= len(cores):
-        return [sorted(c for core in cores[i * len(cores) // nproc:
-                                          (i + 1) * len(cores) // nproc]
-                       for c in core)
-                for i in range(nproc)]
+        return [
+            sorted(
+                c
+                for core in cores[i * len(cores) // nproc : (i + 1) * len(cores) // nproc]
+                for c in core
+            )
+            for i in range(nproc)
+        ]
     return [sorted(cores[i % len(cores)]) for i in range(nproc)]
 
 
@@ -150,45 +156,64 @@ def parse_args(argv):
     for i, a in enumerate(argv):
         if a == "-m":
             if i + 1 < len(argv):
-                module, module_args, argv = argv[i + 1], argv[i + 2:], argv[:i]
+                module, module_args, argv = argv[i + 1], argv[i + 2 :], argv[:i]
             break
         if not a.startswith("-") and (i == 0 or argv[i - 1] not in _VALUED):
             break  # the script: what follows is its own
     ap = argparse.ArgumentParser(
         prog="python -m jaxring.launch",
-        description="Run a JAX script (or -m module) as N local processes "
-                    "of one job.")
-    ap.add_argument("-n", "--nproc", type=int, required=True,
-                    help="number of processes")
-    ap.add_argument("--devices-per-process", type=int, default=None,
-                    help="virtual CPU devices in each process "
-                         "(sets --xla_force_host_platform_device_count)")
-    ap.add_argument("--coordinator", default=None,
-                    help="host:port for jax.distributed's coordinator "
-                         "(default: 127.0.0.1 and a free port)")
-    ap.add_argument("--cpu-bind", choices=("none", "cores"), default="none",
-                    help="cores: bind each process to its own share of the "
-                         "physical cores this launcher may use (as mpirun "
-                         "does), so "
-                         "the processes of one host stop migrating between "
-                         "cores; none (default): let the kernel place them")
-    ap.add_argument("--keep-freed-memory", action="store_true",
-                    help="have glibc keep freed buffers (up to 1 GiB each, 4 GiB "
-                         "in all) for reuse instead of returning them to the "
-                         "kernel, which zeroes fresh pages: large allreduces "
-                         "on CPU stop paying page faults each call, and each "
-                         "process keeps its peak memory (sets "
-                         "MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ and "
-                         "MALLOC_ARENA_MAX where not set)")
-    ap.add_argument("--prefix-command", default=None, metavar="TEMPLATE",
-                    help="run each process under this command, with {rank} "
-                         "replaced, e.g. 'ip netns exec node{rank}'")
-    ap.add_argument("-m", dest="module", metavar="MODULE", default=None,
-                    help="run this module, as python -m does, instead of a "
-                         "script; the arguments after it are the module's")
+        description="Run a JAX script (or -m module) as N local processes of one job.",
+    )
+    ap.add_argument("-n", "--nproc", type=int, required=True, help="number of processes")
+    ap.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        help="virtual CPU devices in each process (sets --xla_force_host_platform_device_count)",
+    )
+    ap.add_argument(
+        "--coordinator",
+        default=None,
+        help="host:port for jax.distributed's coordinator (default: 127.0.0.1 and a free port)",
+    )
+    ap.add_argument(
+        "--cpu-bind",
+        choices=("none", "cores"),
+        default="none",
+        help="cores: bind each process to its own share of the "
+        "physical cores this launcher may use (as mpirun "
+        "does), so "
+        "the processes of one host stop migrating between "
+        "cores; none (default): let the kernel place them",
+    )
+    ap.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="have glibc keep freed buffers (up to 1 GiB each, 4 GiB "
+        "in all) for reuse instead of returning them to the "
+        "kernel, which zeroes fresh pages: large allreduces "
+        "on CPU stop paying page faults each call, and each "
+        "process keeps its peak memory (sets "
+        "MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ and "
+        "MALLOC_ARENA_MAX where not set)",
+    )
+    ap.add_argument(
+        "--prefix-command",
+        default=None,
+        metavar="TEMPLATE",
+        help="run each process under this command, with {rank} "
+        "replaced, e.g. 'ip netns exec node{rank}'",
+    )
+    ap.add_argument(
+        "-m",
+        dest="module",
+        metavar="MODULE",
+        default=None,
+        help="run this module, as python -m does, instead of a "
+        "script; the arguments after it are the module's",
+    )
     ap.add_argument("script", nargs="?", help="the Python script to run")
-    ap.add_argument("args", nargs=argparse.REMAINDER,
-                    help="arguments passed to the script")
+    ap.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = ap.parse_args(argv)
     if module is not None:
         if args.script is not None:
@@ -204,28 +229,41 @@ def parse_args(argv):
 
 
 # The launcher's options that take a value (so that value is not the script).
-_VALUED = {"-n", "--nproc", "--devices-per-process", "--coordinator", "--prefix-command",
-           "--cpu-bind"}
+_VALUED = {
+    "-n",
+    "--nproc",
+    "--devices-per-process",
+    "--coordinator",
+    "--prefix-command",
+    "--cpu-bind",
+}
 
 
-def child_env(base: dict, rank: int, nproc: int, coordinator: str,
-              devices_per_process: int | None, job_secret: str,
-              keep_freed_memory: bool = False) -> dict:
+def child_env(
+    base: dict,
+    rank: int,
+    nproc: int,
+    coordinator: str,
+    devices_per_process: int | None,
+    job_secret: str,
+    keep_freed_memory: bool = False,
+) -> dict:
     env = dict(base)
     if keep_freed_memory:
         for name, value in _KEEP_FREED_MEMORY.items():
             env.setdefault(name, value)  # the caller's own setting wins
-    env.update(JAXRING_COORDINATOR=coordinator,
-               JAXRING_JOB_SECRET=job_secret,
-               PYTHONUNBUFFERED="1")
+    env.update(JAXRING_COORDINATOR=coordinator, JAXRING_JOB_SECRET=job_secret, PYTHONUNBUFFERED="1")
     # Where jax.distributed.initialize() looks for the coordinator when not
     # given one (JAX has no such variable for the process count or id).
     env["JAX_COORDINATOR_ADDRESS"] = coordinator
     env[_NUM_PROCESSES_ENV] = str(nproc)
     env[_PROCESS_ID_ENV] = str(rank)
     if devices_per_process is not None:
-        flags = [f for f in env.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
+        flags = [
+            f
+            for f in env.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
         flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
         env["XLA_FLAGS"] = " ".join(flags)
     return env
@@ -241,24 +279,40 @@ def main(argv=None) -> int:
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    shares = (cpu_shares(args.nproc, physical_cores(os.sched_getaffinity(0)))
-              if args.cpu_bind == "cores" else [None] * args.nproc)
+    shares = (
+        cpu_shares(args.nproc, physical_cores(os.sched_getaffinity(0)))
+        if args.cpu_bind == "cores"
+        else [None] * args.nproc
+    )
     for rank in range(args.nproc):
-        prefix = (shlex.split(args.prefix_command.format(rank=rank))
-                  if args.prefix_command else [])
+        prefix = shlex.split(args.prefix_command.format(rank=rank)) if args.prefix_command else []
         # -P: `python -m` would put the current directory first on
         # sys.path, and in a checkout of jaxring that is the source tree,
         # without the compiled extension; launched.py adds the script's own
         # directory.
         p = subprocess.Popen(
-            [*prefix, sys.executable, "-P", "-m", "jaxring._src.launched",
-             *(["-m", args.module] if args.module else [os.path.abspath(args.script)]),
-             *args.args],
-            env=child_env(os.environ, rank, args.nproc, coordinator,
-                          args.devices_per_process, job_secret,
-                          args.keep_freed_memory),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True)  # its own group: stopped with its children
+            [
+                *prefix,
+                sys.executable,
+                "-P",
+                "-m",
+                "jaxring._src.launched",
+                *(["-m", args.module] if args.module else [os.path.abspath(args.script)]),
+                *args.args,
+            ],
+            env=child_env(
+                os.environ,
+                rank,
+                args.nproc,
+                coordinator,
+                args.devices_per_process,
+                job_secret,
+                args.keep_freed_memory,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # its own group: stopped with its children
         procs.append(p)
         if shares[rank] is not None:
             # Popen returns once the child has exec'd the interpreter, which
@@ -266,8 +320,7 @@ def main(argv=None) -> int:
             # the mask set now is inherited by every thread it starts (and
             # survives a prefix command's exec, which keeps the pid).
             os.sched_setaffinity(p.pid, shares[rank])
-        t = threading.Thread(target=_pump, args=(p.stdout, rank, out, lock),
-                             daemon=True)
+        t = threading.Thread(target=_pump, args=(p.stdout, rank, out, lock), daemon=True)
         t.start()
         pumps.append(t)
 
@@ -291,7 +344,8 @@ def main(argv=None) -> int:
                     with lock:
                         sys.stderr.write(
                             f"jaxring.launch: process {rank} exited with status "
-                            f"{code}; stopping the other processes\n")
+                            f"{code}; stopping the other processes\n"
+                        )
                     _stop(procs)
                     live.clear()
                     break

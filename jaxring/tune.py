@@ -46,6 +46,7 @@ def _gamma(nbytes: int = 16 << 20, repeats: int = 5) -> float:
     import numpy as np
 
     from jaxring import _jaxring
+
     a = np.ones(nbytes // 4, np.float32).tobytes()
     times = []
     for _ in range(repeats):
@@ -59,6 +60,7 @@ def _gamma(nbytes: int = 16 << 20, repeats: int = 5) -> float:
 def _in_job() -> bool:
     """Whether this process is one of several of a jax.distributed job."""
     from jaxring._src import jax_compat
+
     return jax_compat.distributed_client() is not None
 
 
@@ -68,6 +70,7 @@ def _agree(value, tag: str):
     import json
 
     from jaxring._src import jax_compat
+
     client = jax_compat.distributed_client()
     if client is None:
         return value
@@ -83,6 +86,7 @@ def job_tiers(devices) -> tuple:
     import numpy as np
 
     from jaxring._src import distributed, topology
+
     if len({d.process_index for d in devices}) > 1:
         distributed.ensure_tcp_transport(120.0, check_settings=False)
     rank_process = np.array([d.process_index for d in devices], np.int64)
@@ -102,10 +106,22 @@ def measure(devices, sizes: list[int], choices, rounds: int, min_time: float):
     mesh = Mesh(np.array(devices), ("i",))
 
     def program(c):
-        return jax.jit(jax.shard_map(
-            lambda v: jaxring.allreduce(v, "i", rings=c.rings, chunk_bytes=c.chunk_bytes,
-                                        algorithm=c.algorithm, topology=c.topology),
-            mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+        return jax.jit(
+            jax.shard_map(
+                lambda v: jaxring.allreduce(
+                    v,
+                    "i",
+                    rings=c.rings,
+                    chunk_bytes=c.chunk_bytes,
+                    algorithm=c.algorithm,
+                    topology=c.topology,
+                ),
+                mesh=mesh,
+                in_specs=P("i"),
+                out_specs=P("i"),
+                check_vma=False,
+            )
+        )
 
     fns = [program(c) for c in choices]
     sharding = NamedSharding(mesh, P("i"))
@@ -113,12 +129,14 @@ def measure(devices, sizes: list[int], choices, rounds: int, min_time: float):
     for nbytes in sizes:
         count = nbytes // 4
         x = jax.make_array_from_callback(
-            (n, count), sharding, lambda idx: np.ones((1, count), np.float32))
+            (n, count), sharding, lambda idx: np.ones((1, count), np.float32)
+        )
         for f in fns:
             jax.block_until_ready(f(x))  # compile and warm up
         probe = max(_time_calls(f, x, 2) for f in fns)
-        iters = _agree(int(min(200, max(2, min_time / rounds / max(probe, 1e-7)))),
-                       f"iters/{nbytes}")
+        iters = _agree(
+            int(min(200, max(2, min_time / rounds / max(probe, 1e-7)))), f"iters/{nbytes}"
+        )
         samples = [[] for _ in fns]
         for _ in range(rounds):
             for i, f in enumerate(fns):
@@ -140,29 +158,34 @@ def _name(c) -> str:
 
 def _describe(params) -> str:
     if not params.tiers:
-        return (f"alpha {params.alpha_s * 1e6:.2f} us, "
-                f"beta {params.beta_s_per_byte * 1e9:.3f} ns/B")
+        return f"alpha {params.alpha_s * 1e6:.2f} us, beta {params.beta_s_per_byte * 1e9:.3f} ns/B"
     return "; ".join(
         f"tier {i} ({size} ranks, link shared by {shared}): alpha {a * 1e6:.2f} us, "
-        f"beta {b * 1e9:.3f} ns/B" for i, (size, a, b, shared) in enumerate(params.tiers))
+        f"beta {b * 1e9:.3f} ns/B"
+        for i, (size, a, b, shared) in enumerate(params.tiers)
+    )
 
 
 def report(params, measured, world: int, out=sys.stdout) -> dict:
     """Prints predicted vs measured per size and candidate; returns the
     figures (errors, choices) for the caller."""
     from jaxring._src import tuning
+
     by_size: dict[int, list] = {}
     for c, n, t in measured:
         by_size.setdefault(n, []).append((c, t))
     errors, regrets, rows = [], [], []
-    print(f"# model: call {params.call_s * 1e6:.1f} us, {_describe(params)}, gamma "
-          f"{params.gamma_s_per_byte * 1e9:.3f} ns/B; direct: call "
-          f"{params.direct_call_s * 1e6:.1f} us, {params.direct_s_per_byte * 1e9:.3f} ns/B",
-          file=out)
+    print(
+        f"# model: call {params.call_s * 1e6:.1f} us, {_describe(params)}, gamma "
+        f"{params.gamma_s_per_byte * 1e9:.3f} ns/B; direct: call "
+        f"{params.direct_call_s * 1e6:.1f} us, {params.direct_s_per_byte * 1e9:.3f} ns/B",
+        file=out,
+    )
     for n, entries in sorted(by_size.items()):
         print(f"\n{_fmt_bytes(n)} per device:", file=out)
-        print(f"  {'candidate':<20} {'measured us':>12} {'predicted us':>13} {'error':>7}",
-              file=out)
+        print(
+            f"  {'candidate':<20} {'measured us':>12} {'predicted us':>13} {'error':>7}", file=out
+        )
         for c, t in entries:
             p = tuning.predict(params, c, world, n)
             e = tuning.relative_error(p, t)
@@ -174,43 +197,70 @@ def report(params, measured, world: int, out=sys.stdout) -> dict:
         chosen = next(e for e in entries if e[0] == pick)
         regret = chosen[1] / best_t - 1
         regrets.append(regret)
-        rows.append({"bytes": n, "model_choice": _name(chosen[0]), "model_choice_s": chosen[1],
-                     "best": _name(best_c), "best_s": best_t})
-        print(f"  model's choice: {_name(chosen[0])} ({chosen[1] * 1e6:.1f} us measured); "
-              f"measured best: {_name(best_c)} ({best_t * 1e6:.1f} us); "
-              f"the choice is {regret:.0%} slower than the best", file=out)
+        rows.append(
+            {
+                "bytes": n,
+                "model_choice": _name(chosen[0]),
+                "model_choice_s": chosen[1],
+                "best": _name(best_c),
+                "best_s": best_t,
+            }
+        )
+        print(
+            f"  model's choice: {_name(chosen[0])} ({chosen[1] * 1e6:.1f} us measured); "
+            f"measured best: {_name(best_c)} ({best_t * 1e6:.1f} us); "
+            f"the choice is {regret:.0%} slower than the best",
+            file=out,
+        )
     within = sum(e <= 0.2 for e in errors) / len(errors)
-    print(f"\n# prediction error: median {statistics.median(errors):.0%}, max "
-          f"{max(errors):.0%}; {within:.0%} of the {len(errors)} points within 20%", file=out)
-    print(f"# the model's choices are, at the median, {statistics.median(regrets):.0%} "
-          f"(at most {max(regrets):.0%}) slower than the measured best", file=out)
+    print(
+        f"\n# prediction error: median {statistics.median(errors):.0%}, max "
+        f"{max(errors):.0%}; {within:.0%} of the {len(errors)} points within 20%",
+        file=out,
+    )
+    print(
+        f"# the model's choices are, at the median, {statistics.median(regrets):.0%} "
+        f"(at most {max(regrets):.0%}) slower than the measured best",
+        file=out,
+    )
     return {"errors": errors, "regrets": regrets, "rows": rows}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--devices", type=int, default=None,
-                    help="virtual CPU devices (one process; default 8)")
+    ap.add_argument(
+        "--devices", type=int, default=None, help="virtual CPU devices (one process; default 8)"
+    )
     # From 256 B: the exchange may win below a few KiB on slow links
     # (BatchNorm statistics, losses), and the table's smallest size
     # decides for every message below it.
     ap.add_argument("--min-bytes", type=_parse_bytes, default=256)
     ap.add_argument("--max-bytes", type=_parse_bytes, default=64 << 20)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--min-time", type=float, default=0.2,
-                    help="seconds of calls timed per size and candidate")
-    ap.add_argument("--quick", action="store_true",
-                    help="fewer candidates (ring counts 1, 2; chunks 256K, 1M)")
-    ap.add_argument("--out", default=None,
-                    help="tuning file to write (default: the cache jaxring reads)")
-    ap.add_argument("--load", default=None, metavar="PATH",
-                    help="take the parameters from this tuning file, measure nothing")
+    ap.add_argument(
+        "--min-time", type=float, default=0.2, help="seconds of calls timed per size and candidate"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="fewer candidates (ring counts 1, 2; chunks 256K, 1M)"
+    )
+    ap.add_argument(
+        "--out", default=None, help="tuning file to write (default: the cache jaxring reads)"
+    )
+    ap.add_argument(
+        "--load",
+        default=None,
+        metavar="PATH",
+        help="take the parameters from this tuning file, measure nothing",
+    )
     args = ap.parse_args(argv)
     from jaxring._src import runtime, tuning
+
     in_job = _in_job()
     if in_job and args.devices is not None:
-        ap.error("--devices is for one process; a job tunes every device it has "
-                 "(jaxring.launch --devices-per-process sets them)")
+        ap.error(
+            "--devices is for one process; a job tunes every device it has "
+            "(jaxring.launch --devices-per-process sets them)"
+        )
     if in_job and args.load:
         ap.error("--load reads a file: run it in one process")
     devices_n = 8 if args.devices is None else args.devices
@@ -229,41 +279,53 @@ def main(argv=None) -> int:
         params = tuning.Params.from_dict(table["params"])
         choices = tuning.candidates(devices_n, in_one_process=True, quick=args.quick)
         for size, c in tuning.select(params, choices, devices_n, sizes).items():
-            print(f"{_fmt_bytes(size):>10}: {_name(c)}, predicted "
-                  f"{tuning.predict(params, c, devices_n, size) * 1e6:.1f} us")
+            print(
+                f"{_fmt_bytes(size):>10}: {_name(c)}, predicted "
+                f"{tuning.predict(params, c, devices_n, size) * 1e6:.1f} us"
+            )
         return 0
     if not in_job:
         runtime.use_cpu_devices(devices_n)
     import jax
+
     devices = jax.devices() if in_job else jax.devices()[:devices_n]
     world, processes = len(devices), jax.process_count()
     if world < 2:
-        raise SystemExit("jaxring.tune: the job has one device; an allreduce "
-                         "needs at least 2")
+        raise SystemExit("jaxring.tune: the job has one device; an allreduce needs at least 2")
     dims = job_tiers(devices) if processes > 1 else ()
     host_direct = processes > 1 and _has_host_segment()
-    choices = tuning.candidates(world, in_one_process=processes == 1,
-                                quick=args.quick, tiered=bool(dims), host_direct=host_direct)
+    choices = tuning.candidates(
+        world,
+        in_one_process=processes == 1,
+        quick=args.quick,
+        tiered=bool(dims),
+        host_direct=host_direct,
+    )
     measured = measure(devices, sizes, choices, args.rounds, args.min_time)
     table_key = tuning.key(jax.default_backend(), world, processes)
     me = jax.process_index()
     table_entry = None
     if me == 0:
         params = tuning.fit(measured, world, _gamma(), dims)
-        where = (f"{world} virtual CPU devices" if processes == 1 else
-                 f"{world} devices in {processes} processes, tiers "
-                 f"{'x'.join(map(str, dims)) if dims else 'flat (one tier)'}")
-        print(f"# {where}, float32, median of {args.rounds} alternating rounds "
-              "per candidate")
+        where = (
+            f"{world} virtual CPU devices"
+            if processes == 1
+            else f"{world} devices in {processes} processes, tiers "
+            f"{'x'.join(map(str, dims)) if dims else 'flat (one tier)'}"
+        )
+        print(f"# {where}, float32, median of {args.rounds} alternating rounds per candidate")
         report(params, measured, world)
-        selection = tuning.select(params, choices, world, sizes, measured,
-                                  direct_everywhere_or_nowhere=host_direct)
+        selection = tuning.select(
+            params, choices, world, sizes, measured, direct_everywhere_or_nowhere=host_direct
+        )
         if selection != tuning.select(params, choices, world, sizes, measured):
             family = "direct" if selection[sizes[0]].algorithm == "direct" else "no direct"
-            print(f"# the table holds {family} at every size: across processes of one "
-                  "host it takes direct at every size or at none, so that processes "
-                  "that reach one call site with different shapes fail with "
-                  "MismatchError rather than wait for each other")
+            print(
+                f"# the table holds {family} at every size: across processes of one "
+                "host it takes direct at every size or at none, so that processes "
+                "that reach one call site with different shapes fail with "
+                "MismatchError rather than wait for each other"
+            )
         table_entry = tuning.entry(params, selection)
     table_entry = _agree(table_entry, "table")
     path = args.out or tuning.cache_path()
@@ -273,8 +335,10 @@ def main(argv=None) -> int:
     # defaults while the others ran the table.
     tuning.save(path, table_key, table_entry)
     if me == 0:
-        print(f"# table for {table_key} written to {path}"
-              + (" (by every process)" if processes > 1 else ""))
+        print(
+            f"# table for {table_key} written to {path}"
+            + (" (by every process)" if processes > 1 else "")
+        )
     return 0
 
 
@@ -287,6 +351,7 @@ def _has_host_segment() -> bool:
     alike)."""
     from jaxring._src import distributed, host_segment
     from jaxring._src.config import config
+
     distributed.ensure_tcp_transport(config.timeout_s, check_settings=False)
     return host_segment.unavailable() is None
 

@@ -6,7 +6,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -16,12 +15,10 @@ import jaxring
 from jaxring import _jaxring
 
 FLOATS = [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64]
-INTS = [jnp.int8, jnp.int16, jnp.int32, jnp.int64,
-        jnp.uint8, jnp.uint16, jnp.uint32, jnp.uint64]
+INTS = [jnp.int8, jnp.int16, jnp.int32, jnp.int64, jnp.uint8, jnp.uint16, jnp.uint32, jnp.uint64]
 # In one process "auto" picks direct; the ring is asked for by name.
 ALGORITHMS = ["ring", "direct", "exchange"]
-LAX = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin,
-       "mean": jax.lax.pmean}
+LAX = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin, "mean": jax.lax.pmean}
 
 
 def mesh_of(*shape, names=("i",)):
@@ -36,9 +33,15 @@ def put(x, mesh, spec):
 def per_rank(fn, mesh, x, axes="i", check_vma=False, **kw):
     """Runs fn(v, axes) per device; returns every device's result stacked."""
     spec = P(*mesh.axis_names)
-    f = jax.jit(jax.shard_map(lambda v: fn(v, axes, **kw), mesh=mesh,
-                              in_specs=spec, out_specs=spec,
-                              check_vma=check_vma))
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: fn(v, axes, **kw),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+            check_vma=check_vma,
+        )
+    )
     out = f(put(x, mesh, spec))
     if out.size == 0:
         # jax 0.10 cannot fetch a sharded array with no elements; its shape
@@ -72,8 +75,7 @@ def test_integers_bit_identical_to_lax(dtype, op, algorithm):
     mesh = mesh_of(8)
     x = inputs(dtype, (8, 1003), small=(op == "prod"))
     ref = lax_prod if op == "prod" else LAX[op]
-    got = per_rank(functools.partial(jaxring.allreduce, op=op,
-                                     algorithm=algorithm), mesh, x)
+    got = per_rank(functools.partial(jaxring.allreduce, op=op, algorithm=algorithm), mesh, x)
     want = per_rank(ref, mesh, x)
     assert got.dtype == want.dtype
     assert np.array_equal(got, want)
@@ -88,8 +90,7 @@ def test_floats_match_lax_within_rounding(dtype, op, algorithm):
     if op == "prod":
         x = (1 + 0.1 * x.astype(np.float32)).astype(x.dtype)
     ref = lax_prod if op == "prod" else LAX[op]
-    got = per_rank(functools.partial(jaxring.allreduce, op=op,
-                                     algorithm=algorithm), mesh, x)
+    got = per_rank(functools.partial(jaxring.allreduce, op=op, algorithm=algorithm), mesh, x)
     want = per_rank(ref, mesh, x)
     exact64 = np.prod(x.astype(np.float64), axis=0) if op == "prod" else None
     if op in ("max", "min"):
@@ -119,18 +120,25 @@ def test_exact_small_integers_in_floats_bit_identical(dtype):
 
 
 @settings(max_examples=40, deadline=None)
-@given(world=st.integers(1, 8), rings=st.integers(1, 4),
-       chunk_bytes=st.sampled_from([1, 4, 64, 1000, 4096, 1 << 20]),
-       count=st.one_of(st.integers(0, 40), st.integers(0, 100_000)),
-       dtype=st.sampled_from(FLOATS + INTS), op=st.sampled_from(["sum", "max"]),
-       algorithm=st.sampled_from(ALGORITHMS))
-def test_any_world_rings_chunk_and_count(world, rings, chunk_bytes, count, dtype, op,
-                                         algorithm):
+@given(
+    world=st.integers(1, 8),
+    rings=st.integers(1, 4),
+    chunk_bytes=st.sampled_from([1, 4, 64, 1000, 4096, 1 << 20]),
+    count=st.one_of(st.integers(0, 40), st.integers(0, 100_000)),
+    dtype=st.sampled_from(FLOATS + INTS),
+    op=st.sampled_from(["sum", "max"]),
+    algorithm=st.sampled_from(ALGORITHMS),
+)
+def test_any_world_rings_chunk_and_count(world, rings, chunk_bytes, count, dtype, op, algorithm):
     mesh = mesh_of(world)
     x = inputs(dtype, (world, count), seed=count, small=True)
-    got = per_rank(functools.partial(jaxring.allreduce, op=op, rings=rings,
-                                     chunk_bytes=chunk_bytes, algorithm=algorithm),
-                   mesh, x)
+    got = per_rank(
+        functools.partial(
+            jaxring.allreduce, op=op, rings=rings, chunk_bytes=chunk_bytes, algorithm=algorithm
+        ),
+        mesh,
+        x,
+    )
     want = per_rank(LAX[op], mesh, x)
     assert np.array_equal(got, want)
     # Every rank holds bit-identical results.
@@ -145,12 +153,15 @@ def test_ranks_agree_bitwise_on_signed_zeros_and_nan_payloads(algorithm, op):
     order them alike)."""
     rng = np.random.default_rng(7)
     # +0, -0, 1, and (rarely, so most elements have none) three NaNs.
-    bits = rng.choice(np.array([0x00000000, 0x80000000, 0x3f800000, 0x7fc00001,
-                                0x7fc12345, 0xffc00007], np.uint32), size=(8, 4096),
-                      p=[0.33, 0.33, 0.32, 0.01, 0.005, 0.005])
+    bits = rng.choice(
+        np.array(
+            [0x00000000, 0x80000000, 0x3F800000, 0x7FC00001, 0x7FC12345, 0xFFC00007], np.uint32
+        ),
+        size=(8, 4096),
+        p=[0.33, 0.33, 0.32, 0.01, 0.005, 0.005],
+    )
     x = bits.view(np.float32)
-    got = per_rank(functools.partial(jaxring.allreduce, op=op, algorithm=algorithm),
-                   mesh_of(8), x)
+    got = per_rank(functools.partial(jaxring.allreduce, op=op, algorithm=algorithm), mesh_of(8), x)
     assert all(np.array_equal(got[0].view(np.uint32), g.view(np.uint32)) for g in got)
     want = {"min": np.min, "max": np.max, "sum": np.sum}[op](x, axis=0)  # NaN wins
     assert np.array_equal(np.isnan(got[0]), np.isnan(want))
@@ -161,8 +172,7 @@ def test_ranks_agree_bitwise_on_signed_zeros_and_nan_payloads(algorithm, op):
 def test_large_count_and_ranks_agree_bitwise_and_runs_repeat(algorithm):
     mesh = mesh_of(8)
     x = inputs(np.float32, (8, 1_000_003), seed=5)
-    reduce = functools.partial(jaxring.allreduce, rings=3, chunk_bytes=65536,
-                               algorithm=algorithm)
+    reduce = functools.partial(jaxring.allreduce, rings=3, chunk_bytes=65536, algorithm=algorithm)
     a = per_rank(reduce, mesh, x)
     b = per_rank(reduce, mesh, x)
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
@@ -180,13 +190,25 @@ def test_two_dimensional_mesh_one_ring_per_group(axes):
 
 def test_pytree_leaves_fused_and_mean():
     mesh = mesh_of(8)
-    tree = {"w": np.ones((8, 3, 4), np.float32), "b": np.arange(8 * 5, dtype=np.int32).reshape(8, 5),
-            "s": np.linspace(0, 1, 8).astype(np.float64).reshape(8, 1)}
+    tree = {
+        "w": np.ones((8, 3, 4), np.float32),
+        "b": np.arange(8 * 5, dtype=np.int32).reshape(8, 5),
+        "s": np.linspace(0, 1, 8).astype(np.float64).reshape(8, 1),
+    }
     spec = P("i")
+
     def step(t, fn):
         return fn(t, "i")
-    f = lambda fn: jax.jit(jax.shard_map(functools.partial(step, fn=fn), mesh=mesh,
-                                         in_specs=spec, out_specs=spec, check_vma=False))
+
+    f = lambda fn: jax.jit(
+        jax.shard_map(
+            functools.partial(step, fn=fn),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+            check_vma=False,
+        )
+    )
     dev = jax.tree.map(lambda a: put(a, mesh, spec), tree)
     for ours, theirs in [(jaxring.allreduce, jax.lax.psum), (jaxring.pmean, jax.lax.pmean)]:
         got, want = f(ours)(dev), f(theirs)(dev)
@@ -200,15 +222,32 @@ def test_check_vma_result_is_invariant_like_psum():
     mesh = mesh_of(8)
     x = put(np.arange(16.0).reshape(8, 2), mesh, P("i"))
     # out_specs=P() requires an invariant result: accepted for psum and for us.
-    ours = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i"), mesh=mesh,
-                                 in_specs=P("i"), out_specs=P(), check_vma=True))
-    theirs = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "i"), mesh=mesh,
-                                   in_specs=P("i"), out_specs=P(), check_vma=True))
+    ours = jax.jit(
+        jax.shard_map(
+            lambda v: jaxring.allreduce(v, "i"),
+            mesh=mesh,
+            in_specs=P("i"),
+            out_specs=P(),
+            check_vma=True,
+        )
+    )
+    theirs = jax.jit(
+        jax.shard_map(
+            lambda v: jax.lax.psum(v, "i"),
+            mesh=mesh,
+            in_specs=P("i"),
+            out_specs=P(),
+            check_vma=True,
+        )
+    )
     assert np.array_equal(ours(x), theirs(x))
     # And a plain varying value is still rejected there, as for psum.
     with pytest.raises(Exception, match="(?i)vary|invariant|out_specs"):
-        jax.jit(jax.shard_map(lambda v: v * 2, mesh=mesh, in_specs=P("i"),
-                              out_specs=P(), check_vma=True))(x)
+        jax.jit(
+            jax.shard_map(
+                lambda v: v * 2, mesh=mesh, in_specs=P("i"), out_specs=P(), check_vma=True
+            )
+        )(x)
 
 
 def test_pmap():
@@ -226,30 +265,44 @@ def test_vmap_axis_reduced_locally(op):
     x = inputs(np.int32, (5, 7), seed=11, small=True)
     ref = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}.get(op)
     got = jax.vmap(lambda v: jaxring.allreduce(v, "v", op=op), axis_name="v")(x)
-    want = (jax.vmap(lambda v: ref(v, "v"), axis_name="v")(x) if ref else
-            np.broadcast_to(np.prod(x, 0, dtype=np.int32), x.shape))
+    want = (
+        jax.vmap(lambda v: ref(v, "v"), axis_name="v")(x)
+        if ref
+        else np.broadcast_to(np.prod(x, 0, dtype=np.int32), x.shape)
+    )
     assert np.array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_vmap_inside_shard_map_with_mixed_axes():
     mesh = mesh_of(4)
     x = inputs(np.float32, (4, 3, 6), seed=12, small=True)
+
     def body(fn):
         def f(v):  # v: (1, 3, 6)
-            return jax.vmap(lambda u: fn(u, ("i", "v")), axis_name="v", in_axes=1,
-                            out_axes=1)(v)
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
-                                     check_vma=False))
+            return jax.vmap(lambda u: fn(u, ("i", "v")), axis_name="v", in_axes=1, out_axes=1)(v)
+
+        return jax.jit(
+            jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False)
+        )
+
     xs = put(x, mesh, P("i"))
-    assert np.array_equal(np.asarray(body(jaxring.allreduce)(xs)),
-                          np.asarray(body(jax.lax.psum)(xs)))
+    assert np.array_equal(
+        np.asarray(body(jaxring.allreduce)(xs)), np.asarray(body(jax.lax.psum)(xs))
+    )
+
     # vmapped over an axis that is not reduced: elementwise per batch member.
     def g(fn):
-        return jax.jit(jax.shard_map(
-            lambda v: jax.vmap(lambda u: fn(u, "i"), in_axes=1, out_axes=1)(v),
-            mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
-    assert np.array_equal(np.asarray(g(jaxring.allreduce)(xs)),
-                          np.asarray(g(jax.lax.psum)(xs)))
+        return jax.jit(
+            jax.shard_map(
+                lambda v: jax.vmap(lambda u: fn(u, "i"), in_axes=1, out_axes=1)(v),
+                mesh=mesh,
+                in_specs=P("i"),
+                out_specs=P("i"),
+                check_vma=False,
+            )
+        )
+
+    assert np.array_equal(np.asarray(g(jaxring.allreduce)(xs)), np.asarray(g(jax.lax.psum)(xs)))
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -264,12 +317,21 @@ def test_grad_matches_psum(check_vma, reducer):
     def make(red):
         def loss(w, xb):
             return jnp.sum(red(jnp.tanh(xb * w), "i") ** 2)
+
         def step(w, xb):
             l, g = jax.value_and_grad(loss)(w, xb)
             return l[None], g[None]
-        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("i")),
-                                     out_specs=(P("i"), P("i")),
-                                     check_vma=check_vma))
+
+        return jax.jit(
+            jax.shard_map(
+                step,
+                mesh=mesh,
+                in_specs=(P(), P("i")),
+                out_specs=(P("i"), P("i")),
+                check_vma=check_vma,
+            )
+        )
+
     xs = put(x, mesh, P("i"))
     (l1, g1), (l2, g2) = make(ours)(w, xs), make(theirs)(w, xs)
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-5)
@@ -278,10 +340,16 @@ def test_grad_matches_psum(check_vma, reducer):
 
 def test_grad_under_pmap_matches_psum():
     x = inputs(np.float32, (8, 4), seed=14)
+
     def make(red):
         return jax.pmap(jax.grad(lambda v: jnp.sum(red(v, "b") * v)), axis_name="b")
-    np.testing.assert_allclose(np.asarray(make(jaxring.allreduce)(x)),
-                               np.asarray(make(jax.lax.psum)(x)), rtol=1e-5, atol=1e-5)
+
+    np.testing.assert_allclose(
+        np.asarray(make(jaxring.allreduce)(x)),
+        np.asarray(make(jax.lax.psum)(x)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_jvp_and_linear_transpose():
@@ -291,8 +359,12 @@ def test_jvp_and_linear_transpose():
 
     def jvp_of(red):
         f = lambda v, tv: jax.jvp(lambda u: red(u, "i") * 2.0, (v,), (tv,))
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("i"), P("i")),
-                                     out_specs=(P("i"), P("i")), check_vma=False))
+        return jax.jit(
+            jax.shard_map(
+                f, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=(P("i"), P("i")), check_vma=False
+            )
+        )
+
     (p1, t1), (p2, t2) = jvp_of(jaxring.allreduce)(x, t), jvp_of(jax.lax.psum)(x, t)
     np.testing.assert_allclose(np.asarray(p1), np.asarray(p2), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(t1), np.asarray(t2), rtol=1e-5, atol=1e-5)
@@ -301,18 +373,33 @@ def test_jvp_and_linear_transpose():
         def f(v, ct):
             lin = jax.linear_transpose(lambda u: red(u, "i"), v)
             return lin(ct)[0]
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("i"), P("i")),
-                                     out_specs=P("i"), check_vma=False))
-    np.testing.assert_allclose(np.asarray(transpose_of(jaxring.allreduce)(x, t)),
-                               np.asarray(transpose_of(jax.lax.psum)(x, t)), rtol=1e-5, atol=1e-5)
+
+        return jax.jit(
+            jax.shard_map(
+                f, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P("i"), check_vma=False
+            )
+        )
+
+    np.testing.assert_allclose(
+        np.asarray(transpose_of(jaxring.allreduce)(x, t)),
+        np.asarray(transpose_of(jax.lax.psum)(x, t)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_max_is_not_differentiable_with_a_clear_error():
     mesh = mesh_of(8)
     x = put(np.ones((8, 2), np.float32), mesh, P("i"))
-    f = jax.jit(jax.shard_map(
-        jax.grad(lambda v: jnp.sum(jaxring.allreduce(v, "i", op="max"))),
-        mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            jax.grad(lambda v: jnp.sum(jaxring.allreduce(v, "i", op="max"))),
+            mesh=mesh,
+            in_specs=P("i"),
+            out_specs=P("i"),
+            check_vma=False,
+        )
+    )
     with pytest.raises(TypeError, match="not differentiable"):
         f(x)
 
@@ -321,24 +408,25 @@ def test_nested_jit_inside_shard_map():
     mesh = mesh_of(8)
     inner = jax.jit(lambda v: jaxring.allreduce(v * 2, "i") + 1)
     x = put(np.arange(8.0).reshape(8, 1), mesh, P("i"))
-    f = jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=P("i"), out_specs=P(),
-                              check_vma=True))
+    f = jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=P("i"), out_specs=P(), check_vma=True))
     assert float(np.asarray(f(x)).ravel()[0]) == 2 * 28 + 1
 
 
 # ---- errors -----------------------------------------------------------------
 
+
 def _in_mesh(fn, x=None, check_vma=False):
     mesh = mesh_of(8)
     x = put(np.ones((8, 4), np.float32) if x is None else x, mesh, P("i"))
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
-                                 check_vma=check_vma))(x)
+    return jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=check_vma)
+    )(x)
 
 
 def _error_of(fn):
     try:
         fn()
-    except Exception as e:  # noqa: BLE001  (the error's type is compared)
+    except Exception as e:
         return e
     raise AssertionError("no error raised")
 
@@ -356,23 +444,31 @@ def test_outside_any_mapped_context():
         jax.jit(lambda v: jaxring.allreduce(v, "i"))(jnp.ones(3))
     with pytest.raises(NameError, match="unbound axis name: i"):
         jaxring.allreduce(jnp.ones(3), "i")
-    with pytest.raises(NameError, match=r"over 'i', which no enclosing map binds; "
-                                        r"no axis is bound here \(this is not inside "
-                                        r"jax\.shard_map, jax\.pmap or jax\.vmap\)"):
+    with pytest.raises(
+        NameError,
+        match=r"over 'i', which no enclosing map binds; "
+        r"no axis is bound here \(this is not inside "
+        r"jax\.shard_map, jax\.pmap or jax\.vmap\)",
+    ):
         jax.jit(lambda v: jaxring.allreduce(v, "i"))(jnp.ones(3))
 
 
 def test_a_misspelt_axis_name_names_the_axes_bound():
-    with pytest.raises(NameError, match=r"asked to reduce over 'bacth', which no "
-                                        r"enclosing map binds; the axes bound here "
-                                        r"are 'i': pass one of those"):
+    with pytest.raises(
+        NameError,
+        match=r"asked to reduce over 'bacth', which no "
+        r"enclosing map binds; the axes bound here "
+        r"are 'i': pass one of those",
+    ):
         _in_mesh(lambda v: jaxring.allreduce(v, "bacth"))
     # A tuple names the axis of it that is not bound; under vmap inside
     # shard_map both maps' axes are listed.
-    with pytest.raises(NameError, match=r"over 'j', which no enclosing map binds; "
-                                        r"the axes bound here are 'i', 'k'"):
-        _in_mesh(lambda v: jax.vmap(lambda r: jaxring.allreduce(r, ("i", "j")),
-                                    axis_name="k")(v))
+    with pytest.raises(
+        NameError,
+        match=r"over 'j', which no enclosing map binds; "
+        r"the axes bound here are 'i', 'k'",
+    ):
+        _in_mesh(lambda v: jax.vmap(lambda r: jaxring.allreduce(r, ("i", "j")), axis_name="k")(v))
 
 
 @pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
@@ -395,9 +491,12 @@ def test_complex_gradient_matches_lax():
     def grad_of(reducer):
         def loss(v):
             return jnp.sum(jnp.abs(reducer(v * v, "i")) ** 2)
+
         return _in_mesh(lambda v: jax.grad(loss)(v), x=x)
-    np.testing.assert_allclose(np.asarray(grad_of(jaxring.psum)),
-                               np.asarray(grad_of(jax.lax.psum)), rtol=1e-5)
+
+    np.testing.assert_allclose(
+        np.asarray(grad_of(jaxring.psum)), np.asarray(grad_of(jax.lax.psum)), rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("op", ["max", "min", "prod"])
@@ -410,16 +509,20 @@ def test_complex_without_an_order_is_refused(op):
 def test_bool_matches_lax():
     x = np.random.default_rng(4).random((8, 6)) < 0.5
     x[:, 0], x[:, 1] = True, False  # all and none
-    cases = {"sum": (jaxring.psum, jax.lax.psum), "mean": (jaxring.pmean, jax.lax.pmean),
-             "max": (lambda v, a: jaxring.allreduce(v, a, op="max"), jax.lax.pmax),
-             "min": (lambda v, a: jaxring.allreduce(v, a, op="min"), jax.lax.pmin)}
+    cases = {
+        "sum": (jaxring.psum, jax.lax.psum),
+        "mean": (jaxring.pmean, jax.lax.pmean),
+        "max": (lambda v, a: jaxring.allreduce(v, a, op="max"), jax.lax.pmax),
+        "min": (lambda v, a: jaxring.allreduce(v, a, op="min"), jax.lax.pmin),
+    }
     for name, (ours, theirs) in cases.items():
         got, want = (_in_mesh(lambda v: f(v, "i"), x=x) for f in (ours, theirs))
         assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
     prod = _in_mesh(lambda v: jaxring.allreduce(v, "i", op="prod"), x=x)
-    np.testing.assert_array_equal(np.asarray(prod), np.asarray(
-        _in_mesh(lambda v: jax.lax.pmin(v, "i"), x=x)))
+    np.testing.assert_array_equal(
+        np.asarray(prod), np.asarray(_in_mesh(lambda v: jax.lax.pmin(v, "i"), x=x))
+    )
 
 
 def test_unsupported_dtype():
@@ -428,20 +531,25 @@ def test_unsupported_dtype():
         _in_mesh(lambda v: jaxring.allreduce(v.astype(jnp.float8_e4m3fn), "i"), x=x)
 
 
-@pytest.mark.parametrize("kw,match", [({"op": "avg"}, "op must be one of"),
-                                       ({"rings": 0}, "rings must be"),
-                                       ({"rings": 1.5}, "rings must be"),
-                                       # Beyond what the handlers can hold:
-                                       # refused, never narrowed or wrapped.
-                                       ({"rings": 2**31}, "rings must be an int from 1 to 64"),
-                                       ({"rings": 2**32 + 1}, "rings must be"),
-                                       ({"rings": 65}, "rings must be"),
-                                       ({"chunk_bytes": -4}, "chunk_bytes must be"),
-                                       ({"chunk_bytes": 2**64}, "chunk_bytes must be"),
-                                       ({"timeout_s": 0}, "timeout_s must be"),
-                                       ({"timeout_s": float("inf")}, "timeout_s must be a finite"),
-                                       ({"timeout_s": float("nan")}, "timeout_s must be"),
-                                       ({"timeout_s": 1e10}, "at most 604800")])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"op": "avg"}, "op must be one of"),
+        ({"rings": 0}, "rings must be"),
+        ({"rings": 1.5}, "rings must be"),
+        # Beyond what the handlers can hold:
+        # refused, never narrowed or wrapped.
+        ({"rings": 2**31}, "rings must be an int from 1 to 64"),
+        ({"rings": 2**32 + 1}, "rings must be"),
+        ({"rings": 65}, "rings must be"),
+        ({"chunk_bytes": -4}, "chunk_bytes must be"),
+        ({"chunk_bytes": 2**64}, "chunk_bytes must be"),
+        ({"timeout_s": 0}, "timeout_s must be"),
+        ({"timeout_s": float("inf")}, "timeout_s must be a finite"),
+        ({"timeout_s": float("nan")}, "timeout_s must be"),
+        ({"timeout_s": 1e10}, "at most 604800"),
+    ],
+)
 def test_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         _in_mesh(lambda v: jaxring.allreduce(v, "i", **kw))
@@ -457,19 +565,24 @@ def test_missing_rank_times_out_with_its_name(algorithm):
     """Only rank 0 calls the allreduce: it must fail, naming ranks 1..7."""
     mesh = mesh_of(8)
     x = put(np.ones((8, 4), np.float32), mesh, P("i"))
+
     def f(v):
-        return jax.lax.cond(jax.lax.axis_index("i") == 0,
-                            lambda u: jaxring.allreduce(u, "i", timeout_s=1.0,
-                                                        algorithm=algorithm),
-                            lambda u: u, v)
-    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
-                              check_vma=False))
+        return jax.lax.cond(
+            jax.lax.axis_index("i") == 0,
+            lambda u: jaxring.allreduce(u, "i", timeout_s=1.0, algorithm=algorithm),
+            lambda u: u,
+            v,
+        )
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
     # The exchange plan runs on the plan executor, which names the partner
     # rank 0 waits for.
-    missing = (r"timed out after 1 s on rank 0: ring 0 \(exchange along tier 0\) "
-               r"waits for rank 1 \(process 0\): 0 of 1 chunks arrived"
-               if algorithm == "exchange" else
-               r"timed out after 1 s: rank\(s\) 1, 2, 3, 4, 5, 6, 7 of 8 never arrived")
+    missing = (
+        r"timed out after 1 s on rank 0: ring 0 \(exchange along tier 0\) "
+        r"waits for rank 1 \(process 0\): 0 of 1 chunks arrived"
+        if algorithm == "exchange"
+        else r"timed out after 1 s: rank\(s\) 1, 2, 3, 4, 5, 6, 7 of 8 never arrived"
+    )
     with pytest.raises(jaxring.CollectiveTimeoutError, match=missing) as e:
         with jaxring.translate_errors():
             np.asarray(g(x))
@@ -479,31 +592,45 @@ def test_missing_rank_times_out_with_its_name(algorithm):
     assert e.value.peer_process is None  # one process: no peer to blame
     # The transport keeps the failed op only until its grace period ends, and
     # later operations still work.
-    assert np.array_equal(np.asarray(_in_mesh(lambda v: jaxring.allreduce(v, "i"))),
-                          np.full((8, 4), 8.0, np.float32))
+    assert np.array_equal(
+        np.asarray(_in_mesh(lambda v: jaxring.allreduce(v, "i"))), np.full((8, 4), 8.0, np.float32)
+    )
 
 
 def test_the_failure_tag_alone_picks_the_exception_and_the_peer():
     from jaxring._src.errors import translate
+
     # What a handler returns, as XLA reports it: its status, then the tag.
-    lost = translate(RuntimeError(
-        "UNAVAILABLE: [jaxring kind=peer_lost peer=2] jaxring allreduce (op 4, "
-        "group 0, run 9, 8 x float32): process 2 (h:1) is unreachable: gone"))
+    lost = translate(
+        RuntimeError(
+            "UNAVAILABLE: [jaxring kind=peer_lost peer=2] jaxring allreduce (op 4, "
+            "group 0, run 9, 8 x float32): process 2 (h:1) is unreachable: gone"
+        )
+    )
     assert type(lost) is jaxring.PeerLostError
     assert (lost.operation, lost.peer_process) == ("op 4, group 0, run 9", 2)
     # A peer's words come after the tag: whatever they say chooses nothing.
-    reported = translate(RuntimeError(
-        "FAILED_PRECONDITION: [jaxring kind=mismatch peer=1] jaxring allreduce "
-        "(op 5, group 0, run 9): process 3 (h:1) is unreachable: timed out after "
-        "[jaxring kind=peer_lost peer=3] [reported by process 1]"))
+    reported = translate(
+        RuntimeError(
+            "FAILED_PRECONDITION: [jaxring kind=mismatch peer=1] jaxring allreduce "
+            "(op 5, group 0, run 9): process 3 (h:1) is unreachable: timed out after "
+            "[jaxring kind=peer_lost peer=3] [reported by process 1]"
+        )
+    )
     assert type(reported) is jaxring.MismatchError and reported.peer_process == 1
-    timeout = translate(RuntimeError(
-        "DEADLINE_EXCEEDED: [jaxring kind=timeout peer=-1] jaxring allreduce "
-        "(op 6, group 0, run 9) timed out after 1 s: rank(s) 1 never arrived"))
+    timeout = translate(
+        RuntimeError(
+            "DEADLINE_EXCEEDED: [jaxring kind=timeout peer=-1] jaxring allreduce "
+            "(op 6, group 0, run 9) timed out after 1 s: rank(s) 1 never arrived"
+        )
+    )
     assert type(timeout) is jaxring.CollectiveTimeoutError and timeout.peer_process is None
-    resource = translate(RuntimeError(
-        "RESOURCE_EXHAUSTED: [jaxring kind=resource peer=0] jaxring allreduce "
-        "(op 7, group 0, run 9): process 0 holds 4096 operations"))
+    resource = translate(
+        RuntimeError(
+            "RESOURCE_EXHAUSTED: [jaxring kind=resource peer=0] jaxring allreduce "
+            "(op 7, group 0, run 9): process 0 holds 4096 operations"
+        )
+    )
     assert type(resource) is jaxring.JaxringError and resource.peer_process == 0
     # Untagged: a jaxring message without a kind, or not jaxring's at all.
     assert type(translate(RuntimeError("jaxring allreduce (op 1): ?"))) is jaxring.JaxringError
@@ -519,6 +646,7 @@ def test_translate_errors_passes_other_exceptions_through():
     @jaxring.translate_errors()
     def fails():
         raise KeyError("k")
+
     with pytest.raises(KeyError):
         fails()
 
@@ -541,6 +669,7 @@ def test_transport_holds_nothing_after_operations():
 
 # ---- configuration ----------------------------------------------------------
 
+
 def test_config_update_and_validation():
     assert jaxring.config.rings >= 1
     jaxring.config.update("rings", 3)
@@ -560,12 +689,19 @@ def test_config_update_and_validation():
 
 @pytest.mark.slow  # the settings' parsing, in new processes: on the newest jax only
 def test_environment_variables(script):
-    res = script("""
+    res = script(
+        """
         import jaxring
         print(jaxring.config.rings, jaxring.config.chunk_bytes, jaxring.config.timeout_s,
               jaxring.config.algorithm)
-    """, env={"JAXRING_RINGS": "4", "JAXRING_CHUNK_BYTES": "4096", "JAXRING_TIMEOUT_S": "7.5",
-              "JAXRING_ALGORITHM": "ring"})
+    """,
+        env={
+            "JAXRING_RINGS": "4",
+            "JAXRING_CHUNK_BYTES": "4096",
+            "JAXRING_TIMEOUT_S": "7.5",
+            "JAXRING_ALGORITHM": "ring",
+        },
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["4", "4096", "7.5", "ring"]
     res = script("import jaxring", env={"JAXRING_RINGS": "zero"})
@@ -575,16 +711,23 @@ def test_environment_variables(script):
     res = script("import jaxring", env={"JAXRING_TIMEOUT_S": "inf"})
     assert res.returncode != 0 and "JAXRING_TIMEOUT_S='inf': expected a finite" in res.stderr
     res = script("import jaxring", env={"JAXRING_CPU_THREADS": "abc"})
-    assert res.returncode != 0 and \
-        "JAXRING_CPU_THREADS='abc': expected a thread count" in res.stderr
+    assert (
+        res.returncode != 0 and "JAXRING_CPU_THREADS='abc': expected a thread count" in res.stderr
+    )
     res = script("import jaxring", env={"JAXRING_ALGORITHM": "tree"})
     assert res.returncode != 0 and "JAXRING_ALGORITHM='tree': expected one of" in res.stderr
     res = script("import jaxring", env={"JAXRING_HUGE_PAGES": "yes"})
     assert res.returncode != 0 and "JAXRING_HUGE_PAGES='yes': expected 1" in res.stderr
     res = script("import jaxring", env={"JAXRING_CPU_GANG_START": "maybe"})
-    assert res.returncode != 0 and ("JAXRING_CPU_GANG_START='maybe': expected True or "
-                                    "False (in the environment: 1, true, yes or on; "
-                                    "0, false, no or off)") in res.stderr
+    assert (
+        res.returncode != 0
+        and (
+            "JAXRING_CPU_GANG_START='maybe': expected True or "
+            "False (in the environment: 1, true, yes or on; "
+            "0, false, no or off)"
+        )
+        in res.stderr
+    )
 
 
 @pytest.mark.parametrize("raw", ["yes", "no", "true", "off", " 0", "2"])
@@ -592,24 +735,34 @@ def test_huge_pages_takes_1_or_0_only(monkeypatch, raw):
     """The C++ side reads any value but "0" as 1 ("no" would ask for huge
     pages), so everything but 1 and 0 is refused before it is read."""
     from jaxring._src import runtime
+
     monkeypatch.setenv("JAXRING_HUGE_PAGES", raw)
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             f"JAXRING_HUGE_PAGES={raw!r}: expected 1 (ask for transparent huge pages "
-            "on CPU results of 4 MiB or more) or 0 (do not)")):
+            "on CPU results of 4 MiB or more) or 0 (do not)"
+        ),
+    ):
         runtime.check_huge_pages_setting()
 
 
 @pytest.mark.parametrize("raw", ["1", "0", ""])
 def test_huge_pages_settings_that_are_accepted(monkeypatch, raw):
     from jaxring._src import runtime
+
     monkeypatch.setenv("JAXRING_HUGE_PAGES", raw)
     runtime.check_huge_pages_setting()
 
 
 def _op_ids_in(lowered_text, attribute="op_id"):
-    return [int(m) for m in re.findall(
-        r"custom_call @jaxring_allreduce(?:_start)?_cpu\(.*?" + attribute + r" = (\d+)",
-        lowered_text)]
+    return [
+        int(m)
+        for m in re.findall(
+            r"custom_call @jaxring_allreduce(?:_start)?_cpu\(.*?" + attribute + r" = (\d+)",
+            lowered_text,
+        )
+    ]
 
 
 def test_every_call_gets_its_own_op_id():
@@ -624,16 +777,25 @@ def test_every_call_gets_its_own_op_id():
         rematted = jax.checkpoint(lambda v: jnp.sin(red(v, "i")))
 
         def f(v):
-            return (red(v, "i") + 10 * red(v * 3.0, "i")
-                    + 100 * helper(v + 1.0) + 1000 * helper(v * v)
-                    + rematted(v) + rematted(2 * v))
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
-                                     check_vma=False))
+            return (
+                red(v, "i")
+                + 10 * red(v * 3.0, "i")
+                + 100 * helper(v + 1.0)
+                + 1000 * helper(v * v)
+                + rematted(v)
+                + rematted(2 * v)
+            )
+
+        return jax.jit(
+            jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False)
+        )
+
     x = put(np.linspace(-1, 1, 4 * 64, dtype=np.float32), mesh, P("i"))
     ids = _op_ids_in(step(jaxring.allreduce).lower(x).as_text())
     assert len(ids) == 6 and len(set(ids)) == 6, ids
-    np.testing.assert_allclose(np.asarray(step(jaxring.allreduce)(x)),
-                               np.asarray(step(jax.lax.psum)(x)), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(step(jaxring.allreduce)(x)), np.asarray(step(jax.lax.psum)(x)), rtol=1e-5
+    )
 
 
 def test_op_ids_depend_on_the_call_slot_not_on_other_lowerings():
@@ -650,16 +812,25 @@ def test_op_ids_depend_on_the_call_slot_not_on_other_lowerings():
     def step(scale):
         def train_step(v):
             return jaxring.psum(v, "i") + jaxring.pmean(scale * v, "i")
-        return jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=P("i"),
-                                     out_specs=P("i"), check_vma=False))
+
+        return jax.jit(
+            jax.shard_map(train_step, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False)
+        )
 
     def ids(f, arg):
         text = f.lower(arg).as_text()
         return _op_ids_in(text), _op_ids_in(text, "slot_id")
 
     first, first_slots = ids(step(2.0), x)
-    other = jax.jit(jax.shard_map(lambda v: jaxring.psum(v, "i") * 3, mesh=mesh,
-                                  in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    other = jax.jit(
+        jax.shard_map(
+            lambda v: jaxring.psum(v, "i") * 3,
+            mesh=mesh,
+            in_specs=P("i"),
+            out_specs=P("i"),
+            check_vma=False,
+        )
+    )
     others, other_slots = ids(other, x)
     wider, wider_slots = ids(step(2.0), wide)
     again, again_slots = ids(step(2.0), x)
@@ -683,19 +854,28 @@ def test_inside_scan_and_while_loops():
     def scanned(red):
         def body(c, _):
             return red(c, "i") / 8.0 + 1.0, None
+
         def f(v):
             out, _ = jax.lax.scan(body, v, None, length=25)
             out = jax.lax.fori_loop(0, 5, lambda i, c: red(c, "i") / 8.0, out)
             return out
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
-                                     check_vma=False))
-    np.testing.assert_allclose(np.asarray(scanned(jaxring.allreduce)(x)),
-                               np.asarray(scanned(jax.lax.psum)(x)), rtol=1e-6)
+
+        return jax.jit(
+            jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False)
+        )
+
+    np.testing.assert_allclose(
+        np.asarray(scanned(jaxring.allreduce)(x)), np.asarray(scanned(jax.lax.psum)(x)), rtol=1e-6
+    )
 
 
 def _algorithm_ids_in(lowered_text):
-    return [int(m) for m in re.findall(
-        r"custom_call @jaxring_allreduce(?:_start)?_cpu\(.*?algorithm = (\d+)", lowered_text)]
+    return [
+        int(m)
+        for m in re.findall(
+            r"custom_call @jaxring_allreduce(?:_start)?_cpu\(.*?algorithm = (\d+)", lowered_text
+        )
+    ]
 
 
 def test_auto_algorithm_is_direct_in_one_process_and_modelled_under_link_emulation():
@@ -704,11 +884,18 @@ def test_auto_algorithm_is_direct_in_one_process_and_modelled_under_link_emulati
     large = put(np.ones(4 * 16384, np.float32), mesh, P("i"))  # 64 KiB per device
 
     def lowered(operand=x, **kw):
-        f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i", **kw),
-                                  mesh=mesh, in_specs=P("i"), out_specs=P("i"),
-                                  check_vma=False))
+        f = jax.jit(
+            jax.shard_map(
+                lambda v: jaxring.allreduce(v, "i", **kw),
+                mesh=mesh,
+                in_specs=P("i"),
+                out_specs=P("i"),
+                check_vma=False,
+            )
+        )
         return f.lower(operand).as_text()
-    assert _algorithm_ids_in(lowered()) == [1]                   # direct
+
+    assert _algorithm_ids_in(lowered()) == [1]  # direct
     assert _algorithm_ids_in(lowered(algorithm="ring")) == [0]
     jaxring.config.update("cpu_link", "10Gbit,1us")
     try:
@@ -737,11 +924,14 @@ def test_auto_takes_direct_across_processes_that_share_the_host_segment(monkeypa
     per process; never under an emulated link, or where a topology is set.
     Without the segment, the ring as before."""
     from jaxring._src import allreduce as ar, host_segment
+
     two, four = np.array([0, 1], np.int64), np.array([0, 1, 2, 3], np.int64)
 
     def auto(ranks, nbytes, **kw):
-        return ar.resolve_algorithm("auto", kw.pop("link", ()), ranks, nbytes=nbytes,
-                                    world=len(ranks), **kw)
+        return ar.resolve_algorithm(
+            "auto", kw.pop("link", ()), ranks, nbytes=nbytes, world=len(ranks), **kw
+        )
+
     assert host_segment.unavailable() is not None  # no job here: the ring
     assert auto(four, 1 << 20) == "ring"
     monkeypatch.setattr(host_segment, "unavailable", lambda: None)
@@ -761,6 +951,7 @@ def test_auto_takes_direct_across_processes_that_share_the_host_segment(monkeypa
 
 def test_direct_refused_across_processes():
     from jaxring._src.allreduce import resolve_algorithm
+
     one, two = np.zeros(4, np.int64), np.array([0, 0, 1, 1], np.int64)
     assert resolve_algorithm("auto", (), one) == "direct"
     assert resolve_algorithm("auto", (), two) == "ring"
@@ -808,17 +999,21 @@ def test_auto_under_one_emulated_link_takes_the_exchange_where_its_model_does():
     from jaxring._src import cost_model
     from jaxring._src.allreduce import resolve_algorithm
     from jaxring._src.config import parse_links
+
     one = np.zeros(8, np.int64)
     slow = parse_links("41Mbit,50us")
 
     def pick(nbytes, link=slow, **kw):
-        return resolve_algorithm("auto", link, one, nbytes=nbytes, world=8, rings=2,
-                                 chunk_bytes=1 << 20, **kw)
+        return resolve_algorithm(
+            "auto", link, one, nbytes=nbytes, world=8, rings=2, chunk_bytes=1 << 20, **kw
+        )
 
     def model_says_exchange(nbytes, link=slow):
         m = cost_model.emulated_machine(link, 8)
-        return (cost_model.exchange_time(m, nbytes, 2, 1 << 20)
-                < cost_model.flat_ring_time(m, nbytes, 2, 1 << 20))
+        return cost_model.exchange_time(m, nbytes, 2, 1 << 20) < cost_model.flat_ring_time(
+            m, nbytes, 2, 1 << 20
+        )
+
     # 41 Mbit with 50 us: the model's crossover lies between 1 and 8 KiB,
     # above the default exchange_max_bytes (512).
     assert model_says_exchange(1024) and not model_says_exchange(8192)
@@ -852,14 +1047,21 @@ def test_exchange_takes_no_explicit_tiers_and_lowers_as_exchange():
     x = put(np.ones((4, 8), np.float32), mesh, P("i"))
 
     def lowered(**kw):
-        f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i", **kw), mesh=mesh,
-                                  in_specs=P("i"), out_specs=P("i"), check_vma=False))
+        f = jax.jit(
+            jax.shard_map(
+                lambda v: jaxring.allreduce(v, "i", **kw),
+                mesh=mesh,
+                in_specs=P("i"),
+                out_specs=P("i"),
+                check_vma=False,
+            )
+        )
         return f.lower(x).as_text()
 
-    assert _algorithm_ids_in(lowered(algorithm="exchange")) == [
-        _jaxring.ALGORITHMS["exchange"]]
+    assert _algorithm_ids_in(lowered(algorithm="exchange")) == [_jaxring.ALGORITHMS["exchange"]]
     assert _algorithm_ids_in(lowered(algorithm="exchange", topology="flat")) == [
-        _jaxring.ALGORITHMS["exchange"]]
+        _jaxring.ALGORITHMS["exchange"]
+    ]
     with pytest.raises(ValueError, match="picks its own tiers"):
         lowered(algorithm="exchange", topology=(2, 2))
 
@@ -870,8 +1072,13 @@ def test_a_value_every_rank_holds_is_reduced_where_it_is(op):
     already summed) gives lax's result with nothing sent: no custom call."""
     mesh = jax.make_mesh((8,), ("batch",))
     x = jnp.asarray([0.5, -1.25, 2.0], jnp.float32)
-    lax_op = {"sum": jax.lax.psum, "mean": jax.lax.pmean, "max": jax.lax.pmax,
-              "min": jax.lax.pmin, "prod": lambda v, a: v ** 8}[op]
+    lax_op = {
+        "sum": jax.lax.psum,
+        "mean": jax.lax.pmean,
+        "max": jax.lax.pmax,
+        "min": jax.lax.pmin,
+        "prod": lambda v, a: v**8,
+    }[op]
 
     def run(f):
         g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P()))
@@ -886,9 +1093,14 @@ def test_a_value_every_rank_holds_is_reduced_where_it_is(op):
         got, _ = run(lambda v: jaxring.psum(v > 0, "batch"))
         np.testing.assert_array_equal(np.asarray(got), [8, 0, 8])
     # Varying values in the same call are still sent.
-    mixed = jax.jit(jax.shard_map(
-        lambda v, w: jaxring.allreduce((v, w), "batch", op=op), mesh=mesh,
-        in_specs=(P(), P("batch")), out_specs=P()))
+    mixed = jax.jit(
+        jax.shard_map(
+            lambda v, w: jaxring.allreduce((v, w), "batch", op=op),
+            mesh=mesh,
+            in_specs=(P(), P("batch")),
+            out_specs=P(),
+        )
+    )
     w = jax.device_put(jnp.ones(8, jnp.float32), NamedSharding(mesh, P("batch")))
     assert "jaxring_allreduce" in mixed.lower(x, w).as_text()
 
@@ -900,27 +1112,35 @@ def test_large_leaves_are_reduced_alone_and_small_ones_fused():
     mesh = mesh_of(4)
     rng = np.random.default_rng(0)
     big = put(rng.standard_normal((4 * 512, 512)).astype(np.float32), mesh, P("i"))
-    small = [put(rng.standard_normal((4, 16)).astype(np.float32), mesh, P("i"))
-             for _ in range(2)]
+    small = [put(rng.standard_normal((4, 16)).astype(np.float32), mesh, P("i")) for _ in range(2)]
 
     def run(reduce):
-        f = jax.jit(jax.shard_map(lambda *v: reduce(list(v), "i"), mesh=mesh,
-                                  in_specs=P("i"), out_specs=P(), check_vma=False))
+        f = jax.jit(
+            jax.shard_map(
+                lambda *v: reduce(list(v), "i"),
+                mesh=mesh,
+                in_specs=P("i"),
+                out_specs=P(),
+                check_vma=False,
+            )
+        )
         return f(big, *small), f.lower(big, *small).as_text()
 
     got, text = run(jaxring.pmean)
     want, _ = run(jax.lax.pmean)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
-    operands = sorted(line.rsplit("} : (", 1)[1].split(",")[0]
-                      for line in text.splitlines() if "jaxring_allreduce_cpu(" in line)
+    operands = sorted(
+        line.rsplit("} : (", 1)[1].split(",")[0]
+        for line in text.splitlines()
+        if "jaxring_allreduce_cpu(" in line
+    )
     assert operands == ["tensor<32xf32>", "tensor<512x512xf32>"], operands
 
 
 def _world_sizes_sent(text: str) -> list[int]:
     """The world size of every jaxring allreduce a lowered module sends."""
-    return sorted(int(m) for m in re.findall(
-        r"jaxring_allreduce_cpu\(.*?world_size = (\d+)", text))
+    return sorted(int(m) for m in re.findall(r"jaxring_allreduce_cpu\(.*?world_size = (\d+)", text))
 
 
 @pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
@@ -934,21 +1154,18 @@ def test_a_value_varying_over_some_axes_is_sent_over_those_only(op):
     # Values near 1: a product over 8 ranks stays in range, and lax's
     # reference for it takes logarithms.
     x = put((1 + 0.1 * rng.standard_normal((8, 3))).astype(np.float32), mesh, P("a"))
-    y = put((1 + 0.1 * rng.standard_normal((8, 3))).astype(np.float32), mesh,
-            P(("a", "b")))
+    y = put((1 + 0.1 * rng.standard_normal((8, 3))).astype(np.float32), mesh, P(("a", "b")))
     lax_op = {**LAX, "prod": lambda v, a: jnp.exp(jax.lax.psum(jnp.log(v), a))}[op]
 
     def varying_over_b(v):
         return jax.lax.pcast(v, "b", to="varying")
 
     def run(f):
-        g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("a"), P(("a", "b"))),
-                                  out_specs=P()))
+        g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("a"), P(("a", "b"))), out_specs=P()))
         return g(x, y), g.lower(x, y).as_text()
 
     got, text = run(lambda v, w: jaxring.allreduce((v, w), ("a", "b"), op=op))
-    want, _ = run(lambda v, w: (lax_op(varying_over_b(v), ("a", "b")),
-                                lax_op(w, ("a", "b"))))
+    want, _ = run(lambda v, w: (lax_op(varying_over_b(v), ("a", "b")), lax_op(w, ("a", "b"))))
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
     # One operation over the 4 ranks of "a", one over all 8 for the value
@@ -961,9 +1178,17 @@ def test_a_value_varying_over_some_axes_is_sent_over_those_only(op):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
         def grads(reduce):
-            return jax.jit(jax.shard_map(
-                jax.grad(lambda v: reduce(v * v, ("a", "b")).sum()), mesh=mesh,
-                in_specs=P("a"), out_specs=P("a")))(x)
+            return jax.jit(
+                jax.shard_map(
+                    jax.grad(lambda v: reduce(v * v, ("a", "b")).sum()),
+                    mesh=mesh,
+                    in_specs=P("a"),
+                    out_specs=P("a"),
+                )
+            )(x)
+
         np.testing.assert_allclose(
             np.asarray(grads(jaxring.psum)),
-            np.asarray(grads(lambda v, a: jax.lax.psum(varying_over_b(v), a))), rtol=1e-6)
+            np.asarray(grads(lambda v, a: jax.lax.psum(varying_over_b(v), a))),
+            rtol=1e-6,
+        )

@@ -10,12 +10,33 @@ import pytest
 def test_bench_prints_the_table_and_writes_the_plot(tmp_path):
     png = tmp_path / "busbw.png"
     res = subprocess.run(
-        [sys.executable, "-m", "jaxring.bench", "--devices", "2", "--min-bytes", "4K",
-         "--max-bytes", "64K", "--min-time", "0.05", "--rounds", "1", "--plot", str(png)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "jaxring.bench",
+            "--devices",
+            "2",
+            "--min-bytes",
+            "4K",
+            "--max-bytes",
+            "64K",
+            "--min-time",
+            "0.05",
+            "--rounds",
+            "1",
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [l for l in res.stdout.splitlines() if l.strip().endswith("x") and "|" in l]
-    assert [r.split()[0:2] for r in rows] == [["4", "KiB"], ["16", "KiB"], ["64", "KiB"]], res.stdout
+    assert [r.split()[0:2] for r in rows] == [["4", "KiB"], ["16", "KiB"], ["64", "KiB"]], (
+        res.stdout
+    )
     assert f"plot written to {png}" in res.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -28,12 +49,32 @@ def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path)
     segment too), and the table names the launcher options it passed
     on."""
     import pathlib
+
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tcp_allreduce.py"
     res = subprocess.run(
-        [sys.executable, str(script), "--processes", "2", "--min-bytes", "4K",
-         "--max-bytes", "16K", "--rounds", "1", "--cpu-bind", "cores",
-         "--keep-freed-memory", "--exchange", "--plot", ""],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        [
+            sys.executable,
+            str(script),
+            "--processes",
+            "2",
+            "--min-bytes",
+            "4K",
+            "--max-bytes",
+            "16K",
+            "--rounds",
+            "1",
+            "--cpu-bind",
+            "cores",
+            "--keep-freed-memory",
+            "--exchange",
+            "--plot",
+            "",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = res.stdout.splitlines()
     head = next(l for l in lines if l.startswith("# 2 processes"))
@@ -53,21 +94,50 @@ def test_overlap_benchmark_prints_every_variant_and_the_bound(tmp_path):
     """benchmarks/overlap_cnn.py on a small CNN: every variant is timed and
     the ratios (with and without gang start) and the bound are printed."""
     import pathlib
+
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_cnn.py"
     res = subprocess.run(
-        [sys.executable, str(script), "--devices", "4", "--layers", "4", "--width", "32",
-         "--image", "16", "--per-device-batch", "4", "--rounds", "1",
-         "--link", "1Gbit,20us", "--sweep", "0.25", "--timeline", str(tmp_path / "t.json")],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        [
+            sys.executable,
+            str(script),
+            "--devices",
+            "4",
+            "--layers",
+            "4",
+            "--width",
+            "32",
+            "--image",
+            "16",
+            "--per-device-batch",
+            "4",
+            "--rounds",
+            "1",
+            "--link",
+            "1Gbit,20us",
+            "--sweep",
+            "0.25",
+            "--timeline",
+            str(tmp_path / "t.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     for name in ("compute", "comm", "serialized", "overlap", "overlap, no gang"):
         assert f"{name}:" in out, out
-    for line in ("overlap / serialized", "overlap / max(compute, comm)",
-                 "without gang start:", "first bucket ready on every device after",
-                 "bound for any schedule, max(compute, comm) / serialized",
-                 "bound within the step, max(compute, first ready + comm) =",
-                 "bucket_mb=0.25", "best: bucket_mb="):
+    for line in (
+        "overlap / serialized",
+        "overlap / max(compute, comm)",
+        "without gang start:",
+        "first bucket ready on every device after",
+        "bound for any schedule, max(compute, comm) / serialized",
+        "bound within the step, max(compute, first ready + comm) =",
+        "bucket_mb=0.25",
+        "best: bucket_mb=",
+    ):
         assert line in out, out
     assert (tmp_path / "t.json").stat().st_size > 0
 
@@ -76,11 +146,30 @@ def test_overlap_benchmark_prints_every_variant_and_the_bound(tmp_path):
 def test_exchange_crossover_prints_measured_and_modelled_ratios(tmp_path):
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "exchange_crossover.py"
     res = subprocess.run(
-        [sys.executable, str(script), "--links", "41Mbit,50us", "--devices", "4",
-         "--sizes", "256", "64K", "--calls", "2", "--rounds", "1"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        [
+            sys.executable,
+            str(script),
+            "--links",
+            "41Mbit,50us",
+            "--devices",
+            "4",
+            "--sizes",
+            "256",
+            "64K",
+            "--calls",
+            "2",
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = [l.split("|") for l in res.stdout.splitlines() if l.rstrip().endswith(("ring", "exchange"))]
+    rows = [
+        l.split("|") for l in res.stdout.splitlines() if l.rstrip().endswith(("ring", "exchange"))
+    ]
     assert [r[0].strip() for r in rows] == ["256 B", "64 KiB"], res.stdout
     # The model's choice on this link: the exchange for 256 B, the ring for 64 KiB.
     assert [r[-1].strip() for r in rows] == ["exchange", "ring"], res.stdout

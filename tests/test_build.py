@@ -43,14 +43,20 @@ def test_one_build_runs_on_the_running_jaxlib():
     headers (0.10.2 for a default pip install) and run here on whatever
     jaxlib is installed: an allreduce equals lax.psum."""
     mesh = jax.make_mesh((8,), ("i",))
-    x = jax.device_put(np.arange(8 * 5, dtype=np.float32).reshape(8, 5),
-                       NamedSharding(mesh, P("i")))
+    x = jax.device_put(
+        np.arange(8 * 5, dtype=np.float32).reshape(8, 5), NamedSharding(mesh, P("i"))
+    )
 
     def step(reduce):
-        return jax.jit(jax.shard_map(lambda v: reduce(v, "i"), mesh=mesh,
-                                     in_specs=P("i"), out_specs=P(), check_vma=False))
-    np.testing.assert_array_equal(np.asarray(step(jaxring.psum)(x)),
-                                  np.asarray(step(jax.lax.psum)(x)))
+        return jax.jit(
+            jax.shard_map(
+                lambda v: reduce(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P(), check_vma=False
+            )
+        )
+
+    np.testing.assert_array_equal(
+        np.asarray(step(jaxring.psum)(x)), np.asarray(step(jax.lax.psum)(x))
+    )
 
 
 def test_pyproject_declares_the_tested_range():
@@ -64,23 +70,31 @@ def test_pyproject_declares_the_tested_range():
     assert f"jaxlib=={lo_major}.{lo_minor}.2" in meta["build-system"]["requires"]
 
 
-@pytest.mark.parametrize("jax_version,jaxlib_version,outside", [
-    ("0.12.0.1", "0.12.0.1", []),
-    ("0.10.0", "0.11.2", []),
-    ("0.13.0", "0.12.0.1", ["jax 0.13.0"]),
-    ("0.9.2", "0.9.2", ["jax 0.9.2", "jaxlib 0.9.2"]),
-    ("0.13.0.dev20270101", "0.13.0.dev20270101",
-     ["jax 0.13.0.dev20270101", "jaxlib 0.13.0.dev20270101"]),
-])
-def test_versions_outside_the_range_are_named(monkeypatch, jax_version,
-                                             jaxlib_version, outside):
+@pytest.mark.parametrize(
+    "jax_version,jaxlib_version,outside",
+    [
+        ("0.12.0.1", "0.12.0.1", []),
+        ("0.10.0", "0.11.2", []),
+        ("0.13.0", "0.12.0.1", ["jax 0.13.0"]),
+        ("0.9.2", "0.9.2", ["jax 0.9.2", "jaxlib 0.9.2"]),
+        (
+            "0.13.0.dev20270101",
+            "0.13.0.dev20270101",
+            ["jax 0.13.0.dev20270101", "jaxlib 0.13.0.dev20270101"],
+        ),
+    ],
+)
+def test_versions_outside_the_range_are_named(monkeypatch, jax_version, jaxlib_version, outside):
     monkeypatch.setattr(jax, "__version__", jax_version)
     monkeypatch.setattr(jaxlib, "__version__", jaxlib_version)
     assert jax_compat.untested_versions() == outside
     monkeypatch.setattr(jax_compat, "_warned", False)
     if outside:
-        with pytest.warns(RuntimeWarning, match="jaxring is tested with jax and "
-                          r"jaxlib >= 0\.10, < 0\.13; this process runs"):
+        with pytest.warns(
+            RuntimeWarning,
+            match="jaxring is tested with jax and "
+            r"jaxlib >= 0\.10, < 0\.13; this process runs",
+        ):
             jax_compat.warn_if_untested()
     else:
         with jax_compat.warnings.catch_warnings():
@@ -91,10 +105,12 @@ def test_versions_outside_the_range_are_named(monkeypatch, jax_version,
 def test_ffi_api_mismatch_names_both_jaxlibs(monkeypatch):
     """XLA's refusal of a handler built against newer headers becomes an
     error that says which jaxlib each side is and how to rebuild."""
-    xla_text = ("XLA FFI handler registration for jaxring_allreduce_cpu on "
-                "platform Host (canonical host) failed because the handler's "
-                "API version (0.5) is incompatible with the framework's API "
-                "version (0.4)")
+    xla_text = (
+        "XLA FFI handler registration for jaxring_allreduce_cpu on "
+        "platform Host (canonical host) failed because the handler's "
+        "API version (0.5) is incompatible with the framework's API "
+        "version (0.4)"
+    )
 
     def refuse(name, capsule, platform):
         raise RuntimeError(xla_text)
@@ -118,8 +134,11 @@ def test_other_registration_errors_pass_through(monkeypatch):
 
 def test_every_jax_internal_goes_through_jax_compat():
     offenders = []
-    for path in [*(ROOT / "jaxring").rglob("*.py"), *(ROOT / "examples").rglob("*.py"),
-                 *(ROOT / "benchmarks").rglob("*.py")]:
+    for path in [
+        *(ROOT / "jaxring").rglob("*.py"),
+        *(ROOT / "examples").rglob("*.py"),
+        *(ROOT / "benchmarks").rglob("*.py"),
+    ]:
         if path.name == "jax_compat.py":
             continue
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
@@ -135,10 +154,21 @@ def test_the_cuda_build_setting_is_checked_at_configure(tmp_path, value, ok):
     # must stop the build rather than fall to AUTO and build without CUDA.
     cmake = shutil.which("cmake")
     assert cmake, "cmake is needed (pip install cmake)"
-    res = subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path),
-                          f"-DPython_EXECUTABLE={sys.executable}",
-                          "-DJAXRING_BUILD_PYTHON=OFF", f"-DJAXRING_CUDA={value}"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            cmake,
+            "-S",
+            str(ROOT),
+            "-B",
+            str(tmp_path),
+            f"-DPython_EXECUTABLE={sys.executable}",
+            "-DJAXRING_BUILD_PYTHON=OFF",
+            f"-DJAXRING_CUDA={value}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if ok:
         assert res.returncode == 0, res.stderr[-2000:]
     else:

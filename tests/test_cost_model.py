@@ -14,8 +14,9 @@ def machine(dims, alphas=None, betas=None, shared=None, gamma=0.0):
     alphas = alphas or [0.0] * k
     betas = betas or [1.0] * k
     shared = shared or [1] * k
-    return cm.Machine(tuple(cm.Tier(d, a, b, s) for d, a, b, s
-                            in zip(dims, alphas, betas, shared)), gamma)
+    return cm.Machine(
+        tuple(cm.Tier(d, a, b, s) for d, a, b, s in zip(dims, alphas, betas, shared)), gamma
+    )
 
 
 @pytest.mark.parametrize("p", [2, 3, 8])
@@ -25,8 +26,7 @@ def test_flat_ring_is_the_textbook_formula(p, rings):
     m = cm.Machine((cm.Tier(p, alpha, beta),), gamma)
     segment = n / (p * rings)
     chunks = math.ceil(segment / 4096)
-    want = ((2 * (p - 1) + chunks - 1) * alpha + 2 * (p - 1) / p * n * beta
-            + (p - 1) / p * n * gamma)
+    want = (2 * (p - 1) + chunks - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma
     assert cm.flat_ring_time(m, n, rings, 4096) == pytest.approx(want)
     # One tier: the tiered plan is the flat ring.
     assert cm.tiered_time(m, n, rings, 4096) == pytest.approx(want)
@@ -50,7 +50,8 @@ def test_tiered_bytes_are_the_plans(dims):
     want = sum(plan.bytes_sent(0, t) * betas[t] for t in range(len(dims)))
     assert cm.tiered_time(m, count * 4, 1, 1 << 20) == pytest.approx(want)
     assert cm.tier_bytes(m, count * 4) == pytest.approx(
-        [plan.bytes_sent(0, t) for t in range(len(dims))])
+        [plan.bytes_sent(0, t) for t in range(len(dims))]
+    )
 
 
 def test_two_hosts_of_two():
@@ -59,12 +60,12 @@ def test_two_hosts_of_two():
     link per process and one ring, the formula's 3x (1.5 n against 0.5 n)."""
     n = 1e8
     shared_link = machine((2, 2), betas=[0.0, 1.0], shared=[1, 2])
-    ratio = (cm.flat_ring_time(shared_link, n, 2, 1 << 20)
-             / cm.tiered_time(shared_link, n, 2, 1 << 20))
+    ratio = cm.flat_ring_time(shared_link, n, 2, 1 << 20) / cm.tiered_time(
+        shared_link, n, 2, 1 << 20
+    )
     assert ratio == pytest.approx(1.5)
     own_links = machine((2, 2), betas=[0.0, 1.0])
-    ratio = (cm.flat_ring_time(own_links, n, 1, 1 << 20)
-             / cm.tiered_time(own_links, n, 1, 1 << 20))
+    ratio = cm.flat_ring_time(own_links, n, 1, 1 << 20) / cm.tiered_time(own_links, n, 1, 1 << 20)
     assert ratio == pytest.approx(3.0)
 
 
@@ -105,7 +106,8 @@ def test_exchange_with_an_odd_rest_ends_in_a_ring_over_it():
     m3 = cm.Machine((cm.Tier(3, alpha, beta),))
     step = alpha + n * beta  # one exchange step, one chunk
     assert cm.exchange_time(m12, n, 1, 1 << 30) == pytest.approx(
-        2 * step + cm.flat_ring_time(m3, n, 1, 1 << 30))
+        2 * step + cm.flat_ring_time(m3, n, 1, 1 << 30)
+    )
 
 
 def test_exchange_beats_the_ring_where_latency_dominates_only():

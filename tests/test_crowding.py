@@ -27,17 +27,20 @@ def test_cores_per_rank_is_the_union_of_a_machines_cpus_over_its_ranks():
     # Devices count as ranks.
     assert crowding.cores_per_rank([rec("a", range(8), 2), rec("a", range(8), 2)]) == 2
     # The most crowded machine decides.
-    assert crowding.cores_per_rank([rec("a", range(64)), rec("b", range(64)),
-                                    rec("b", [3])]) == 32
-    assert crowding.cores_per_rank([rec("a", range(64)), rec("b", [0]),
-                                    rec("b", [0])]) == 0.5
+    assert crowding.cores_per_rank([rec("a", range(64)), rec("b", range(64)), rec("b", [3])]) == 32
+    assert crowding.cores_per_rank([rec("a", range(64)), rec("b", [0]), rec("b", [0])]) == 0.5
 
 
 def test_records_without_the_fields_count_as_machines_with_cores_to_spare():
     assert crowding.cores_per_rank([]) == math.inf
     assert crowding.cores_per_rank([rec("a", [0]), {"address": "h:1"}]) == math.inf
-    for bad in ({"cpus": [0, 1]}, {"cpus": "0-99999"}, {"ranks": 0}, {"ranks": True},
-                {"machine": 7}):
+    for bad in (
+        {"cpus": [0, 1]},
+        {"cpus": "0-99999"},
+        {"ranks": 0},
+        {"ranks": True},
+        {"machine": 7},
+    ):
         assert crowding.cores_per_rank([{**rec("a", [0]), **bad}]) == math.inf, bad
 
 
@@ -50,6 +53,7 @@ def test_one_ring_below_two_cores_per_rank_else_the_configured_count():
 
 def test_the_local_record_names_this_machine_its_cpus_and_its_ranks():
     import os
+
     r = crowding.local_record(3)
     assert r["machine"] == crowding.machine_identity() and r["ranks"] == 3
     assert crowding.parse_cpu_ranges(r["cpus"]) == os.sched_getaffinity(0)

@@ -27,8 +27,8 @@ def _built() -> bool:
 
 
 needs_cuda_build = pytest.mark.skipif(
-    not _built() and not _REQUIRED,
-    reason=f"CUDA backend {cuda_backend.status()}")
+    not _built() and not _REQUIRED, reason=f"CUDA backend {cuda_backend.status()}"
+)
 
 
 def test_required_build_is_present():
@@ -40,6 +40,7 @@ def test_required_build_is_present():
 @needs_cuda_build
 def test_module_links_and_reports_versions():
     from jaxring import _jaxring_cuda as cu
+
     info = jaxring.build_info()
     assert info["backends"]["cuda"] is True and info["cuda"] == "built"
     # The NCCL found at run time is the one the module was compiled against.
@@ -51,6 +52,7 @@ def test_module_links_and_reports_versions():
     # The "algorithm" attribute's values are named once, by the core module,
     # for both backends.
     from jaxring import _jaxring
+
     assert set(_jaxring.ALGORITHMS) == {"ring", "direct", "nccl", "exchange"}
     assert len(set(_jaxring.ALGORITHMS.values())) == 4
     assert not hasattr(cu, "ALGORITHMS")
@@ -59,14 +61,14 @@ def test_module_links_and_reports_versions():
 @needs_cuda_build
 def test_unique_ids_need_no_gpu_and_differ():
     from jaxring import _jaxring_cuda as cu
+
     a, b = cu.new_unique_id(), cu.new_unique_id()
     assert len(a) == len(b) == cu.UNIQUE_ID_BYTES == 128
     assert a != b
 
 
 def _lower_for_cuda(fn, mesh, x, in_spec, out_spec):
-    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_spec,
-                              out_specs=out_spec, check_vma=False))
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False))
     x = jax.device_put(x, NamedSharding(mesh, in_spec))
     return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -90,8 +92,10 @@ def _array(line: str, name: str) -> list:
     value as that value (a splat)."""
     m = re.search(name + r" = dense<([^>]*)> : tensor<(\d+)x", line)
     assert m, f"no array {name} in {line}"
-    values = [int(v) if re.fullmatch(r"-?\d+", v) else float(v)
-              for v in re.findall(r"-?[\d.]+(?:e[-+]?\d+)?", m.group(1))]
+    values = [
+        int(v) if re.fullmatch(r"-?\d+", v) else float(v)
+        for v in re.findall(r"-?[\d.]+(?:e[-+]?\d+)?", m.group(1))
+    ]
     n = int(m.group(2))
     return values * n if len(values) == 1 else values
 
@@ -99,13 +103,19 @@ def _array(line: str, name: str) -> list:
 @needs_cuda_build
 def test_lowering_carries_devices_and_one_id_per_group_and_ring():
     mesh = jax.make_mesh((2, 4), ("g", "i"))
-    text = _lower_for_cuda(lambda v: jaxring.allreduce(v, "i", rings=3), mesh,
-                           jnp.arange(64.0).reshape(8, 8), P(("g", "i")), P("g"))
+    text = _lower_for_cuda(
+        lambda v: jaxring.allreduce(v, "i", rings=3),
+        mesh,
+        jnp.arange(64.0).reshape(8, 8),
+        P(("g", "i")),
+        P("g"),
+    )
     (call,) = _custom_calls(text)
     assert "@jaxring_allreduce_cuda" in call
     assert _attr(call, "world_size") == "4"
     assert _attr(call, "num_rings") == "3"
     from jaxring import _jaxring
+
     assert int(_attr(call, "algorithm")) == _jaxring.ALGORITHMS["ring"]
     # The process and the local device of each rank, group by group: the
     # groups are the rows of the mesh, the ranks its columns.
@@ -115,14 +125,12 @@ def test_lowering_carries_devices_and_one_id_per_group_and_ring():
     for g in range(2):
         for r in range(4):
             d = devices[g, r]
-            assert (processes[g, r], ordinals[g, r]) == (d.process_index,
-                                                          d.local_hardware_id)
+            assert (processes[g, r], ordinals[g, r]) == (d.process_index, d.local_hardware_id)
     # The attributes every allreduce carries on the CPU too (RingAttrs), for
     # a flat ring of one size without emulated links.
     for name in ("op_id", "slot_id", "reduce_op", "chunk_bytes", "timeout_s"):
         _attr(call, name)
-    for name in ("topology", "group_sizes", "link_bytes_per_s", "link_latency_s",
-                 "link_tiers"):
+    for name in ("topology", "group_sizes", "link_bytes_per_s", "link_latency_s", "link_tiers"):
         assert _array(call, name) == [], name
     ids = np.asarray(_array(call, "nccl_ids")).reshape(2, 3, 16)
     flat = {ids[g, r].tobytes() for g in range(2) for r in range(3)}
@@ -148,39 +156,63 @@ def test_same_devices_reuse_their_communicator_ids():
 @needs_cuda_build
 def test_nccl_algorithm_attribute():
     mesh = jax.make_mesh((4,), ("i",))
-    text = _lower_for_cuda(lambda v: jaxring.allreduce(v, "i", algorithm="nccl"),
-                           mesh, jnp.arange(16.0), P("i"), P())
+    text = _lower_for_cuda(
+        lambda v: jaxring.allreduce(v, "i", algorithm="nccl"), mesh, jnp.arange(16.0), P("i"), P()
+    )
     (call,) = _custom_calls(text)
     from jaxring import _jaxring
+
     assert int(_attr(call, "algorithm")) == _jaxring.ALGORITHMS["nccl"]
 
 
 @needs_cuda_build
-@pytest.mark.parametrize("kwargs, dtype, error, match", [
-    (dict(algorithm="nccl"), jnp.int16, TypeError, "no 16-bit integer"),
-    (dict(algorithm="direct"), jnp.float32, ValueError, "CPU backend only"),
-    (dict(algorithm="exchange"), jnp.float32, ValueError, "CPU transports only"),
-    (dict(topology=(2, 2), algorithm="nccl"), jnp.float32, ValueError,
-     "NCCL's own allreduce, which has no tiers"),
-    (dict(topology=(2, 3)), jnp.float32, ValueError, "must multiply"),
-])
+@pytest.mark.parametrize(
+    "kwargs, dtype, error, match",
+    [
+        (dict(algorithm="nccl"), jnp.int16, TypeError, "no 16-bit integer"),
+        (dict(algorithm="direct"), jnp.float32, ValueError, "CPU backend only"),
+        (dict(algorithm="exchange"), jnp.float32, ValueError, "CPU transports only"),
+        (
+            dict(topology=(2, 2), algorithm="nccl"),
+            jnp.float32,
+            ValueError,
+            "NCCL's own allreduce, which has no tiers",
+        ),
+        (dict(topology=(2, 3)), jnp.float32, ValueError, "must multiply"),
+    ],
+)
 def test_cuda_lowering_refuses_what_it_cannot_run(kwargs, dtype, error, match):
     mesh = jax.make_mesh((4,), ("i",))
     with pytest.raises(error, match=match):
-        _lower_for_cuda(lambda v: jaxring.allreduce(v, "i", **kwargs), mesh,
-                        jnp.arange(16).astype(dtype), P("i"), P())
+        _lower_for_cuda(
+            lambda v: jaxring.allreduce(v, "i", **kwargs),
+            mesh,
+            jnp.arange(16).astype(dtype),
+            P("i"),
+            P(),
+        )
 
 
 @needs_cuda_build
-@pytest.mark.parametrize("topology, tiers", [
-    ((2, 2), [2, 2]), ((1, 4), []), ("flat", []),
-    # On GPUs "auto" stays one flat ring (tiers are run only when named).
-    ("auto", [])])
+@pytest.mark.parametrize(
+    "topology, tiers",
+    [
+        ((2, 2), [2, 2]),
+        ((1, 4), []),
+        ("flat", []),
+        # On GPUs "auto" stays one flat ring (tiers are run only when named).
+        ("auto", []),
+    ],
+)
 def test_lowering_carries_the_tiers_a_topology_names(topology, tiers):
     mesh = jax.make_mesh((4,), ("i",))
     text = _lower_for_cuda(
-        lambda v: jaxring.allreduce(v, "i", rings=2, topology=topology), mesh,
-        jnp.arange(16.0), P("i"), P())
+        lambda v: jaxring.allreduce(v, "i", rings=2, topology=topology),
+        mesh,
+        jnp.arange(16.0),
+        P("i"),
+        P(),
+    )
     (call,) = _custom_calls(text)
     assert _array(call, "topology") == tiers
     # The ring's communicators serve every tier: still one id per ring.
@@ -191,8 +223,7 @@ def test_lowering_carries_the_tiers_a_topology_names(topology, tiers):
 def test_overlap_buckets_carry_the_tiers():
     mesh = jax.make_mesh((4,), ("i",))
     step = jaxring.overlap(lambda x: jax.lax.psum(x * 2, "i"), axis_name="i")
-    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("i"), out_specs=P(),
-                              check_vma=False))
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("i"), out_specs=P(), check_vma=False))
     jaxring.config.update("topology", (2, 2))
     try:
         x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("i")))
@@ -212,13 +243,18 @@ def test_processes_that_lower_different_calls_are_told_at_lowering():
     import sys
     import tempfile
     from pathlib import Path
+
     script = Path(__file__).parent / "multiprocess" / "cuda_lowering_agreement.py"
 
     def run(longer):
         with tempfile.TemporaryDirectory() as cwd:
-            r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "2",
-                                str(script), str(longer)],
-                               capture_output=True, text=True, timeout=120, cwd=cwd)
+            r = subprocess.run(
+                [sys.executable, "-m", "jaxring.launch", "-n", "2", str(script), str(longer)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd=cwd,
+            )
         lines = [l for l in r.stdout.splitlines() if "LOWERED" in l or "RAISED" in l]
         return sorted(lines)
 
@@ -242,8 +278,9 @@ def test_cpu_link_is_refused_on_cuda():
     jaxring.config.update("cpu_link", "1Gbit,10us")
     try:
         with pytest.raises(ValueError, match="cpu_link"):
-            _lower_for_cuda(lambda v: jaxring.allreduce(v, "i"), mesh,
-                            jnp.arange(16.0), P("i"), P())
+            _lower_for_cuda(
+                lambda v: jaxring.allreduce(v, "i"), mesh, jnp.arange(16.0), P("i"), P()
+            )
     finally:
         jaxring.config.reset("cpu_link")
 
@@ -258,11 +295,13 @@ def test_overlap_lowers_to_cuda_start_and_done_pairs():
             h = x
             for w in ws:
                 h = jnp.tanh(h @ w)
-            return jnp.sum(h ** 2)
+            return jnp.sum(h**2)
+
         return jax.lax.pmean(jax.grad(loss)(ws), "i")
 
-    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("i")),
-                              out_specs=P(), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P("i")), out_specs=P(), check_vma=False)
+    )
     ws = [jnp.ones((16, 16)) * 0.1 for _ in range(3)]
     x = jax.device_put(jnp.ones((16, 16)), NamedSharding(mesh, P("i")))
     calls = _custom_calls(f.trace(ws, x).lower(lowering_platforms=("cuda",)).as_text())
@@ -271,8 +310,7 @@ def test_overlap_lowers_to_cuda_start_and_done_pairs():
     assert len(starts) == len(dones) >= 2, calls
     # Each done names its start's op id; each start carries the ring's
     # devices and ids like the plain allreduce.
-    assert sorted(_attr(c, "op_id") for c in starts) == \
-        sorted(_attr(c, "op_id") for c in dones)
+    assert sorted(_attr(c, "op_id") for c in starts) == sorted(_attr(c, "op_id") for c in dones)
     for c in starts:
         assert _attr(c, "world_size") == "4"
         assert len(_array(c, "rank_device")) == 4
@@ -285,15 +323,20 @@ def test_unbuilt_backend_says_why(monkeypatch):
     monkeypatch.setattr(cuda_backend, "_registered", False)
     mesh = jax.make_mesh((4,), ("i",))
     with pytest.raises(NotImplementedError, match="needs jaxring's CUDA backend"):
-        _lower_for_cuda(lambda v: jaxring.allreduce(v, "i"), mesh,
-                        jnp.arange(16.0), P("i"), P())
+        _lower_for_cuda(lambda v: jaxring.allreduce(v, "i"), mesh, jnp.arange(16.0), P("i"), P())
 
 
 def test_nccl_algorithm_is_refused_on_cpu():
     mesh = jax.make_mesh((4,), ("i",))
-    f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i", algorithm="nccl"),
-                              mesh=mesh, in_specs=P("i"), out_specs=P(),
-                              check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: jaxring.allreduce(v, "i", algorithm="nccl"),
+            mesh=mesh,
+            in_specs=P("i"),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
     with pytest.raises(ValueError, match="CUDA backend only"):
         f(jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("i"))))
 
@@ -302,11 +345,14 @@ def test_rank_devices_has_minus_one_for_devices_other_processes_own():
     """A device of another process has no readable local_hardware_id (None
     in a multi-process job); the table says -1 there and keeps this
     process's own ordinals, which are all the handler looks for."""
+
     class Device:
         def __init__(self, process_index, local_hardware_id):
             self.process_index, self.local_hardware_id = process_index, local_hardware_id
-    table = cuda_backend.rank_devices([[Device(0, 0), Device(1, None)],
-                                       [Device(0, 1), Device(1, None)]])
+
+    table = cuda_backend.rank_devices(
+        [[Device(0, 0), Device(1, None)], [Device(0, 1), Device(1, None)]]
+    )
     assert table.tolist() == [0, -1, 1, -1]
 
 
@@ -325,10 +371,10 @@ class _StoreThatFails:
 
 def _check_as_process_1(monkeypatch, client):
     from jaxring._src import cuda_agreement, jax_compat
+
     monkeypatch.setattr(cuda_backend, "job_client", lambda: client)
     monkeypatch.setattr(jax_compat, "distributed_state", lambda: (1, 2, "x:1"))
-    cuda_agreement.check_same_call(0xABC, "f32[8] sum", owner=0,
-                                   processes=[0, 1], timeout_s=0.2)
+    cuda_agreement.check_same_call(0xABC, "f32[8] sum", owner=0, processes=[0, 1], timeout_s=0.2)
 
 
 def test_agreement_tells_a_late_owner_from_a_failed_store(monkeypatch, tmp_path):
@@ -339,6 +385,7 @@ def test_agreement_tells_a_late_owner_from_a_failed_store(monkeypatch, tmp_path)
     subprocess."""
     import subprocess
     import sys
+
     probe = (
         "import socket, jax\n"
         "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
@@ -347,12 +394,15 @@ def test_agreement_tells_a_late_owner_from_a_failed_store(monkeypatch, tmp_path)
         "try:\n"
         "    jax_compat.distributed_client().blocking_key_value_get('absent', 100)\n"
         "except Exception as e:\n"
-        "    print('MESSAGE', str(e).splitlines()[0])\n")
+        "    print('MESSAGE', str(e).splitlines()[0])\n"
+    )
     # Run outside the checkout, so that the installed jaxring is imported.
-    res = subprocess.run([sys.executable, "-c", probe], capture_output=True,
-                         text=True, timeout=120, cwd=tmp_path)
-    timeout_message = next((l.split(" ", 1)[1] for l in res.stdout.splitlines()
-                            if l.startswith("MESSAGE ")), None)
+    res = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    timeout_message = next(
+        (l.split(" ", 1)[1] for l in res.stdout.splitlines() if l.startswith("MESSAGE ")), None
+    )
     assert timeout_message, res.stdout[-2000:] + res.stderr[-2000:]
 
     with pytest.raises(jaxring.CollectiveTimeoutError, match="did not lower") as info:
@@ -360,7 +410,9 @@ def test_agreement_tells_a_late_owner_from_a_failed_store(monkeypatch, tmp_path)
     assert info.value.peer_process == 0
 
     with pytest.raises(jaxring.JaxringError, match="key-value store failed") as info:
-        _check_as_process_1(monkeypatch, _StoreThatFails(
-            RuntimeError("UNAVAILABLE: failed to connect to all addresses")))
+        _check_as_process_1(
+            monkeypatch,
+            _StoreThatFails(RuntimeError("UNAVAILABLE: failed to connect to all addresses")),
+        )
     assert not isinstance(info.value, jaxring.CollectiveTimeoutError)
     assert "UNAVAILABLE" in str(info.value) and info.value.peer_process == 0

@@ -44,14 +44,19 @@ def test_python_block_runs(script, code):
 
 
 def _block_with(page: str, text: str) -> str:
-    return next(code for code in re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
-                if text in code)
+    return next(
+        code
+        for code in re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+        if text in code
+    )
 
 
 # Appended to a page's training step: its update against the gradient of the
 # whole batch on one device (an extra or missing reduction is off by 8x).
 _UPDATE_CHECKS = {
-    "README.md": ("jaxring.overlap", """
+    "README.md": (
+        "jaxring.overlap",
+        """
 host = jax.tree.map(np.asarray, batch)
 whole = jax.grad(lambda p: jnp.mean(
     (jnp.tanh(host["x"] @ p["w1"]) @ p["w2"] - host["y"]) ** 2))(params)
@@ -59,15 +64,19 @@ new = train_step(params, batch)[0]
 for k in whole:
     np.testing.assert_allclose(np.asarray(params[k] - new[k]), 0.1 * np.asarray(whole[k]),
                                rtol=1e-4, atol=1e-8)
-"""),
-    "docs/overlap.md": ("report=\"full\"", """
+""",
+    ),
+    "docs/overlap.md": (
+        'report="full"',
+        """
 import numpy as np
 before = [jnp.full((256, 256), 0.01) for _ in range(6)]
 whole = jax.grad(loss_fn)(before, np.asarray(x))
 new = step(before, x)[0]
 for b, n, g in zip(before, new, whole):
     np.testing.assert_allclose(np.asarray(b - n), 0.1 * np.asarray(g), rtol=1e-4, atol=1e-9)
-"""),
+""",
+    ),
 }
 
 
@@ -81,8 +90,11 @@ def test_training_step_updates_as_one_device_on_the_whole_batch(script, page):
 # ---- shell commands ----------------------------------------------------------
 
 # Commands whose options are checked, and how to ask each for its help.
-_TOOLS = {"jaxring-demo": ["-m", "jaxring.demo"], "jaxring-bench": ["-m", "jaxring.bench"],
-          "jaxring-launch": ["-m", "jaxring.launch"]}
+_TOOLS = {
+    "jaxring-demo": ["-m", "jaxring.demo"],
+    "jaxring-bench": ["-m", "jaxring.bench"],
+    "jaxring-launch": ["-m", "jaxring.launch"],
+}
 
 
 def _invocations():
@@ -132,10 +144,11 @@ def _options(words):
     return tuple(opts)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _help(tool):
-    res = subprocess.run([sys.executable, *tool, "--help"], capture_output=True,
-                         text=True, timeout=120, cwd="/")
+    res = subprocess.run(
+        [sys.executable, *tool, "--help"], capture_output=True, text=True, timeout=120, cwd="/"
+    )
     assert res.returncode == 0, (tool, res.stderr[-2000:])
     return res.stdout
 
@@ -149,8 +162,9 @@ def test_pages_run_jaxrings_tools():
 
 # The options are argparse's, the same on every jax: the newest runs these.
 @pytest.mark.slow
-@pytest.mark.parametrize("page,tool,options", INVOCATIONS,
-                         ids=[f"{p}:{' '.join(t)}" for p, t, _ in INVOCATIONS])
+@pytest.mark.parametrize(
+    "page,tool,options", INVOCATIONS, ids=[f"{p}:{' '.join(t)}" for p, t, _ in INVOCATIONS]
+)
 def test_command_options_exist(page, tool, options):
     if not tool[0].startswith("-"):
         assert pathlib.Path(tool[0]).exists(), tool
@@ -160,6 +174,7 @@ def test_command_options_exist(page, tool, options):
 
 
 # ---- links ---------------------------------------------------------------------
+
 
 def test_links_between_pages_resolve():
     for page in PAGES:
@@ -191,7 +206,7 @@ def _cpp_literals(path):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source_literals():
     lits = []
     for p in (ROOT / "jaxring").rglob("*.py"):
@@ -222,9 +237,13 @@ def _raised_messages():
                 arg = node.exc.args[0]
                 if isinstance(arg, ast.BinOp):
                     arg = arg.left
-                parts = ([arg.value] if isinstance(arg, ast.Constant) else
-                         [v.value for v in arg.values if isinstance(v, ast.Constant)]
-                         if isinstance(arg, ast.JoinedStr) else [])
+                parts = (
+                    [arg.value]
+                    if isinstance(arg, ast.Constant)
+                    else [v.value for v in arg.values if isinstance(v, ast.Constant)]
+                    if isinstance(arg, ast.JoinedStr)
+                    else []
+                )
                 parts = [p.strip(" .,:;()") for p in parts if isinstance(p, str)]
                 if parts and max(map(len, parts)) >= 6:
                     out.append((f"{path.name}:{node.lineno}", max(parts, key=len)))
@@ -236,6 +255,9 @@ def test_every_raised_message_is_documented():
     fragments = [f for h in _headings() for f in h.split("` … `")]
     raised = _raised_messages()
     assert len(raised) >= 30
-    missing = [(where, msg) for where, msg in raised
-               if not any(msg[:60] in f or (len(f) >= 12 and f in msg) for f in fragments)]
+    missing = [
+        (where, msg)
+        for where, msg in raised
+        if not any(msg[:60] in f or (len(f) >= 12 and f in msg) for f in fragments)
+    ]
     assert not missing, missing

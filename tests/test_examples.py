@@ -16,8 +16,13 @@ pytestmark = pytest.mark.examples
 
 def run_example(name, *args, timeout=600):
     with tempfile.TemporaryDirectory() as cwd:  # outside the checkout
-        res = subprocess.run([sys.executable, str(EXAMPLES / name), "--quiet", *args],
-                             capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        res = subprocess.run(
+            [sys.executable, str(EXAMPLES / name), "--quiet", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+        )
     assert res.returncode == 0, res.stderr[-3000:]
     summary = next(line for line in res.stdout.splitlines() if line.startswith("mode="))
     losses = next(line for line in res.stdout.splitlines() if line.startswith("losses:"))
@@ -27,12 +32,17 @@ def run_example(name, *args, timeout=600):
 
 def test_quickstart_learns_without_an_overlap_warning():
     with tempfile.TemporaryDirectory() as cwd:  # outside the checkout
-        res = subprocess.run([sys.executable, "-W", "error::UserWarning",
-                              str(EXAMPLES / "quickstart_overlap.py")],
-                             capture_output=True, text=True, timeout=300, cwd=cwd)
+        res = subprocess.run(
+            [sys.executable, "-W", "error::UserWarning", str(EXAMPLES / "quickstart_overlap.py")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=cwd,
+        )
     assert res.returncode == 0, res.stderr[-3000:]
-    losses = [float(line.split()[-1]) for line in res.stdout.splitlines()
-              if line.startswith("step")]
+    losses = [
+        float(line.split()[-1]) for line in res.stdout.splitlines() if line.startswith("step")
+    ]
     assert len(losses) == 5 and losses[-1] < 0.25 * losses[0], res.stdout
 
 
@@ -47,8 +57,9 @@ def test_mlp_reaches_95_percent_on_digits_with_overlap():
 @pytest.mark.slow
 @pytest.mark.parametrize("compression", ["wire16", "powersgd"])
 def test_mlp_reaches_95_percent_with_compression_under_overlap(compression):
-    fields, _ = run_example("train_mlp.py", "--mode", "overlap", "--devices", "8",
-                            "--compression", compression)
+    fields, _ = run_example(
+        "train_mlp.py", "--mode", "overlap", "--devices", "8", "--compression", compression
+    )
     assert fields["compression"] == compression
     assert float(fields["accuracy"]) >= 0.95, fields
 
@@ -57,10 +68,10 @@ def test_mlp_reaches_95_percent_with_compression_under_overlap(compression):
 # update is checked on every jax below.
 @pytest.mark.parametrize("mode", [pytest.param("allreduce", marks=pytest.mark.slow), "psum"])
 def test_mlp_modes_give_the_same_loss_curve(mode):
-    _, overlap = run_example("train_mlp.py", "--mode", "overlap", "--devices", "4",
-                             "--max-steps", "10")
-    _, other = run_example("train_mlp.py", "--mode", mode, "--devices", "4",
-                           "--max-steps", "10")
+    _, overlap = run_example(
+        "train_mlp.py", "--mode", "overlap", "--devices", "4", "--max-steps", "10"
+    )
+    _, other = run_example("train_mlp.py", "--mode", mode, "--devices", "4", "--max-steps", "10")
     assert len(overlap) == len(other) == 10
     for a, b in zip(overlap, other):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (overlap, other)
@@ -76,8 +87,7 @@ def test_cnn_reaches_95_percent_with_overlap():
 def cnn_curve(*args) -> tuple:
     """The losses of 4 steps of train_cnn.py on 4 devices; one run per set
     of arguments, which the CNN tests share (each run is 10-15 s)."""
-    return tuple(run_example("train_cnn.py", "--devices", "4", "--max-steps", "4",
-                             *args)[1])
+    return tuple(run_example("train_cnn.py", "--devices", "4", "--max-steps", "4", *args)[1])
 
 
 @pytest.mark.slow
@@ -85,11 +95,14 @@ def test_cnn_powersgd_warm_up_steps_average_uncompressed_then_compress():
     # Loss k is taken before update k: with 2 warm-up steps the first three
     # losses are those of uncompressed training, the fourth is not; without
     # a warm-up the second already differs.
-    curves = {name: cnn_curve(*args)
-              for name, args in (("none", ("--mode", "overlap")),
-                                 ("warm", ("--mode", "overlap", "--compression", "powersgd",
-                                           "--warm-up-steps", "2")),
-                                 ("cold", ("--mode", "overlap", "--compression", "powersgd")))}
+    curves = {
+        name: cnn_curve(*args)
+        for name, args in (
+            ("none", ("--mode", "overlap")),
+            ("warm", ("--mode", "overlap", "--compression", "powersgd", "--warm-up-steps", "2")),
+            ("cold", ("--mode", "overlap", "--compression", "powersgd")),
+        )
+    }
     for a, b in zip(curves["warm"][:3], curves["none"][:3]):
         assert abs(a - b) <= 1e-4 * abs(b), curves
     assert abs(curves["warm"][3] - curves["none"][3]) > 1e-3, curves
@@ -98,9 +111,13 @@ def test_cnn_powersgd_warm_up_steps_average_uncompressed_then_compress():
 
 def test_cnn_warm_up_steps_need_powersgd():
     with tempfile.TemporaryDirectory() as cwd:
-        res = subprocess.run([sys.executable, str(EXAMPLES / "train_cnn.py"),
-                              "--warm-up-steps", "5"],
-                             capture_output=True, text=True, timeout=120, cwd=cwd)
+        res = subprocess.run(
+            [sys.executable, str(EXAMPLES / "train_cnn.py"), "--warm-up-steps", "5"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=cwd,
+        )
     assert res.returncode == 2 and "use it with --compression powersgd" in res.stderr
 
 
@@ -123,17 +140,19 @@ def test_cnn_wire16_makes_as_many_buckets_as_the_bf16_wire(tmp_path):
     # before the next leaf's allreduce was issued once gave every leaf an
     # allreduce of its own: 44 buckets a step against 17).
     counts = {}
-    for name, args in (("bf16", ("--wire-dtype", "bfloat16")),
-                       ("wire16", ("--compression", "wire16"))):
+    for name, args in (
+        ("bf16", ("--wire-dtype", "bfloat16")),
+        ("wire16", ("--compression", "wire16")),
+    ):
         trace = tmp_path / f"{name}.json"
-        run_example("train_cnn.py", "--devices", "4", "--max-steps", "3",
-                    "--timeline", str(trace), *args)
+        run_example(
+            "train_cnn.py", "--devices", "4", "--max-steps", "3", "--timeline", str(trace), *args
+        )
         events = json.loads(trace.read_text())
         events = events["traceEvents"] if isinstance(events, dict) else events
         # Buckets, not spans: a bucket carries an allreduce per dtype, and
         # wire16 leaves the float32 metrics in float32.
-        counts[name] = len({e["name"] for e in events
-                            if e.get("ph") == "X" and e.get("tid") == 0})
+        counts[name] = len({e["name"] for e in events if e.get("ph") == "X" and e.get("tid") == 0})
     assert counts["wire16"] == counts["bf16"] > 0, counts
 
 
@@ -146,13 +165,28 @@ def test_cnn_local_batch_norm_makes_no_batch_norm_allreduces():
     reports = {}
     for mode in ("sync", "local"):
         with tempfile.TemporaryDirectory() as cwd:
-            res = subprocess.run([sys.executable, str(EXAMPLES / "train_cnn.py"), "--quiet",
-                                  "--devices", "4", "--max-steps", "2", "--report",
-                                  "--batch-norm", mode],
-                                 capture_output=True, text=True, timeout=600, cwd=cwd)
+            res = subprocess.run(
+                [
+                    sys.executable,
+                    str(EXAMPLES / "train_cnn.py"),
+                    "--quiet",
+                    "--devices",
+                    "4",
+                    "--max-steps",
+                    "2",
+                    "--report",
+                    "--batch-norm",
+                    mode,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                cwd=cwd,
+            )
         assert res.returncode == 0, res.stderr[-3000:]
-        reports[mode] = [l for l in res.stdout.splitlines() if "jaxring.overlap" in l
-                         or "not bucketed" in l]
+        reports[mode] = [
+            l for l in res.stdout.splitlines() if "jaxring.overlap" in l or "not bucketed" in l
+        ]
     assert any("not bucketed: 16 reduction(s)" in l for l in reports["sync"]), reports
     assert reports["local"] and not any("not bucketed" in l for l in reports["local"]), reports
 
@@ -182,9 +216,22 @@ def test_lm_timeline_spans_its_last_ten_steps(tmp_path):
 
     def spans(steps):
         path = tmp_path / f"{steps}.json"
-        out = subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"), "--quiet",
-                              *common, "--steps", str(steps), "--timeline", str(path)],
-                             capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        out = subprocess.run(
+            [
+                sys.executable,
+                str(EXAMPLES / "train_lm.py"),
+                "--quiet",
+                *common,
+                "--steps",
+                str(steps),
+                "--timeline",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         assert f"timeline of steps {max(2, steps - 9)} to {steps}:" in out.stdout
         trace = json.loads(path.read_text())
@@ -194,10 +241,26 @@ def test_lm_timeline_spans_its_last_ten_steps(tmp_path):
     # Steps 2..5 against 3..12: the same buckets per step, 4 steps against 10.
     four, ten = spans(5), spans(12)
     assert four > 0 and ten * 4 == four * 10, (four, ten)
-    early = subprocess.run([sys.executable, str(EXAMPLES / "train_lm.py"), "--quiet",
-                            *common, "--steps", "12", "--eval-every", "1",
-                            "--target-loss", "100", "--timeline", str(tmp_path / "no.json")],
-                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    early = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "train_lm.py"),
+            "--quiet",
+            *common,
+            "--steps",
+            "12",
+            "--eval-every",
+            "1",
+            "--target-loss",
+            "100",
+            "--timeline",
+            str(tmp_path / "no.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert early.returncode == 0, early.stderr[-3000:]
     assert "no timeline: the run ended at step 1," in early.stdout
     assert not (tmp_path / "no.json").exists()
@@ -206,9 +269,24 @@ def test_lm_timeline_spans_its_last_ten_steps(tmp_path):
 def run_launched(name, *args, timeout=600):
     """The example as 2 processes of 2 devices each; process 0's losses."""
     with tempfile.TemporaryDirectory() as cwd:
-        res = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "2",
-                              "--devices-per-process", "2", str(EXAMPLES / name), "--quiet",
-                              *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jaxring.launch",
+                "-n",
+                "2",
+                "--devices-per-process",
+                "2",
+                str(EXAMPLES / name),
+                "--quiet",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+        )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     by_rank = {}
     for line in res.stdout.splitlines():
@@ -225,11 +303,15 @@ def run_launched(name, *args, timeout=600):
 # these.
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("name,steps", [
-    ("train_mlp.py", ("--max-steps", "6")),
-    ("train_lm.py", ("--steps", "4", "--layers", "1", "--width", "64")),
-    ("train_mlp.py", ("--max-steps", "6", "--compression", "powersgd")),
-    ("train_cnn.py", ("--max-steps", "3", "--compression", "wire16"))])
+@pytest.mark.parametrize(
+    "name,steps",
+    [
+        ("train_mlp.py", ("--max-steps", "6")),
+        ("train_lm.py", ("--steps", "4", "--layers", "1", "--width", "64")),
+        ("train_mlp.py", ("--max-steps", "6", "--compression", "powersgd")),
+        ("train_cnn.py", ("--max-steps", "3", "--compression", "wire16")),
+    ],
+)
 def test_example_under_the_launcher_matches_one_process(name, steps):
     """2 processes x 2 devices (direct over the host segment) train as 1
     process of 4 devices does: every process draws the same batches from
@@ -245,20 +327,28 @@ def test_example_under_the_launcher_matches_one_process(name, steps):
         assert abs(a - b) <= tolerance * abs(b), (launched, alone)
 
 
-@pytest.mark.parametrize("name,mode", [("train_mlp.py", "overlap"),
-                                       ("train_mlp.py", "allreduce"),
-                                       ("train_cnn.py", "overlap"),
-                                       ("train_lm.py", "overlap"),
-                                       pytest.param("train_lm.py", "psum",
-                                                    marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name,mode",
+    [
+        ("train_mlp.py", "overlap"),
+        ("train_mlp.py", "allreduce"),
+        ("train_cnn.py", "overlap"),
+        ("train_lm.py", "overlap"),
+        pytest.param("train_lm.py", "psum", marks=pytest.mark.slow),
+    ],
+)
 def test_trainer_updates_as_one_device_on_the_whole_batch(name, mode):
     """One step of the trainer (SGD) against the same step run on one
     device with the whole batch: an extra or a missing gradient reduction
     is off by the device count."""
     with tempfile.TemporaryDirectory() as cwd:  # outside the checkout
-        res = subprocess.run([sys.executable, str(EXAMPLES / name), "--check-update",
-                              "--mode", mode], capture_output=True, text=True,
-                             timeout=600, cwd=cwd)
+        res = subprocess.run(
+            [sys.executable, str(EXAMPLES / name), "--check-update", "--mode", mode],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=cwd,
+        )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "update check:" in res.stdout
 
@@ -286,5 +376,6 @@ def test_quickstart_updates_as_one_device_on_the_whole_batch():
         print("ok")
     """
     from conftest import run_script
+
     res = run_script(code, devices=None)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

@@ -27,8 +27,9 @@ import gpu_worker  # noqa: E402
 def test_a_hanging_rank_is_stopped_at_the_deadline_with_its_stack(tmp_path):
     t0 = time.monotonic()
     # 15 s: each rank imports jaxring (and JAX) before it reaches its mode.
-    (rc0, out0), (rc1, out1) = gpu_worker.launch(2, "selftest_hang", timeout=15,
-                                                 log_dir=str(tmp_path))
+    (rc0, out0), (rc1, out1) = gpu_worker.launch(
+        2, "selftest_hang", timeout=15, log_dir=str(tmp_path)
+    )
     took = time.monotonic() - t0
     assert took < 15 + 5 + 5, took
     assert rc0 == 0 and out0.rstrip().endswith("OK"), out0
@@ -38,7 +39,9 @@ def test_a_hanging_rank_is_stopped_at_the_deadline_with_its_stack(tmp_path):
     assert "in _selftest" in out1, out1
     assert "still running after 15 s" in out1
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "selftest_hang-2-rank0.log", "selftest_hang-2-rank1.log"]
+        "selftest_hang-2-rank0.log",
+        "selftest_hang-2-rank1.log",
+    ]
 
 
 def test_a_rank_printing_a_mebibyte_does_not_block():
@@ -58,8 +61,7 @@ def test_a_dying_rank_is_reported_and_the_job_ends_at_once():
 
 def test_ranks_share_the_gpu_by_nccl_version():
     new = [gpu_worker.gpu_env(2, r, (2, 30, 1)) for r in range(2)]
-    assert all(e["NCCL_MULTI_RANK_GPU_ENABLE"] == "1" and "NCCL_HOSTID" not in e
-               for e in new)
+    assert all(e["NCCL_MULTI_RANK_GPU_ENABLE"] == "1" and "NCCL_HOSTID" not in e for e in new)
     old = [gpu_worker.gpu_env(2, r, (2, 28, 9)) for r in range(2)]
     assert all("NCCL_MULTI_RANK_GPU_ENABLE" not in e for e in old)
     assert old[0]["NCCL_HOSTID"] != old[1]["NCCL_HOSTID"]
@@ -83,12 +85,13 @@ def test_nan_payloads_compare_equal_and_numbers_do_not():
     assert list(gpu_worker.differing_elements(wrong.tobytes(), want, "float32")) == [1, 3]
     # bfloat16 travels as raw 16-bit patterns: 0x7FC0 and 0x7FA1 are NaNs,
     # 0x7F80 is infinity.
-    bf = lambda *u: np.array(u, np.uint16).tobytes()  # noqa: E731
+    bf = lambda *u: np.array(u, np.uint16).tobytes()
     assert len(gpu_worker.differing_elements(bf(0x7FC0, 1), bf(0x7FA1, 1), "bfloat16")) == 0
     assert list(gpu_worker.differing_elements(bf(0x7F80, 1), bf(0x7FC0, 1), "bfloat16")) == [0]
     ints = np.array([5, 6], np.int32).tobytes()
-    assert list(gpu_worker.differing_elements(ints, np.array([5, 7], np.int32).tobytes(),
-                                              "int32")) == [1]
+    assert list(
+        gpu_worker.differing_elements(ints, np.array([5, 7], np.int32).tobytes(), "int32")
+    ) == [1]
 
 
 @pytest.mark.slow
@@ -99,11 +102,22 @@ def test_the_device_script_names_each_failure_within_its_budget(tmp_path):
     of the budget, and one for which no time is left."""
     budget = 55  # the jobs import jaxring (and JAX): a few seconds each
     t0 = time.monotonic()
-    r = subprocess.run(["bash", os.path.join(GPU_DIR, "run_device_checks.sh"), str(tmp_path),
-                        "--selftest", "--budget", str(budget)],
-                       capture_output=True, text=True, timeout=budget + 30, cwd="/tmp",
-                       # The jobs import jaxring: this Python has it.
-                       env={**os.environ, "PYTHON": sys.executable})
+    r = subprocess.run(
+        [
+            "bash",
+            os.path.join(GPU_DIR, "run_device_checks.sh"),
+            str(tmp_path),
+            "--selftest",
+            "--budget",
+            str(budget),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=budget + 30,
+        cwd="/tmp",
+        # The jobs import jaxring: this Python has it.
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     took = time.monotonic() - t0
     assert took < budget + 10, took
     assert r.returncode == 1, r.stdout + r.stderr
@@ -116,9 +130,15 @@ def test_the_device_script_names_each_failure_within_its_budget(tmp_path):
         if words and words[0] in ("PASS", "FAIL", "TIMEOUT", "SKIPPED"):
             status[words[1]] = (words[0], line)
     assert [(n, s) for n, (s, _) in status.items()] == [
-        ("passes", "PASS"), ("spews", "PASS"), ("hangs", "TIMEOUT"), ("dies", "FAIL"),
-        ("after_death", "SKIPPED"), ("why_it_died", "PASS"), ("outlasts_budget", "TIMEOUT"),
-        ("no_time_left", "SKIPPED")], summary
+        ("passes", "PASS"),
+        ("spews", "PASS"),
+        ("hangs", "TIMEOUT"),
+        ("dies", "FAIL"),
+        ("after_death", "SKIPPED"),
+        ("why_it_died", "PASS"),
+        ("outlasts_budget", "TIMEOUT"),
+        ("no_time_left", "SKIPPED"),
+    ], summary
     assert "exit status 3" in status["dies"][1]
     assert "needs dies" in status["after_death"][1]
     # A diagnosis runs only after a failure, and its output is in the summary.
@@ -138,8 +158,11 @@ def test_the_device_script_names_each_failure_within_its_budget(tmp_path):
 
 def test_only_named_steps_run_and_unknown_names_are_refused(tmp_path, capsys):
     import device_checks
-    assert device_checks.main([str(tmp_path), "--selftest", "--only", "passes", "dies",
-                               "after_death"]) == 1
+
+    assert (
+        device_checks.main([str(tmp_path), "--selftest", "--only", "passes", "dies", "after_death"])
+        == 1
+    )
     summary = (tmp_path / "summary.txt").read_text()
     assert "PASS    passes" in summary and "FAIL    dies" in summary
     assert "SKIPPED after_death" in summary and "hangs" not in summary
@@ -150,6 +173,7 @@ def test_only_named_steps_run_and_unknown_names_are_refused(tmp_path, capsys):
 
 def test_every_gpu_step_names_prerequisites_that_come_before_it():
     import device_checks
+
     seen = set()
     for step in device_checks.gpu_steps():
         assert set(step.needs) <= seen, (step.name, step.needs)
@@ -192,5 +216,7 @@ def test_the_compiled_order_check_reads_a_schedule():
     at = next(i for i, l in enumerate(rest) if "%done.1" in l)
     serial = "\n".join(rest[:at] + starts + rest[at:])
     assert gpu_worker.overlap_schedule(serial) == (False, "cx3 Sx2 Dx2")
-    assert gpu_worker.overlap_schedule(_SCHEDULED.replace("jaxring_allreduce_start_cuda",
-                                                          "other"))[0] is False
+    assert (
+        gpu_worker.overlap_schedule(_SCHEDULED.replace("jaxring_allreduce_start_cuda", "other"))[0]
+        is False
+    )

@@ -25,7 +25,6 @@ import threading
 import time
 
 import pytest
-
 from test_multiprocess import Job
 
 # The TCP transport's own code, whatever the jax: with the slow tier, on the
@@ -42,34 +41,84 @@ EXTRA_THREADS, EXTRA_FDS, EXTRA_RSS_MIB = 16, 16, 128.0
 HANDSHAKE_DEADLINE_S = 10.0
 
 
-def hello(process: int, channel: int = 0, nonce: bytes = b"n" * 16,
-          version: int = VERSION) -> bytes:
+def hello(
+    process: int, channel: int = 0, nonce: bytes = b"n" * 16, version: int = VERSION
+) -> bytes:
     return struct.pack("<IIii", MAGIC, version, process, channel) + nonce
 
 
-def mac(secret: bytes, job_id: bytes, from_acceptor: bool, connector_nonce: bytes,
-        acceptor_nonce: bytes, connector: int, acceptor: int, channel: int) -> bytes:
+def mac(
+    secret: bytes,
+    job_id: bytes,
+    from_acceptor: bool,
+    connector_nonce: bytes,
+    acceptor_nonce: bytes,
+    connector: int,
+    acceptor: int,
+    channel: int,
+) -> bytes:
     label = (b"jaxring accept" if from_acceptor else b"jaxring connect").ljust(16, b"\0")
-    msg = (label + struct.pack("<I", VERSION) + job_id + connector_nonce +
-           acceptor_nonce + struct.pack("<iii", connector, acceptor, channel))
+    msg = (
+        label
+        + struct.pack("<I", VERSION)
+        + job_id
+        + connector_nonce
+        + acceptor_nonce
+        + struct.pack("<iii", connector, acceptor, channel)
+    )
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
 def frame_header(kind: int, **fields) -> bytes:
     """A FrameHeader (native order, 120 bytes) with the given fields."""
-    f = dict(run_id=1, op_id=0, group=0, ring=0, dst_rank=0, src_rank=1,
-             elem_type=2, reduce_op=0, world_size=2, num_rings=1, phase=0,
-             algorithm=0, shape_digest=0, count=8192, chunk_bytes=1 << 20, topology=0,
-             unit=0, payload_bytes=0, slot_id=0)
+    f = dict(
+        run_id=1,
+        op_id=0,
+        group=0,
+        ring=0,
+        dst_rank=0,
+        src_rank=1,
+        elem_type=2,
+        reduce_op=0,
+        world_size=2,
+        num_rings=1,
+        phase=0,
+        algorithm=0,
+        shape_digest=0,
+        count=8192,
+        chunk_bytes=1 << 20,
+        topology=0,
+        unit=0,
+        payload_bytes=0,
+        slot_id=0,
+    )
     unknown = set(fields) - set(f)
     assert not unknown, f"FrameHeader has no field {unknown}"
     f.update(fields)
-    return struct.pack("=IIqqqiiiiiiiiiiqqqqqq", MAGIC, kind, f["run_id"], f["op_id"],
-                       f["group"], f["ring"], f["dst_rank"], f["src_rank"],
-                       f["elem_type"], f["reduce_op"], f["world_size"],
-                       f["num_rings"], f["phase"], f["algorithm"], f["shape_digest"],
-                       f["count"], f["chunk_bytes"], f["topology"], f["unit"],
-                       f["payload_bytes"], f["slot_id"])
+    return struct.pack(
+        "=IIqqqiiiiiiiiiiqqqqqq",
+        MAGIC,
+        kind,
+        f["run_id"],
+        f["op_id"],
+        f["group"],
+        f["ring"],
+        f["dst_rank"],
+        f["src_rank"],
+        f["elem_type"],
+        f["reduce_op"],
+        f["world_size"],
+        f["num_rings"],
+        f["phase"],
+        f["algorithm"],
+        f["shape_digest"],
+        f["count"],
+        f["chunk_bytes"],
+        f["topology"],
+        f["unit"],
+        f["payload_bytes"],
+        f["slot_id"],
+    )
 
 
 def shm_offer(name: bytes = b"", capacity: int = SHM_RING_BYTES) -> bytes:
@@ -94,7 +143,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
                 return True
         except (ConnectionResetError, BrokenPipeError):
             return True
-        except socket.timeout:
+        except TimeoutError:
             return False
     return False
 
@@ -106,9 +155,15 @@ def send_quietly(sock: socket.socket, data: bytes) -> None:
         pass  # the victim may close before everything is written
 
 
-def prove(address: str, secret: bytes, job_id: bytes, process: int = 1,
-          channel: int = 9, garble: bool = False,
-          offer: bytes = shm_offer()) -> socket.socket:
+def prove(
+    address: str,
+    secret: bytes,
+    job_id: bytes,
+    process: int = 1,
+    channel: int = 9,
+    garble: bool = False,
+    offer: bytes = shm_offer(),
+) -> socket.socket:
     s = connect(address)
     nonce = secrets.token_bytes(16)
     s.sendall(hello(process, channel, nonce))
@@ -143,12 +198,14 @@ def attacks(address: str, secret: bytes):
             with connect(address) as s:
                 send_quietly(s, data)
                 return closed_within(s, within)
+
         return run
 
     def with_proof(key: bytes, job_id: bytes, garble: bool = False):
         def run():
             with prove(address, key, job_id, garble=garble) as s:
                 return closed_within(s, 5.0)
+
         return run
 
     def truncated():
@@ -178,8 +235,11 @@ def attacks(address: str, secret: bytes):
         with connect(address) as s:
             for _ in range(200):
                 key = secrets.randbits(40)
-                send_quietly(s, frame_header(2, run_id=key, op_id=key,
-                                             payload_bytes=1 << 20) + b"x" * (1 << 20))
+                send_quietly(
+                    s,
+                    frame_header(2, run_id=key, op_id=key, payload_bytes=1 << 20)
+                    + b"x" * (1 << 20),
+                )
             return closed_within(s, 5.0)
 
     return [
@@ -190,19 +250,28 @@ def attacks(address: str, secret: bytes):
         ("hello for nonexistent process 5", one(hello(5))),
         ("replayed hello from another job", with_proof(secret, other_job)),
         ("hello of protocol version 2", one(hello(1, version=2))),
-        ("data frames for upcoming run ids", one(b"".join(
-            frame_header(1, run_id=r, payload_bytes=32768) + b"\0" * 32768
-            for r in range(1, 5)))),
+        (
+            "data frames for upcoming run ids",
+            one(
+                b"".join(
+                    frame_header(1, run_id=r, payload_bytes=32768) + b"\0" * 32768
+                    for r in range(1, 5)
+                )
+            ),
+        ),
         ("duplicate units", one(2 * (frame_header(1, payload_bytes=4) + b"\0" * 4))),
-        ("huge and negative counts, sizes, types", one(
-            frame_header(1, count=-1, payload_bytes=1 << 40, elem_type=99) +
-            frame_header(1, count=1 << 62, payload_bytes=-5, world_size=-3))),
+        (
+            "huge and negative counts, sizes, types",
+            one(
+                frame_header(1, count=-1, payload_bytes=1 << 40, elem_type=99)
+                + frame_header(1, count=1 << 62, payload_bytes=-5, world_size=-3)
+            ),
+        ),
         ("truncated header", truncated),
         ("trickles a byte a second", trickle),
         ("300 idle connections", idle_300),
         ("200 abort frames for random keys", aborts_200),
-        ("forged peer-lost notice", one(frame_header(3, group=1, payload_bytes=7) +
-                                        b"spoofed")),
+        ("forged peer-lost notice", one(frame_header(3, group=1, payload_bytes=7) + b"spoofed")),
     ]
 
 
@@ -219,11 +288,14 @@ def insider_attacks(address: str, secret: bytes, job_id: bytes, kept: list):
     def offers_another_links_segment():
         # A segment name of another job, another direction and a path: each
         # is declined (answer 0) and the connection stays.
-        names = [b"/jaxring-" + b"0" * 32 + b"-1-0-25-" + b"a" * 32,
-                 b"/jaxring-" + job_id.hex().encode() + b"-0-1-25-" + b"a" * 32,
-                 b"/../../etc/passwd"]
-        return all(offer_answer(member(25 + i, shm_offer(name))) == 0
-                   for i, name in enumerate(names))
+        names = [
+            b"/jaxring-" + b"0" * 32 + b"-1-0-25-" + b"a" * 32,
+            b"/jaxring-" + job_id.hex().encode() + b"-0-1-25-" + b"a" * 32,
+            b"/../../etc/passwd",
+        ]
+        return all(
+            offer_answer(member(25 + i, shm_offer(name))) == 0 for i, name in enumerate(names)
+        )
 
     def offers_a_segment_others_may_open():
         # Named as the link's own, but readable by everyone: declined.
@@ -240,8 +312,10 @@ def insider_attacks(address: str, secret: bytes, job_id: bytes, kept: list):
 
     def duplicate_units():
         s = member(21)
-        frame = frame_header(1, run_id=2 * 10**9, count=1024, chunk_bytes=4096,
-                             payload_bytes=2048) + b"\0" * 2048
+        frame = (
+            frame_header(1, run_id=2 * 10**9, count=1024, chunk_bytes=4096, payload_bytes=2048)
+            + b"\0" * 2048
+        )
         send_quietly(s, frame + frame)
         return not closed_within(s, 1.0)
 
@@ -250,8 +324,11 @@ def insider_attacks(address: str, secret: bytes, job_id: bytes, kept: list):
         s = member(22)
         for _ in range(200):
             key = secrets.randbits(40)
-            send_quietly(s, frame_header(2, run_id=3 * 10**9 + key, op_id=key,
-                                         payload_bytes=1 << 20) + b"x" * (1 << 20))
+            send_quietly(
+                s,
+                frame_header(2, run_id=3 * 10**9 + key, op_id=key, payload_bytes=1 << 20)
+                + b"x" * (1 << 20),
+            )
         return not closed_within(s, 1.0)
 
     def peer_lost_about_no_one():
@@ -275,13 +352,21 @@ def insider_attacks(address: str, secret: bytes, job_id: bytes, kept: list):
         # frame naming either, or an unknown one, is never sent by this
         # build.
         closed = []
-        for i, fields in enumerate([dict(algorithm=1), dict(algorithm=2),
-                                    dict(algorithm=99)]):
+        for i, fields in enumerate([dict(algorithm=1), dict(algorithm=2), dict(algorithm=99)]):
             s = member(29 + i)
             kept.remove(s)
-            send_quietly(s, frame_header(1, run_id=4 * 10**9 + i, count=1024,
-                                         chunk_bytes=4096, payload_bytes=2048, **fields)
-                         + b"\0" * 2048)
+            send_quietly(
+                s,
+                frame_header(
+                    1,
+                    run_id=4 * 10**9 + i,
+                    count=1024,
+                    chunk_bytes=4096,
+                    payload_bytes=2048,
+                    **fields,
+                )
+                + b"\0" * 2048,
+            )
             closed.append(closed_within(s, 5.0))
         return all(closed)
 
@@ -290,11 +375,12 @@ def insider_attacks(address: str, secret: bytes, job_id: bytes, kept: list):
         ("200 aborts of 1 MiB for random keys", abort_flood),
         ("peer-lost notices about no other process", peer_lost_about_no_one),
         ("a header with values never sent", implausible_header),
-        ("data frames of algorithms that never cross processes",
-         algorithms_that_never_cross_processes),
+        (
+            "data frames of algorithms that never cross processes",
+            algorithms_that_never_cross_processes,
+        ),
         ("shared-memory offers of segments not of its link", offers_another_links_segment),
-        ("a shared-memory offer of a segment others may open",
-         offers_a_segment_others_may_open),
+        ("a shared-memory offer of a segment others may open", offers_a_segment_others_may_open),
     ]
 
 
@@ -313,13 +399,13 @@ def run_against_job(make_attacks, concurrent=()):
     kept = []
     try:
         job.wait_ready(timeout=180)
-        ready = {r: next(l for l in job.lines[r] if l.startswith("READY"))
-                 for r in range(2)}
+        ready = {r: next(l for l in job.lines[r] if l.startswith("READY")) for r in range(2)}
         address = ready[0].split()[1]
         job_id = bytes.fromhex(parse(ready[0])["job_id"])
         results = {}
         runners = []
         for name, run in make_attacks(address, bytes.fromhex(job.secret), job_id, kept):
+
             def go(name=name, run=run):
                 started = time.monotonic()
                 try:
@@ -327,6 +413,7 @@ def run_against_job(make_attacks, concurrent=()):
                 except Exception as e:  # the attack itself failed
                     results[name] = (False, repr(e))
                 results[name] += (time.monotonic() - started,)
+
             t = threading.Thread(target=go)
             t.start()
             runners.append(t)
@@ -347,8 +434,13 @@ def run_against_job(make_attacks, concurrent=()):
             s.close()
         for p in job.procs:
             assert p.wait(timeout=60) == 0, job.lines
-        lines = {r: {kind: next(l for l in job.lines[r] if l.startswith(kind))
-                     for kind in ("READY", "AFTER", "DONE")} for r in range(2)}
+        lines = {
+            r: {
+                kind: next(l for l in job.lines[r] if l.startswith(kind))
+                for kind in ("READY", "AFTER", "DONE")
+            }
+            for r in range(2)
+        }
     finally:
         for s in kept:
             s.close()
@@ -378,7 +470,8 @@ def run_against_job(make_attacks, concurrent=()):
 def test_strangers_are_turned_away_and_the_job_stays_exact():
     results, lines = run_against_job(
         lambda address, secret, job_id, kept: attacks(address, secret),
-        concurrent=("trickles a byte a second", "300 idle connections"))
+        concurrent=("trickles a byte a second", "300 idle connections"),
+    )
     # One refusal per connection: 300 idle ones, one for each other attack.
     assert int(parse(lines[0]["AFTER"])["refused"]) == len(results) - 1 + 300, lines[0]
 
@@ -399,17 +492,23 @@ def test_a_member_flooding_unstarted_operations_is_capped_and_named():
     try:
         job.wait_ready(timeout=180)
         ready = next(l for l in job.lines[0] if l.startswith("READY"))
-        s = prove(ready.split()[1], bytes.fromhex(job.secret),
-                  bytes.fromhex(parse(ready)["job_id"]), process=1, channel=20)
+        s = prove(
+            ready.split()[1],
+            bytes.fromhex(job.secret),
+            bytes.fromhex(parse(ready)["job_id"]),
+            process=1,
+            channel=20,
+        )
         kept.append(s)
         for k in range(5000):
-            send_quietly(s, frame_header(1, run_id=10**9 + k, count=1024,
-                                         chunk_bytes=4096, payload_bytes=2048) +
-                         b"\0" * 2048)
+            send_quietly(
+                s,
+                frame_header(1, run_id=10**9 + k, count=1024, chunk_bytes=4096, payload_bytes=2048)
+                + b"\0" * 2048,
+            )
         for p in job.procs:
             assert p.wait(timeout=120) == 3, job_output(job)
-        failed = {r: next(l for l in job.lines[r] if l.startswith("FAILED"))
-                  for r in range(2)}
+        failed = {r: next(l for l in job.lines[r] if l.startswith("FAILED")) for r in range(2)}
         print(job_output(job))
         assert any("refuses more" in failed[r] for r in range(2)), job_output(job)
         assert int(parse(failed[0])["pending"]) <= 4096 + 8, failed[0]

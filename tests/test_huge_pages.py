@@ -17,12 +17,14 @@ import sys
 import pytest
 
 pytestmark = [
-    pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
-                       reason="this kernel has no transparent huge pages"),
+    pytest.mark.skipif(
+        not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+        reason="this kernel has no transparent huge pages",
+    ),
     pytest.mark.slow,  # the C++ buffers' own code: on the newest jax only
 ]
 
-PROBE = r'''
+PROBE = r"""
 import jaxring
 jaxring.use_cpu_devices(2)
 import jax, numpy as np
@@ -47,14 +49,23 @@ for line in open("/proc/self/smaps"):
     elif "-" in head[0] and ":" not in head[0]:
         start, end = (int(v, 16) for v in head[0].split("-"))
 print("ADVISED", "hg" in flags)
-'''
+"""
 
 
 def advised(env: dict) -> bool:
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("JAXRING_HUGE_PAGES", "MALLOC_MMAP_THRESHOLD_", "XLA_FLAGS")}
-    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                       timeout=120, env={**base, "NUMPY_MADVISE_HUGEPAGE": "0", **env}, cwd="/")
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("JAXRING_HUGE_PAGES", "MALLOC_MMAP_THRESHOLD_", "XLA_FLAGS")
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**base, "NUMPY_MADVISE_HUGEPAGE": "0", **env},
+        cwd="/",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return {"ADVISED True": True, "ADVISED False": False}[r.stdout.strip().splitlines()[-1]]
 

@@ -18,6 +18,7 @@ N = 8
 def link():
     def set_link(spec):
         jaxring.config.update("cpu_link", spec)
+
     yield set_link
     jaxring.config.reset("cpu_link")
 
@@ -30,9 +31,22 @@ def test_parse_link_units():
     # "Gb" could mean bits or bytes: refused.
     # Not a number, or no network at all: NaN, infinite, slower than a byte
     # a second, or a latency beyond a minute.
-    for bad in ("fast", "10Gbit,20", "0Gbit", "-1MB", "1MB,2ms,3", "1Gb", "5mb",
-                "nanGbit", "infGbit", "10Gbit,infus", "10Gbit,nanms", "1e-300Gbit",
-                "4bit", "10Gbit,61s"):
+    for bad in (
+        "fast",
+        "10Gbit,20",
+        "0Gbit",
+        "-1MB",
+        "1MB,2ms,3",
+        "1Gb",
+        "5mb",
+        "nanGbit",
+        "infGbit",
+        "10Gbit,infus",
+        "10Gbit,nanms",
+        "1e-300Gbit",
+        "4bit",
+        "10Gbit,61s",
+    ):
         with pytest.raises(ValueError):
             parse_link(bad)
 
@@ -40,15 +54,21 @@ def test_parse_link_units():
 def test_parse_links_per_tier():
     def flat(spec):
         return [v for tier in parse_links(spec) for v in tier]
+
     assert flat("10Gbit,20us") == pytest.approx([0, 1.25e9, 20e-6])
-    assert flat("4:100Gbit,2us;1Gbit,20us") == pytest.approx(
-        [4, 12.5e9, 2e-6, 0, 1.25e8, 20e-6])
-    assert flat("2:1GB;4:10MB,1ms;1MB") == pytest.approx(
-        [2, 1e9, 0.0, 4, 1e7, 1e-3, 0, 1e6, 0.0])
+    assert flat("4:100Gbit,2us;1Gbit,20us") == pytest.approx([4, 12.5e9, 2e-6, 0, 1.25e8, 20e-6])
+    assert flat("2:1GB;4:10MB,1ms;1MB") == pytest.approx([2, 1e9, 0.0, 4, 1e7, 1e-3, 0, 1e6, 0.0])
     # A size on every tier but the last, at most 4 tiers, each a valid link.
-    for bad in ("4:10Gbit", "10Gbit;1Gbit", "4:10Gbit;2:1Gbit", "0:10Gbit;1Gbit",
-                "x:10Gbit;1Gbit", "2:1GB;2:1GB;2:1GB;2:1GB;1GB", "4:fast;1Gbit",
-                "4:10Gbit;"):
+    for bad in (
+        "4:10Gbit",
+        "10Gbit;1Gbit",
+        "4:10Gbit;2:1Gbit",
+        "0:10Gbit;1Gbit",
+        "x:10Gbit;1Gbit",
+        "2:1GB;2:1GB;2:1GB;2:1GB;1GB",
+        "4:fast;1Gbit",
+        "4:10Gbit;",
+    ):
         with pytest.raises(ValueError):
             parse_links(bad)
     jaxring.config.update("cpu_link", "4:100Gbit,2us;1Gbit,20us")
@@ -64,15 +84,22 @@ def test_config_rejects_a_bad_link():
 
 def allreduce_timed(n_floats):
     mesh = jax.make_mesh((N,), ("i",))
-    x = jax.device_put((jnp.arange(N * n_floats) % 7).astype(jnp.float32).reshape(N, n_floats),
-                       NamedSharding(mesh, P("i")))
-    f = jax.jit(jax.shard_map(lambda v: jaxring.psum(v, "i"), mesh=mesh,
-                              in_specs=P("i"), out_specs=P("i")))
+    x = jax.device_put(
+        (jnp.arange(N * n_floats) % 7).astype(jnp.float32).reshape(N, n_floats),
+        NamedSharding(mesh, P("i")),
+    )
+    f = jax.jit(
+        jax.shard_map(lambda v: jaxring.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    )
     f(x).block_until_ready()  # compile
     wall, cpu = time.perf_counter(), time.process_time()
     out = f(x).block_until_ready()
-    return (np.asarray(out), np.asarray(x).sum(0), time.perf_counter() - wall,
-            time.process_time() - cpu)
+    return (
+        np.asarray(out),
+        np.asarray(x).sum(0),
+        time.perf_counter() - wall,
+        time.process_time() - cpu,
+    )
 
 
 def test_emulated_link_costs_wall_time_not_cpu(link):

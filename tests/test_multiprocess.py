@@ -28,17 +28,34 @@ SCRIPTS = Path(__file__).parent / "multiprocess"
 pytestmark = pytest.mark.multiprocess
 
 
-def run_launcher(nproc: int, script: str, *args, devices_per_process: int = 1,
-                 timeout: float = 240, env: dict | None = None
-                 ) -> subprocess.CompletedProcess:
+def run_launcher(
+    nproc: int,
+    script: str,
+    *args,
+    devices_per_process: int = 1,
+    timeout: float = 240,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
     # Outside the checkout, so the installed package is imported.
     with tempfile.TemporaryDirectory() as cwd:
         return subprocess.run(
-            [sys.executable, "-m", "jaxring.launch", "-n", str(nproc),
-             "--devices-per-process", str(devices_per_process),
-             str(SCRIPTS / script), *map(str, args)],
-            capture_output=True, text=True, timeout=timeout, cwd=cwd,
-            env=None if env is None else {**os.environ, **env})
+            [
+                sys.executable,
+                "-m",
+                "jaxring.launch",
+                "-n",
+                str(nproc),
+                "--devices-per-process",
+                str(devices_per_process),
+                str(SCRIPTS / script),
+                *map(str, args),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+            env=None if env is None else {**os.environ, **env},
+        )
 
 
 def lines_by_rank(stdout: str) -> dict[int, list[str]]:
@@ -72,15 +89,13 @@ ACROSS_PROCESSES = [
     pytest.param(4, 2, 13, "auto", "flat", "auto", id="4x2-auto", marks=newest_jax_only),
     # Without the host segment (as on several hosts), "auto" runs the
     # tiered ring it derives, and the exchange for small operands.
-    pytest.param(2, 2, 14, "auto", "2x2", "tcp", id="2x2-tiered-auto-tcp",
-                 marks=newest_jax_only),
+    pytest.param(2, 2, 14, "auto", "2x2", "tcp", id="2x2-tiered-auto-tcp", marks=newest_jax_only),
     # The ring with the tiers "auto" derives: the devices of a process,
     # then the processes of the host.
     pytest.param(2, 2, 12, "ring", "2x2", "auto", id="2x2-tiered-ring"),
     pytest.param(4, 2, 4, "ring", "2x4", "auto", id="4x2-tiered-ring", marks=newest_jax_only),
     # Explicit tiers: across processes only, and two tiers inside each.
-    pytest.param(4, 1, 5, "2x2", "2x2", "auto", id="4-processes-tiered-2x2",
-                 marks=newest_jax_only),
+    pytest.param(4, 1, 5, "2x2", "2x2", "auto", id="4-processes-tiered-2x2", marks=newest_jax_only),
     pytest.param(2, 4, 6, "2x2x2", "2x2x2", "auto", id="2x4-tiered-2x2x2", marks=newest_jax_only),
     # Recursive doubling: 3 processes (a ring over the odd factor), 2
     # processes of 2 devices (one exchange in memory, one across), and 4 of
@@ -93,16 +108,20 @@ ACROSS_PROCESSES = [
 
 
 @pytest.mark.parametrize("nproc,devices,seed,topology,tiers,transport", ACROSS_PROCESSES)
-def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
-                                                  topology, tiers, transport):
+def test_allreduce_across_processes_matches_numpy(nproc, devices, seed, topology, tiers, transport):
     # 48 cases: every dtype under every op, random sizes, rings and chunks.
     # With the exchange on for small operands (up to 64 KiB here), "auto"
     # mixes it with the ring in one job where it runs the ring plan
     # (without the host segment); with the segment it runs direct.
-    r = run_launcher(nproc, "allreduce_check.py", seed, 48, topology,
-                     devices_per_process=devices,
-                     env={"JAXRING_EXCHANGE_MAX_BYTES": "65536",
-                          "JAXRING_TRANSPORT": transport})
+    r = run_launcher(
+        nproc,
+        "allreduce_check.py",
+        seed,
+        48,
+        topology,
+        devices_per_process=devices,
+        env={"JAXRING_EXCHANGE_MAX_BYTES": "65536", "JAXRING_TRANSPORT": transport},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     by_rank = lines_by_rank(r.stdout)
     assert sorted(by_rank) == list(range(nproc))
@@ -124,13 +143,13 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
         else:
             algorithm = "direct" if direct else "ring"
         assert f"ALGORITHM {algorithm}" in lines, lines[-5:]
-        small = ("direct" if direct else
-                 "exchange" if topology in ("auto", "exchange") else "ring")
+        small = "direct" if direct else "exchange" if topology in ("auto", "exchange") else "ring"
         assert f"SMALL_ALGORITHM {small}" in lines, lines[-5:]
         digests[rank] = [l for l in lines if l.startswith("CHECK")]
         assert len(digests[rank]) == 48
-        by_device, by_sender, _ = map(int, next(
-            l for l in lines if l.startswith("DATA_FRAMES")).split()[1:])
+        by_device, by_sender, _ = map(
+            int, next(l for l in lines if l.startswith("DATA_FRAMES")).split()[1:]
+        )
         # Once a connection is open, the devices' threads write the frames
         # that find it free. Direct sends none: every case went through the
         # host segment.
@@ -142,28 +161,46 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed,
     assert all(d == digests[0] for d in digests.values())
 
 
-@pytest.mark.parametrize("devices,transport", [
-    pytest.param(1, "auto", id="2-processes"),
-    pytest.param(1, "tcp", id="2-processes-tcp", marks=newest_jax_only),
-    pytest.param(2, "auto", id="2x2", marks=newest_jax_only)])
+@pytest.mark.parametrize(
+    "devices,transport",
+    [
+        pytest.param(1, "auto", id="2-processes"),
+        pytest.param(1, "tcp", id="2-processes-tcp", marks=newest_jax_only),
+        pytest.param(2, "auto", id="2x2", marks=newest_jax_only),
+    ],
+)
 def test_allreduce_in_a_loop_body_meets_the_same_iteration_on_every_rank(devices, transport):
     # XLA runs a call in a scan's or a fori_loop's body under one key for
     # the whole run: a rank's next iteration once joined a peer's current
     # one (direct: a wrong sum, then a timeout; the ring: a protocol error).
-    r = run_launcher(2, "loop_check.py", 40, 1000, "auto,ring,exchange",
-                     devices_per_process=devices,
-                     env={"JAXRING_TRANSPORT": transport, "JAXRING_TIMEOUT_S": "60"})
+    r = run_launcher(
+        2,
+        "loop_check.py",
+        40,
+        1000,
+        "auto,ring,exchange",
+        devices_per_process=devices,
+        env={"JAXRING_TRANSPORT": transport, "JAXRING_TIMEOUT_S": "60"},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     by_rank = lines_by_rank(r.stdout)
     for rank in (0, 1):
         assert [l for l in by_rank[rank] if l.startswith(("LOOP", "DONE"))] == [
-            "LOOP auto ok", "LOOP ring ok", "LOOP exchange ok", "DONE"], by_rank[rank][-5:]
+            "LOOP auto ok",
+            "LOOP ring ok",
+            "LOOP exchange ok",
+            "DONE",
+        ], by_rank[rank][-5:]
 
 
-@pytest.mark.parametrize("tiers,split", [
-    pytest.param("2x2x2", (2, 4), id="2x2x2-over-2-processes", marks=newest_jax_only),
-    pytest.param("2x4", (4, 2), id="2x4-over-4-processes", marks=newest_jax_only),
-    pytest.param("exchange", (2, 4), id="exchange-over-2-processes", marks=newest_jax_only)])
+@pytest.mark.parametrize(
+    "tiers,split",
+    [
+        pytest.param("2x2x2", (2, 4), id="2x2x2-over-2-processes", marks=newest_jax_only),
+        pytest.param("2x4", (4, 2), id="2x4-over-4-processes", marks=newest_jax_only),
+        pytest.param("exchange", (2, 4), id="exchange-over-2-processes", marks=newest_jax_only),
+    ],
+)
 def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
     # The same plan and inputs, once with every rank in one process (every
     # unit moves in memory) and twice split over processes (units that
@@ -172,10 +209,20 @@ def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
     # bits are the same, whichever link carried each partial sum.
     nproc, devices = split
     digests = {}
-    for where, (n, d) in (("memory", (1, 8)), ("auto", (nproc, devices)),
-                          ("tcp", (nproc, devices))):
-        r = run_launcher(n, "allreduce_check.py", 7, 24, tiers, devices_per_process=d,
-                         env={"JAXRING_TRANSPORT": "tcp" if where == "tcp" else "auto"})
+    for where, (n, d) in (
+        ("memory", (1, 8)),
+        ("auto", (nproc, devices)),
+        ("tcp", (nproc, devices)),
+    ):
+        r = run_launcher(
+            n,
+            "allreduce_check.py",
+            7,
+            24,
+            tiers,
+            devices_per_process=d,
+            env={"JAXRING_TRANSPORT": "tcp" if where == "tcp" else "auto"},
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         by_rank = lines_by_rank(r.stdout)
         lowered = "TOPOLOGY " + ("flat" if tiers == "exchange" else tiers)
@@ -183,17 +230,20 @@ def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
             assert lines.count("DONE") == 1 and lowered in lines, lines[-5:]
             links = int(next(l for l in lines if l.startswith("SHM_LINKS")).split()[1])
             assert (links > 0) == (where == "auto"), (where, links)
-        checks = {tuple(l for l in lines if l.startswith("CHECK"))
-                  for lines in by_rank.values()}
+        checks = {tuple(l for l in lines if l.startswith("CHECK")) for lines in by_rank.values()}
         assert len(checks) == 1  # every process got the same bits
         digests[where] = checks.pop()
         assert len(digests[where]) == 24
     assert digests["memory"] == digests["auto"] == digests["tcp"]
 
 
-@pytest.mark.parametrize("split", [
-    pytest.param((2, 2), id="2-processes-of-2"),
-    pytest.param((4, 1), id="4-processes", marks=newest_jax_only)])
+@pytest.mark.parametrize(
+    "split",
+    [
+        pytest.param((2, 2), id="2-processes-of-2"),
+        pytest.param((4, 1), id="4-processes", marks=newest_jax_only),
+    ],
+)
 def test_direct_across_processes_gives_the_bits_of_direct_in_memory(split):
     # algorithm="direct" across the processes of this host runs over the
     # host segment: every rank's share summed over the ranks in rank order,
@@ -213,8 +263,7 @@ def test_direct_across_processes_gives_the_bits_of_direct_in_memory(split):
             # Available across processes, and nothing left pending.
             assert f"HOST_DIRECT {n > 1} 0" in lines, lines[-5:]
             assert "DATA_FRAMES 0 0 0" in lines, lines[-5:]
-        checks = {tuple(l for l in lines if l.startswith("CHECK"))
-                  for lines in by_rank.values()}
+        checks = {tuple(l for l in lines if l.startswith("CHECK")) for lines in by_rank.values()}
         assert len(checks) == 1  # every process got the same bits
         digests[n] = checks.pop()
         assert len(digests[n]) == 24
@@ -247,7 +296,8 @@ def test_processes_with_different_transports_settle_on_one_answer_at_once():
         said = {l.split(" ", 1)[0]: l for l in lines}
         assert said.get("HOST_DIRECT") == (
             "HOST_DIRECT False process 2: JAXRING_TRANSPORT=tcp keeps every byte "
-            "between processes on sockets"), (rank, lines)
+            "between processes on sockets"
+        ), (rank, lines)
         assert said.get("ALGORITHM") == "ALGORITHM ring", (rank, lines)
         assert float(said["TOOK"].split()[1]) < 15, (rank, lines)
         assert "OK" in said, (rank, lines)
@@ -255,8 +305,7 @@ def test_processes_with_different_transports_settle_on_one_answer_at_once():
 
 @newest_jax_only
 def test_direct_across_processes_is_refused_where_there_is_no_host_segment():
-    r = run_launcher(2, "allreduce_check.py", 0, 1, "direct",
-                     env={"JAXRING_TRANSPORT": "tcp"})
+    r = run_launcher(2, "allreduce_check.py", 0, 1, "direct", env={"JAXRING_TRANSPORT": "tcp"})
     out = " ".join((r.stdout + r.stderr).split())
     assert r.returncode != 0
     assert "ValueError: jaxring: algorithm='direct' across processes" in out, out[-2000:]
@@ -274,9 +323,14 @@ def test_frames_a_small_socket_buffer_takes_in_parts_arrive_whole(transport):
     # required. The bits must be those of a run with the kernel's buffers.
     digests = {}
     for buffer in ("", "4096"):
-        r = run_launcher(3, "allreduce_check.py", 11, 12, "flat",
-                         env={"JAXRING_TRANSPORT": transport,
-                              "JAXRING_TCP_SOCKET_BUFFER": buffer})
+        r = run_launcher(
+            3,
+            "allreduce_check.py",
+            11,
+            12,
+            "flat",
+            env={"JAXRING_TRANSPORT": transport, "JAXRING_TCP_SOCKET_BUFFER": buffer},
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         by_rank = lines_by_rank(r.stdout)
         split = 0
@@ -286,8 +340,7 @@ def test_frames_a_small_socket_buffer_takes_in_parts_arrive_whole(transport):
             split += int(next(l for l in lines if l.startswith("DATA_FRAMES")).split()[3])
         if buffer and transport == "tcp":
             assert split > 0, "no frame was finished by a sender thread"
-        checks = {tuple(l for l in lines if l.startswith("CHECK"))
-                  for lines in by_rank.values()}
+        checks = {tuple(l for l in lines if l.startswith("CHECK")) for lines in by_rank.values()}
         assert len(checks) == 1
         digests[buffer] = checks.pop()
     assert digests[""] == digests["4096"]
@@ -295,15 +348,16 @@ def test_frames_a_small_socket_buffer_takes_in_parts_arrive_whole(transport):
 
 @newest_jax_only
 def test_a_socket_buffer_outside_its_range_is_refused():
-    r = run_launcher(2, "allreduce_check.py", 0, 1, "flat",
-                     env={"JAXRING_TCP_SOCKET_BUFFER": "12"})
+    r = run_launcher(2, "allreduce_check.py", 0, 1, "flat", env={"JAXRING_TCP_SOCKET_BUFFER": "12"})
     assert r.returncode != 0
     assert "JAXRING_TCP_SOCKET_BUFFER='12' is not a whole number of bytes" in (
-        r.stdout + r.stderr), r.stdout[-2000:] + r.stderr[-2000:]
+        r.stdout + r.stderr
+    ), r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_a_socket_buffer_is_read_in_ascii_digits_only(monkeypatch):
     from jaxring._src import distributed
+
     for raw in ("\u00b2", "4096\u00b2", "\u0664\u0660\u0669\u0666"):  # ², Arabic-Indic 4096
         monkeypatch.setenv("JAXRING_TCP_SOCKET_BUFFER", raw)
         with pytest.raises(ValueError, match="is not a whole number of bytes"):
@@ -312,35 +366,53 @@ def test_a_socket_buffer_is_read_in_ascii_digits_only(monkeypatch):
     assert distributed.socket_buffer_choice() == 4096
 
 
-@pytest.mark.parametrize("raw,says", [
-    ("abc", "it holds 3 characters (fewer than 32). Set it to the output of"),
-    ("a" * 33, "it holds 33 characters (an odd number). Set it"),
-    ("g" + "a" * 31, "it holds 32 characters, of which 1 (at position 1) is not a "
-                     "hexadecimal digit. Set it"),
-    ("ax" * 600, "it holds 1200 characters (more than 1024), of which 600 (at "
-                 "position 2, 4, 6, 8, 10, ...) are not hexadecimal digits")],
-    ids=["short", "odd", "not-hex", "long-and-not-hex"])
+@pytest.mark.parametrize(
+    "raw,says",
+    [
+        ("abc", "it holds 3 characters (fewer than 32). Set it to the output of"),
+        ("a" * 33, "it holds 33 characters (an odd number). Set it"),
+        (
+            "g" + "a" * 31,
+            "it holds 32 characters, of which 1 (at position 1) is not a hexadecimal digit. Set it",
+        ),
+        (
+            "ax" * 600,
+            "it holds 1200 characters (more than 1024), of which 600 (at "
+            "position 2, 4, 6, 8, 10, ...) are not hexadecimal digits",
+        ),
+    ],
+    ids=["short", "odd", "not-hex", "long-and-not-hex"],
+)
 def test_a_bad_job_secret_says_what_is_wrong_with_it(raw, says):
     from jaxring._src import distributed
-    with pytest.raises(ValueError, match=re.escape(
+
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "JAXRING_JOB_SECRET must be 32 to 1024 hexadecimal digits, an even "
-            "number of them (at least 128 bits); " + says)) as raised:
+            "number of them (at least 128 bits); " + says
+        ),
+    ) as raised:
         distributed.secret_from_env({"JAXRING_JOB_SECRET": raw})
     assert "secrets.token_hex(32)" in str(raised.value)
     assert raw not in str(raised.value)  # the secret itself is never quoted
     assert distributed.secret_from_env({"JAXRING_JOB_SECRET": "ab" * 16}) == b"\xab" * 16
 
 
-@pytest.mark.parametrize("algorithm,differ", [
-    ("auto", "count"), pytest.param("direct", "count", marks=newest_jax_only),
-    pytest.param("direct", "shape", marks=newest_jax_only),
-    pytest.param("ring", "shape", marks=newest_jax_only)])
+@pytest.mark.parametrize(
+    "algorithm,differ",
+    [
+        ("auto", "count"),
+        pytest.param("direct", "count", marks=newest_jax_only),
+        pytest.param("direct", "shape", marks=newest_jax_only),
+        pytest.param("ring", "shape", marks=newest_jax_only),
+    ],
+)
 def test_different_programs_fail_fast_on_every_rank(algorithm, differ):
     # "shape": the same element count in another shape, which only the
     # operands' shape digest tells apart.
     timeout_s = 60
-    r = run_launcher(2, "mismatch.py", timeout_s, differ,
-                     env={"JAXRING_ALGORITHM": algorithm})
+    r = run_launcher(2, "mismatch.py", timeout_s, differ, env={"JAXRING_ALGORITHM": algorithm})
     by_rank = lines_by_rank(r.stdout)
     for rank in (0, 1):
         raised = [l for l in by_rank[rank] if l.startswith("RAISED")]
@@ -355,21 +427,35 @@ def test_different_programs_fail_fast_on_every_rank(algorithm, differ):
             assert "operands of other shapes" in raised[0], raised[0]
 
 
-@pytest.mark.parametrize("setting,named", [
-    ("ring", "this process (1) the ring (algorithm 'ring', topology 'auto', tuning "
-             "'auto (no table for this job)')"),
-    pytest.param("tuning", "this process (1) the ring (algorithm 'auto', topology 'auto', "
-                 "tuning ", marks=newest_jax_only),
-    pytest.param("direct", None, marks=newest_jax_only)])
-def test_processes_of_one_host_whose_settings_choose_differently_fail_at_lowering(
-        setting, named):
+@pytest.mark.parametrize(
+    "setting,named",
+    [
+        (
+            "ring",
+            "this process (1) the ring (algorithm 'ring', topology 'auto', tuning "
+            "'auto (no table for this job)')",
+        ),
+        pytest.param(
+            "tuning",
+            "this process (1) the ring (algorithm 'auto', topology 'auto', tuning ",
+            marks=newest_jax_only,
+        ),
+        pytest.param("direct", None, marks=newest_jax_only),
+    ],
+)
+def test_processes_of_one_host_whose_settings_choose_differently_fail_at_lowering(setting, named):
     # Process 1 would run the ring while process 0 waits for it in the
     # host segment: neither would see the other's description. Settings
     # that choose alike ("direct" where "auto" runs direct) are no error.
     timeout_s = 60
     with tempfile.TemporaryDirectory() as cache:
-        r = run_launcher(2, "settings_mismatch.py", setting, timeout_s,
-                         env={"JAXRING_TUNING": "auto", "XDG_CACHE_HOME": cache})
+        r = run_launcher(
+            2,
+            "settings_mismatch.py",
+            setting,
+            timeout_s,
+            env={"JAXRING_TUNING": "auto", "XDG_CACHE_HOME": cache},
+        )
     by_rank = lines_by_rank(r.stdout)
     for rank, other in ((0, 1), (1, 0)):
         ended = [l for l in by_rank[rank] if l.startswith(("RAISED", "NO ERROR"))]
@@ -395,8 +481,10 @@ def test_timeline_across_processes_names_every_iteration_of_a_loop(algorithm):
     for rank in (0, 1):
         assert by_rank[rank][-1:] == ["DONE"], r.stdout[-3000:] + r.stderr[-3000:]
         spans = [l for l in by_rank[rank] if l.startswith("SPANS")]
-        assert spans == ["SPANS allreduce max over x; allreduce max over x; "
-                         "allreduce max over x; allreduce sum over x"], by_rank[rank]
+        assert spans == [
+            "SPANS allreduce max over x; allreduce max over x; "
+            "allreduce max over x; allreduce sum over x"
+        ], by_rank[rank]
 
 
 def test_a_function_only_one_process_lowered_does_not_shift_the_others():
@@ -406,18 +494,25 @@ def test_a_function_only_one_process_lowered_does_not_shift_the_others():
         assert by_rank[rank] and by_rank[rank][-1] == "OK", r.stdout[-3000:] + r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("nproc,devices,algorithm", [
-    (2, 2, "auto"), pytest.param(4, 1, "auto", marks=newest_jax_only),
-    # Groups of one host's processes over its segment, several at once.
-    pytest.param(4, 1, "direct", marks=newest_jax_only)])
+@pytest.mark.parametrize(
+    "nproc,devices,algorithm",
+    [
+        (2, 2, "auto"),
+        pytest.param(4, 1, "auto", marks=newest_jax_only),
+        # Groups of one host's processes over its segment, several at once.
+        pytest.param(4, 1, "direct", marks=newest_jax_only),
+    ],
+)
 def test_axis_index_groups_across_processes_match_numpy(nproc, devices, algorithm):
-    r = run_launcher(nproc, "grouped_check.py", devices_per_process=devices,
-                     env={"JAXRING_ALGORITHM": algorithm})
+    r = run_launcher(
+        nproc, "grouped_check.py", devices_per_process=devices, env={"JAXRING_ALGORITHM": algorithm}
+    )
     by_rank = lines_by_rank(r.stdout)
     assert sorted(by_rank) == list(range(nproc)), r.stdout[-3000:] + r.stderr[-3000:]
-    for rank, lines in by_rank.items():
-        assert lines == ["CHECK across", "CHECK uneven", "CHECK reversed", "OK"], \
+    for lines in by_rank.values():
+        assert lines == ["CHECK across", "CHECK uneven", "CHECK reversed", "OK"], (
             r.stdout[-3000:] + r.stderr[-2000:]
+        )
 
 
 @newest_jax_only
@@ -429,8 +524,7 @@ def test_launcher_stops_everyone_when_one_process_fails():
     by_rank = lines_by_rank(r.stdout)
     assert "failing on purpose" in by_rank[1]
     assert "process 1 exited with status 7" in r.stderr
-    pids = [int(l.split()[1]) for lines in by_rank.values() for l in lines
-            if l.startswith("PID")]
+    pids = [int(l.split()[1]) for lines in by_rank.values() for l in lines if l.startswith("PID")]
     assert len(pids) == 3
     for pid in pids:  # nobody left behind
         with pytest.raises(ProcessLookupError):
@@ -445,12 +539,16 @@ def test_a_script_that_initializes_jax_distributed_itself_runs_under_the_launche
     sys.path."""
     root = Path(__file__).resolve().parents[1]
     console = Path(sys.executable).with_name("jaxring-launch")
-    launcher = ([str(console)] if console.exists()
-                else [sys.executable, "-P", "-m", "jaxring.launch"])
+    launcher = (
+        [str(console)] if console.exists() else [sys.executable, "-P", "-m", "jaxring.launch"]
+    )
     r = subprocess.run(
-        [*launcher, "-n", "2", "--devices-per-process", "1",
-         str(SCRIPTS / "bare_initialize.py")],
-        capture_output=True, text=True, timeout=120, cwd=root)
+        [*launcher, "-n", "2", "--devices-per-process", "1", str(SCRIPTS / "bare_initialize.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     by_rank = lines_by_rank(r.stdout)
     assert sorted(by_rank) == [0, 1], r.stdout
@@ -460,22 +558,38 @@ def test_a_script_that_initializes_jax_distributed_itself_runs_under_the_launche
         assert sums == [["SUM", "3.0", "5.0", "7.0", "WANT", "3.0", "5.0", "7.0"]], lines
         refused = [l for l in lines if l.startswith("REFUSED")]
         assert len(refused) == 1, lines
-        assert ("REFUSED jax.distributed.initialize(num_processes=3): "
-                "jaxring.launch already initialized jax.distributed in this "
-                f"process, as process {rank} of 2") in refused[0], refused
+        assert (
+            "REFUSED jax.distributed.initialize(num_processes=3): "
+            "jaxring.launch already initialized jax.distributed in this "
+            f"process, as process {rank} of 2"
+        ) in refused[0], refused
 
 
 @newest_jax_only
 def test_launcher_prefixes_output_and_passes_arguments(tmp_path):
     script = tmp_path / "hello.py"
     script.write_text(
-        "import sys, jax\n"
-        "print('hello', jax.process_index(), jax.process_count(), sys.argv[1:])\n")
+        "import sys, jax\nprint('hello', jax.process_index(), jax.process_count(), sys.argv[1:])\n"
+    )
     with tempfile.TemporaryDirectory() as cwd:
         r = subprocess.run(
-            [sys.executable, "-m", "jaxring.launch", "-n", "2",
-             "--devices-per-process", "1", str(script), "a", "--flag"],
-            capture_output=True, text=True, timeout=120, cwd=cwd)
+            [
+                sys.executable,
+                "-m",
+                "jaxring.launch",
+                "-n",
+                "2",
+                "--devices-per-process",
+                "1",
+                str(script),
+                "a",
+                "--flag",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=cwd,
+        )
     assert r.returncode == 0, r.stderr
     by_rank = lines_by_rank(r.stdout)
     assert "hello 0 2 ['a', '--flag']" in by_rank[0]
@@ -485,12 +599,29 @@ def test_launcher_prefixes_output_and_passes_arguments(tmp_path):
 @newest_jax_only
 def test_launcher_runs_a_module_with_its_own_arguments(tmp_path):
     (tmp_path / "hello_module.py").write_text(
-        "import sys, jax\n"
-        "print('module', __name__, jax.process_index(), sys.argv[1:])\n")
+        "import sys, jax\nprint('module', __name__, jax.process_index(), sys.argv[1:])\n"
+    )
     r = subprocess.run(
-        [sys.executable, "-m", "jaxring.launch", "-n", "2", "--devices-per-process", "1",
-         "-m", "hello_module", "-n", "7", "-m", "x"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "jaxring.launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "1",
+            "-m",
+            "hello_module",
+            "-n",
+            "7",
+            "-m",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     by_rank = lines_by_rank(r.stdout)
     # Everything after the module's name is the module's, -n and -m too.
@@ -511,13 +642,28 @@ def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
         "seen = {}\n"
         "t = threading.Thread(target=lambda: seen.update(t=os.sched_getaffinity(0)))\n"
         "t.start(); t.join()\n"
-        "print('cpus', jax.process_index(), sorted(os.sched_getaffinity(0)), sorted(seen['t']))\n")
+        "print('cpus', jax.process_index(), sorted(os.sched_getaffinity(0)), sorted(seen['t']))\n"
+    )
     mine = sorted(os.sched_getaffinity(0))
     for nproc in (2, 3):
         r = subprocess.run(
-            [sys.executable, "-m", "jaxring.launch", "-n", str(nproc),
-             "--devices-per-process", "1", "--cpu-bind", "cores", str(script)],
-            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            [
+                sys.executable,
+                "-m",
+                "jaxring.launch",
+                "-n",
+                str(nproc),
+                "--devices-per-process",
+                "1",
+                "--cpu-bind",
+                "cores",
+                str(script),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         assert r.returncode == 0, r.stderr
         by_rank = lines_by_rank(r.stdout)
         shares = launch.cpu_shares(nproc, launch.physical_cores(mine))
@@ -526,8 +672,21 @@ def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
             assert f"cpus {rank} {shares[rank]} {shares[rank]}" in by_rank[rank]
     # Without --cpu-bind the kernel places the processes: no binding.
     r = subprocess.run(
-        [sys.executable, "-m", "jaxring.launch", "-n", "2", "--devices-per-process", "1",
-         str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "jaxring.launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "1",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert f"cpus 1 {mine} {mine}" in lines_by_rank(r.stdout)[1]
 
@@ -557,24 +716,31 @@ def test_keep_freed_memory_has_glibc_reuse_a_freed_buffer(tmp_path):
         "main, other = [], []\n"
         "refaults(main)\n"
         "t = threading.Thread(target=refaults, args=(other,)); t.start(); t.join()\n"
-        "print('faults', jax.process_index(), main[0], other[0])\n")
+        "print('faults', jax.process_index(), main[0], other[0])\n"
+    )
 
     def refaults(*flags):
-        r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "2", *flags,
-                            str(script)], capture_output=True, text=True, timeout=120,
-                           cwd=tmp_path, env={k: v for k, v in os.environ.items()
-                                              if not k.startswith("MALLOC_")})
+        r = subprocess.run(
+            [sys.executable, "-m", "jaxring.launch", "-n", "2", *flags, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
+        )
         assert r.returncode == 0, r.stderr
-        return [tuple(map(int, lines_by_rank(r.stdout)[rank][-1].split()[-2:]))
-                for rank in range(2)]
+        return [
+            tuple(map(int, lines_by_rank(r.stdout)[rank][-1].split()[-2:])) for rank in range(2)
+        ]
 
     # 64 MiB is 16384 pages of 4 KiB (or 32 huge pages of 2 MiB); the main
     # thread's and another thread's buffer, per process.
     assert all(f >= 32 for faults in refaults() for f in faults), refaults()
     assert refaults("--keep-freed-memory") == [(0, 0), (0, 0)]
     # A setting of the caller's own is left as it is.
-    env = launch.child_env({"MALLOC_TRIM_THRESHOLD_": "7"}, 0, 1, "h:1", None, "s",
-                           keep_freed_memory=True)
+    env = launch.child_env(
+        {"MALLOC_TRIM_THRESHOLD_": "7"}, 0, 1, "h:1", None, "s", keep_freed_memory=True
+    )
     assert env["MALLOC_TRIM_THRESHOLD_"] == "7" and env["MALLOC_MMAP_THRESHOLD_"] == str(1 << 30)
     assert env["MALLOC_ARENA_MAX"] == "1"
     assert "MALLOC_MMAP_THRESHOLD_" not in launch.child_env({}, 0, 1, "h:1", None, "s")
@@ -598,13 +764,21 @@ def test_cpu_shares_are_whole_cores_and_disjoint_while_there_are_cores_enough():
 
 @newest_jax_only
 def test_launcher_rejects_bad_arguments():
-    r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "0", "x.py"],
-                       capture_output=True, text=True, timeout=60,
-                       cwd=tempfile.gettempdir())
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxring.launch", "-n", "0", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tempfile.gettempdir(),
+    )
     assert r.returncode != 0 and "-n must be at least 1" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "jaxring.launch", "-n", "2"],
-                       capture_output=True, text=True, timeout=60,
-                       cwd=tempfile.gettempdir())
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxring.launch", "-n", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tempfile.gettempdir(),
+    )
     assert r.returncode != 0 and "give the script to run (or -m MODULE)" in r.stderr
 
 
@@ -612,20 +786,35 @@ class Job:
     """N processes of fault_loop.py started with the launcher's environment,
     so the test itself can kill or stop one of them."""
 
-    def __init__(self, nproc: int, timeout_s: float, script: str = "fault_loop.py",
-                 secret: str | None = None, args: tuple = ()):
+    def __init__(
+        self,
+        nproc: int,
+        timeout_s: float,
+        script: str = "fault_loop.py",
+        secret: str | None = None,
+        args: tuple = (),
+    ):
         coordinator = f"127.0.0.1:{launch._free_port()}"
         self.secret = secret or launch.new_secret_hex()
         self.cwd = tempfile.TemporaryDirectory()
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "jaxring._src.launched",
-                 str(SCRIPTS / script), str(timeout_s), *map(str, args)],
-                env=launch.child_env(os.environ, rank, nproc, coordinator, 1,
-                                     self.secret),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                cwd=self.cwd.name)
-            for rank in range(nproc)]
+                [
+                    sys.executable,
+                    "-m",
+                    "jaxring._src.launched",
+                    str(SCRIPTS / script),
+                    str(timeout_s),
+                    *map(str, args),
+                ],
+                env=launch.child_env(os.environ, rank, nproc, coordinator, 1, self.secret),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=self.cwd.name,
+            )
+            for rank in range(nproc)
+        ]
         self.lines = {rank: [] for rank in range(nproc)}
         for rank, p in enumerate(self.procs):
             threading.Thread(target=self._pump, args=(rank, p), daemon=True).start()
@@ -636,8 +825,7 @@ class Job:
 
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
-        while not all(any(l.startswith("READY") for l in ls)
-                      for ls in self.lines.values()):
+        while not all(any(l.startswith("READY") for l in ls) for ls in self.lines.values()):
             assert time.monotonic() < deadline, self.lines
             assert all(p.poll() is None for p in self.procs), self.lines
             time.sleep(0.05)
@@ -652,12 +840,15 @@ class Job:
             if self.procs[rank].poll() is not None:
                 time.sleep(0.2)  # let the pump read the last lines
                 if not any(l.startswith("RAISED") for l in self.lines[rank]):
-                    pytest.fail(f"rank {rank} exited with {self.procs[rank].returncode} "
-                                f"without raising: {self.lines[rank][-10:]}")
+                    pytest.fail(
+                        f"rank {rank} exited with {self.procs[rank].returncode} "
+                        f"without raising: {self.lines[rank][-10:]}"
+                    )
             elif time.monotonic() > deadline:
                 self.kill_all()
-                pytest.fail(f"rank {rank} did not raise within {timeout} s: "
-                            f"{self.lines[rank][-5:]}")
+                pytest.fail(
+                    f"rank {rank} did not raise within {timeout} s: {self.lines[rank][-5:]}"
+                )
             time.sleep(0.02)
 
     def kill_all(self):
@@ -742,10 +933,10 @@ def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm(alg
     assert jaxring_segments() - before == set()
 
 
-
 # The host segment's set-up cut short (tests/multiprocess/setup_exit.py):
 # process 1 prints "SAW <name> True" once process 0 has created and
 # published the segment, so each test knows the name was in /dev/shm.
+
 
 def host_segment_seen(lines: list[str]) -> str:
     """The file in /dev/shm that process 1 saw (it must have been there)."""
@@ -804,9 +995,13 @@ def test_a_process_that_dies_in_set_up_leaves_nothing_of_the_job_in_dev_shm():
         remove_files([path])
 
 
-@pytest.mark.parametrize("sig", [
-    pytest.param(signal.SIGTERM, id="SIGTERM"),
-    pytest.param(signal.SIGINT, id="SIGINT", marks=newest_jax_only)])
+@pytest.mark.parametrize(
+    "sig",
+    [
+        pytest.param(signal.SIGTERM, id="SIGTERM"),
+        pytest.param(signal.SIGINT, id="SIGINT", marks=newest_jax_only),
+    ],
+)
 def test_a_signal_to_process_0_in_set_up_removes_the_segment_at_once(sig):
     """Process 1 never maps the segment, and process 0 waits up to 120 s for
     it to say so (a wait that neither signal interrupts). The signal
@@ -848,8 +1043,10 @@ def test_the_next_job_removes_a_segment_whose_creator_was_killed_but_no_live_one
         paths.append(host_segment_seen(live.lines[1]))
         r = run_launcher(2, "setup_exit.py", 60, "run")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        done = {rank: [l for l in lines if l.startswith("DONE")]
-                for rank, lines in lines_by_rank(r.stdout).items()}
+        done = {
+            rank: [l for l in lines if l.startswith("DONE")]
+            for rank, lines in lines_by_rank(r.stdout).items()
+        }
         assert done == {0: ["DONE True"], 1: ["DONE True"]}, r.stdout[-3000:]
         assert not os.path.exists(paths[0])
         assert os.path.exists(paths[1])
@@ -859,32 +1056,46 @@ def test_the_next_job_removes_a_segment_whose_creator_was_killed_but_no_live_one
             live.kill_all()
         remove_files(paths)
 
+
 @newest_jax_only
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                    reason="needs root and unshare(1) to give the job a tiny /dev/shm")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare(1) to give the job a tiny /dev/shm",
+)
 def test_a_dev_shm_too_small_falls_back_to_tcp_saying_so_once():
     """Both processes see a /dev/shm of 1 MiB (a mount namespace of their
     own), too small for a ring: each says once that it uses TCP, and the
     results are still right."""
-    inner = (f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} "
-             f"-m jaxring.launch -n 2 --devices-per-process 1 "
-             f"{SCRIPTS / 'allreduce_check.py'} 0 6")
+    inner = (
+        f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} "
+        f"-m jaxring.launch -n 2 --devices-per-process 1 "
+        f"{SCRIPTS / 'allreduce_check.py'} 0 6"
+    )
     with tempfile.TemporaryDirectory() as cwd:
-        r = subprocess.run(["unshare", "--mount", "sh", "-c", inner],
-                           capture_output=True, text=True, timeout=240, cwd=cwd)
+        r = subprocess.run(
+            ["unshare", "--mount", "sh", "-c", inner],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=cwd,
+        )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     for rank in (0, 1):
         assert f"[{rank}] DONE" in out, out[-3000:]
-        said = [l for l in out.splitlines()
-                if l.startswith(f"[{rank}] jaxring: process {rank} uses TCP instead "
-                                "of shared memory")]
+        said = [
+            l
+            for l in out.splitlines()
+            if l.startswith(f"[{rank}] jaxring: process {rank} uses TCP instead of shared memory")
+        ]
         assert len(said) == 1, out[-3000:]
         assert "cannot hold" in said[0], said
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                    reason="needs root and ip(8) for network namespaces")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None,
+    reason="needs root and ip(8) for network namespaces",
+)
 @newest_jax_only
 def test_processes_in_network_namespaces_share_memory_unless_told_apart():
     """Two processes in two network namespaces of one machine (they share
@@ -894,17 +1105,36 @@ def test_processes_in_network_namespaces_share_memory_unless_told_apart():
     segment."""
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     import netns
+
     with netns.Network(2, None) as net:
-        for prefix, shared in ((f"ip netns exec {net.tag}n{{rank}}", True),
-                               (net.exec_prefix(), False)):
+        for prefix, shared in (
+            (f"ip netns exec {net.tag}n{{rank}}", True),
+            (net.exec_prefix(), False),
+        ):
             with tempfile.TemporaryDirectory() as cwd:
                 r = subprocess.run(
-                    [sys.executable, "-m", "jaxring.launch", "-n", "2",
-                     "--devices-per-process", "1",
-                     "--coordinator", f"{net.address(0)}:{launch._free_port()}",
-                     "--prefix-command", prefix,
-                     str(SCRIPTS / "allreduce_check.py"), "0", "6", "ring"],
-                    capture_output=True, text=True, timeout=240, cwd=cwd)
+                    [
+                        sys.executable,
+                        "-m",
+                        "jaxring.launch",
+                        "-n",
+                        "2",
+                        "--devices-per-process",
+                        "1",
+                        "--coordinator",
+                        f"{net.address(0)}:{launch._free_port()}",
+                        "--prefix-command",
+                        prefix,
+                        str(SCRIPTS / "allreduce_check.py"),
+                        "0",
+                        "6",
+                        "ring",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=240,
+                    cwd=cwd,
+                )
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
             for rank, lines in lines_by_rank(r.stdout).items():
                 assert "DONE" in lines, lines[-5:]
@@ -958,8 +1188,7 @@ def test_stopped_peer_times_out_on_every_survivor(algorithm):
             # waiting on the stopped one, may be the one it names (seen
             # once in CI). Never itself.
             other = 2 - rank
-            assert message.split()[3] in ("peer=1:", "peer=None:", f"peer={other}:"), \
-                message
+            assert message.split()[3] in ("peer=1:", "peer=None:", f"peer={other}:"), message
     finally:
         job.procs[1].send_signal(signal.SIGCONT)
         job.kill_all()
@@ -972,8 +1201,9 @@ def test_overlap_across_processes_matches_gloo_pmean(algorithm):
     # the ring's ride the links between the processes (shared memory, or
     # TCP) and memory inside each. The reference is lax.pmean over JAX's
     # Gloo.
-    r = run_launcher(2, "overlap_check.py", devices_per_process=2,
-                     env={"JAXRING_ALGORITHM": algorithm})
+    r = run_launcher(
+        2, "overlap_check.py", devices_per_process=2, env={"JAXRING_ALGORITHM": algorithm}
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for rank, lines in lines_by_rank(r.stdout).items():
         diff = [l for l in lines if l.startswith("DIFF")]
@@ -986,23 +1216,42 @@ def test_overlap_across_processes_matches_gloo_pmean(algorithm):
 
 def test_documented_script_gives_the_same_result_under_the_launcher(tmp_path):
     import re
+
     page = (Path(__file__).resolve().parents[1] / "docs" / "multiprocess.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", page, re.S)
-                 if "make_array_from_callback" in b)
+    block = next(
+        b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "make_array_from_callback" in b
+    )
     script = tmp_path / "total.py"
     script.write_text(block)
-    env = dict(os.environ,
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    single = subprocess.run([sys.executable, str(script)], capture_output=True,
-                            text=True, timeout=120, cwd=tmp_path, env=env)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    single = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
     assert single.returncode == 0, single.stderr[-2000:]
     want = [l for l in single.stdout.splitlines() if l.startswith("total")]
     assert want
     with tempfile.TemporaryDirectory() as cwd:
         r = subprocess.run(
-            [sys.executable, "-m", "jaxring.launch", "-n", "2",
-             "--devices-per-process", "4", str(script)],
-            capture_output=True, text=True, timeout=120, cwd=cwd)
+            [
+                sys.executable,
+                "-m",
+                "jaxring.launch",
+                "-n",
+                "2",
+                "--devices-per-process",
+                "4",
+                str(script),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=cwd,
+        )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for rank, lines in lines_by_rank(r.stdout).items():
         assert [l for l in lines if l.startswith("total")] == want, (rank, lines)
@@ -1039,17 +1288,38 @@ def test_a_job_with_fewer_cores_than_ranks_runs_one_ring_unless_told_otherwise()
     # multithreaded process.
     pin_and_launch = (
         "import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-        "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+        "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+    )
     with tempfile.TemporaryDirectory() as cwd:
         r = subprocess.run(
-            [sys.executable, "-c", pin_and_launch, "-m", "jaxring.launch", "-n", "2",
-             "--devices-per-process", "1", str(SCRIPTS / "crowded_rings.py")],
-            capture_output=True, text=True, timeout=240, cwd=cwd,
-            env={k: v for k, v in os.environ.items()
-                 if k not in ("JAXRING_RINGS", "JAXRING_TUNING")})
+            [
+                sys.executable,
+                "-c",
+                pin_and_launch,
+                "-m",
+                "jaxring.launch",
+                "-n",
+                "2",
+                "--devices-per-process",
+                "1",
+                str(SCRIPTS / "crowded_rings.py"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=cwd,
+            env={
+                k: v for k, v in os.environ.items() if k not in ("JAXRING_RINGS", "JAXRING_TUNING")
+            },
+        )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for rank, lines in lines_by_rank(r.stdout).items():
         rings = dict(l.split(" ", 2)[1:] for l in lines if l.startswith("RINGS"))
-        assert rings == {"default": "[1]", "passed": "[2]", "overlap": "[1]",
-                         "set": "[2]", "overlap-set": "[2]"}, (rank, lines)
+        assert rings == {
+            "default": "[1]",
+            "passed": "[2]",
+            "overlap": "[1]",
+            "set": "[2]",
+            "overlap-set": "[2]",
+        }, (rank, lines)
         assert f"CORES {0.5}" in lines and "DONE" in lines, (rank, lines)

@@ -13,8 +13,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxring
-from conftest import overlapped_and_plain
 from jaxring import _jaxring
+
+from conftest import overlapped_and_plain
 
 N = 8
 WIDTH = 32
@@ -32,9 +33,13 @@ def mesh():
 
 def init_mlp(seed=0, layers=LAYERS, width=WIDTH):
     rng = np.random.default_rng(seed)
-    return {f"layer{i}": {"w": jnp.asarray(rng.normal(0, 0.3, (width, width)), jnp.float32),
-                          "b": jnp.asarray(rng.normal(0, 0.1, (width,)), jnp.float32)}
-            for i in range(layers)}
+    return {
+        f"layer{i}": {
+            "w": jnp.asarray(rng.normal(0, 0.3, (width, width)), jnp.float32),
+            "b": jnp.asarray(rng.normal(0, 0.1, (width,)), jnp.float32),
+        }
+        for i in range(layers)
+    }
 
 
 def mlp(params, x):
@@ -58,6 +63,7 @@ def make_step(pmean, optimizer, model=mlp, check_vma=False):
     gradients is the one reduction; under check_vma=True the loss is
     averaged over the batch axis inside the loss function, and autodiff
     sums the replicated parameters' gradients (docs/overlap.md)."""
+
     def step(params, opt_state, data):
         def loss_fn(p):
             pred = model(p, data["x"])
@@ -65,6 +71,7 @@ def make_step(pmean, optimizer, model=mlp, check_vma=False):
             if check_vma:
                 loss, aux = pmean(loss, "batch"), pmean(aux, "batch")
             return loss, aux
+
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         if not check_vma:
             grads = pmean(grads, "batch")
@@ -72,13 +79,17 @@ def make_step(pmean, optimizer, model=mlp, check_vma=False):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, loss, aux
+
     return step
 
 
 def sharded(step, check_vma=False):
     m = mesh()
-    return jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), P(), P("batch")),
-                                 out_specs=P(), check_vma=check_vma))
+    return jax.jit(
+        jax.shard_map(
+            step, mesh=m, in_specs=(P(), P(), P("batch")), out_specs=P(), check_vma=check_vma
+        )
+    )
 
 
 def train(step_fn, params, optimizer, data, steps=3):
@@ -97,31 +108,38 @@ def train_noting_warnings(step_fn, params, optimizer, data):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", jaxring.OverlapWarning)
         out = train(step_fn, params, optimizer, data)
-    return out, [str(w.message) for w in caught
-                 if issubclass(w.category, jaxring.OverlapWarning)]
+    return out, [str(w.message) for w in caught if issubclass(w.category, jaxring.OverlapWarning)]
 
 
 def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
-    jax.tree.map(lambda u, v: np.testing.assert_allclose(
-        np.asarray(u), np.asarray(v), rtol=rtol, atol=atol), a, b)
+    jax.tree.map(
+        lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol),
+        a,
+        b,
+    )
 
 
 def small_buckets(**kw):
     # Buckets of about one layer each, so that there are several.
-    return dict(axis_name="batch", bucket_mb=WIDTH * WIDTH * 4 / 2**20,
-                first_bucket_mb=WIDTH * WIDTH * 4 / 2**20, **kw)
+    return dict(
+        axis_name="batch",
+        bucket_mb=WIDTH * WIDTH * 4 / 2**20,
+        first_bucket_mb=WIDTH * WIDTH * 4 / 2**20,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_mlp_with_optax_matches_psum_and_plain_jaxring(check_vma):
     opt = optax.adam(1e-2)
     params, data = init_mlp(), batch()
-    ref_lax = train(sharded(make_step(jax.lax.pmean, opt, check_vma=check_vma), check_vma),
-                    params, opt, data)
-    ref_ring = train(sharded(make_step(jaxring.pmean, opt, check_vma=check_vma), check_vma),
-                     params, opt, data)
-    ov = jaxring.overlap(make_step(jax.lax.pmean, opt, check_vma=check_vma),
-                         **small_buckets())
+    ref_lax = train(
+        sharded(make_step(jax.lax.pmean, opt, check_vma=check_vma), check_vma), params, opt, data
+    )
+    ref_ring = train(
+        sharded(make_step(jaxring.pmean, opt, check_vma=check_vma), check_vma), params, opt, data
+    )
+    ov = jaxring.overlap(make_step(jax.lax.pmean, opt, check_vma=check_vma), **small_buckets())
     got = train(sharded(ov, check_vma), params, opt, data)
     assert_trees_close(got, ref_ring)
     assert_trees_close(got, ref_lax)
@@ -149,8 +167,7 @@ def test_bare_decorator_rewrites_every_mapped_axis():
     opt = optax.sgd(0.1)
     params, data = init_mlp(), batch()
     ref = train(sharded(make_step(jax.lax.pmean, opt)), params, opt, data, steps=1)
-    got = train(sharded(jaxring.overlap(make_step(jax.lax.pmean, opt))),
-                params, opt, data, steps=1)
+    got = train(sharded(jaxring.overlap(make_step(jax.lax.pmean, opt))), params, opt, data, steps=1)
     assert_trees_close(got, ref)
 
 
@@ -194,10 +211,17 @@ def test_integer_reductions_are_bit_identical():
         return jax.lax.psum(counts, "batch"), jax.lax.psum(big, "batch")
 
     m = mesh()
-    x = jax.device_put(jnp.asarray(np.random.default_rng(0).normal(size=(N * 64,))),
-                       NamedSharding(m, P("batch")))
-    run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
-                                          out_specs=P()))(x)
+    x = jax.device_put(
+        jnp.asarray(np.random.default_rng(0).normal(size=(N * 64,))), NamedSharding(m, P("batch"))
+    )
+    run = lambda f: jax.jit(
+        jax.shard_map(
+            f,
+            mesh=m,
+            in_specs=P("batch"),
+            out_specs=P(),
+        )
+    )(x)
     ref = run(step)
     got = run(jaxring.overlap(step, axis_name="batch"))
     for r, g in zip(ref, got):
@@ -231,8 +255,9 @@ def test_nested_jit_remat_and_custom_vjp(check_vma):
     reduce_in_jit = jax.jit(lambda g, axis: jax.lax.pmean(g, axis), static_argnums=1)
     opt = optax.sgd(0.1)
     params, data = init_mlp(), batch()
-    ref = train(sharded(make_step(jax.lax.pmean, opt, model, check_vma), check_vma),
-                params, opt, data)
+    ref = train(
+        sharded(make_step(jax.lax.pmean, opt, model, check_vma), check_vma), params, opt, data
+    )
     ov = jaxring.overlap(make_step(reduce_in_jit, opt, model, check_vma), **small_buckets())
     got, messages = train_noting_warnings(sharded(ov, check_vma), params, opt, data)
     assert_trees_close(got, ref)
@@ -247,12 +272,14 @@ def test_nested_jit_remat_and_custom_vjp(check_vma):
 def scan_model(params, x):
     def body(h, p):
         return jnp.tanh(h @ p["w"] + p["b"]), None
+
     return jax.lax.scan(body, x, params)[0]
 
 
 def transformer_scan_model(params, x):
     """Pre-norm transformer blocks (attention over the batch rows, then an
     MLP), one scan step per block; x is [tokens, width]."""
+
     def norm(h):
         return (h - h.mean(-1, keepdims=True)) / jnp.sqrt(h.var(-1, keepdims=True) + 1e-5)
 
@@ -261,19 +288,20 @@ def transformer_scan_model(params, x):
         attn = jax.nn.softmax(q @ q.T / q.shape[-1] ** 0.5, axis=-1) @ q
         h = h + attn
         return h + jnp.tanh(norm(h) @ p["w"].T + p["b"]), None
+
     return jax.lax.scan(block, x, params)[0]
 
 
-@pytest.mark.parametrize("model", [scan_model, transformer_scan_model],
-                         ids=["mlp", "transformer"])
+@pytest.mark.parametrize("model", [scan_model, transformer_scan_model], ids=["mlp", "transformer"])
 @pytest.mark.parametrize("check_vma", [False, True])
 def test_scan_over_layers(check_vma, model):
     opt = optax.adam(1e-2)
     layers = init_mlp()
     params = jax.tree.map(lambda *a: jnp.stack(a), *layers.values())
     data = batch()
-    ref = train(sharded(make_step(jax.lax.pmean, opt, model, check_vma), check_vma),
-                params, opt, data)
+    ref = train(
+        sharded(make_step(jax.lax.pmean, opt, model, check_vma), check_vma), params, opt, data
+    )
     ov = jaxring.overlap(make_step(jax.lax.pmean, opt, model, check_vma), axis_name="batch")
     got, messages = train_noting_warnings(sharded(ov, check_vma), params, opt, data)
     assert_trees_close(got, ref)
@@ -290,14 +318,22 @@ def test_psum_inside_scan_is_left_alone_with_a_warning():
     def step(x):
         def body(c, row):
             return c + jax.lax.psum(row, "batch"), None
+
         total = jax.lax.scan(body, jnp.zeros(x.shape[1:]), x)[0]
         return total, jax.lax.psum(jnp.sum(x), "batch")
 
     m = mesh()
-    x = jax.device_put(jnp.arange(N * 3 * 5, dtype=jnp.float32).reshape(N * 3, 5),
-                       NamedSharding(m, P("batch")))
-    run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
-                                          out_specs=P()))(x)
+    x = jax.device_put(
+        jnp.arange(N * 3 * 5, dtype=jnp.float32).reshape(N * 3, 5), NamedSharding(m, P("batch"))
+    )
+    run = lambda f: jax.jit(
+        jax.shard_map(
+            f,
+            mesh=m,
+            in_specs=P("batch"),
+            out_specs=P(),
+        )
+    )(x)
     with pytest.warns(jaxring.OverlapWarning, match="inside `scan`"):
         got = run(jaxring.overlap(step, axis_name="batch"))
     assert_trees_close(got, run(step))
@@ -326,9 +362,14 @@ def test_partitions_and_a_tight_credit_window():
     params, data = init_mlp(), batch()
     ref = train(sharded(make_step(jaxring.pmean, opt)), params, opt, data)
     tiny = WIDTH * WIDTH * 4 / 2**20 / 3  # a third of a layer's weight
-    ov = jaxring.overlap(make_step(jax.lax.pmean, opt), axis_name="batch",
-                         bucket_mb=tiny, first_bucket_mb=tiny, partition_mb=tiny,
-                         max_inflight_mb=2 * tiny)
+    ov = jaxring.overlap(
+        make_step(jax.lax.pmean, opt),
+        axis_name="batch",
+        bucket_mb=tiny,
+        first_bucket_mb=tiny,
+        partition_mb=tiny,
+        max_inflight_mb=2 * tiny,
+    )
     got = train(sharded(ov), params, opt, data)
     assert_trees_close(got, ref)
 
@@ -352,8 +393,7 @@ def test_gang_start_setting_is_lowered_and_changes_no_value(gang):
     assert len(starts) >= 3
     assert all(f"gang = {str(gang).lower()}" in line for line in starts)
     ref = train(sharded(jaxring.overlap(step, **small_buckets())), params, opt, data)
-    jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)),
-                 got, ref)
+    jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), got, ref)
 
 
 def test_explain_names_buckets_by_parameter_path():
@@ -374,9 +414,14 @@ def test_explain_names_buckets_by_parameter_path():
     for i in range(LAYERS):
         assert any(f"args[0]['layer{i}']['w']" in leaf for leaf in leaves), leaves
     # Backward order: the last layer's gradient is in an earlier bucket.
-    first = {i: next(b.index for b in report.buckets
-                     if any(f"['layer{i}']['w']" in leaf for leaf in b.leaves))
-             for i in range(LAYERS)}
+    first = {
+        i: next(
+            b.index
+            for b in report.buckets
+            if any(f"['layer{i}']['w']" in leaf for leaf in b.leaves)
+        )
+        for i in range(LAYERS)
+    }
     assert first[LAYERS - 1] < first[0]
     text = report.listing()
     assert "issued after" in text and "waited before" in text
@@ -404,8 +449,14 @@ def on_devices(x):
 
 def test_nothing_to_rewrite_warns():
     m = mesh()
-    f = jax.jit(jax.shard_map(jaxring.overlap(lambda x: x * 2, axis_name="batch"),
-                              mesh=m, in_specs=P("batch"), out_specs=P("batch")))
+    f = jax.jit(
+        jax.shard_map(
+            jaxring.overlap(lambda x: x * 2, axis_name="batch"),
+            mesh=m,
+            in_specs=P("batch"),
+            out_specs=P("batch"),
+        )
+    )
     with pytest.warns(jaxring.OverlapWarning, match="nothing to overlap"):
         f(on_devices(jnp.ones(N)))
 
@@ -416,8 +467,14 @@ def test_unsupported_dtype_is_left_alone_with_a_warning():
 
     m = mesh()
     x = jax.device_put(jnp.arange(N, dtype=jnp.float32), NamedSharding(m, P("batch")))
-    run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
-                                          out_specs=P()))(x)
+    run = lambda f: jax.jit(
+        jax.shard_map(
+            f,
+            mesh=m,
+            in_specs=P("batch"),
+            out_specs=P(),
+        )
+    )(x)
     with pytest.warns(jaxring.OverlapWarning, match="float8_e4m3fn"):
         got = run(jaxring.overlap(step, axis_name="batch"))
     assert_trees_close(got, run(step))
@@ -429,16 +486,27 @@ def test_complex_values_travel_as_float_lanes_in_the_float_buckets(partition_mb)
 
     def step(x):
         c = (x + 1j * jnp.cos(x)).astype(jnp.complex64)
-        return (jax.lax.psum(c * c, "batch"), jax.lax.psum(x * 3, "batch"),
-                jax.lax.pmean(c.astype(jnp.complex128), "batch"))
+        return (
+            jax.lax.psum(c * c, "batch"),
+            jax.lax.psum(x * 3, "batch"),
+            jax.lax.pmean(c.astype(jnp.complex128), "batch"),
+        )
 
     m = mesh()
-    x = jax.device_put(jnp.asarray(rng.standard_normal((N * 3, 7)), jnp.float32),
-                       NamedSharding(m, P("batch")))
-    run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
-                                          out_specs=P()))
-    got, text, want = overlapped_and_plain(run, step, x, axis_name="batch",
-                                           partition_mb=partition_mb)
+    x = jax.device_put(
+        jnp.asarray(rng.standard_normal((N * 3, 7)), jnp.float32), NamedSharding(m, P("batch"))
+    )
+    run = lambda f: jax.jit(
+        jax.shard_map(
+            f,
+            mesh=m,
+            in_specs=P("batch"),
+            out_specs=P(),
+        )
+    )
+    got, text, want = overlapped_and_plain(
+        run, step, x, axis_name="batch", partition_mb=partition_mb
+    )
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
@@ -453,9 +521,14 @@ def test_errors_are_clear():
     with pytest.raises(TypeError, match="decorates a function"):
         jaxring.overlap(3)
     m = mesh()
-    f = jax.jit(jax.shard_map(jaxring.overlap(lambda x: jax.lax.psum(x, "batch"),
-                                              axis_name="model"),
-                              mesh=m, in_specs=P("batch"), out_specs=P()))
+    f = jax.jit(
+        jax.shard_map(
+            jaxring.overlap(lambda x: jax.lax.psum(x, "batch"), axis_name="model"),
+            mesh=m,
+            in_specs=P("batch"),
+            out_specs=P(),
+        )
+    )
     with pytest.raises(NameError, match="unbound axis name: model"):
         f(on_devices(jnp.ones(N)))
     with pytest.raises(TypeError, match="decorated with jaxring.overlap"):
@@ -463,14 +536,22 @@ def test_errors_are_clear():
 
 
 def test_a_misspelt_axis_name_blames_the_decorators_argument():
-    f = jax.jit(jax.shard_map(jaxring.overlap(lambda x: jax.lax.psum(x, "batch"),
-                                              axis_name="bacth"),
-                              mesh=mesh(), in_specs=P("batch"), out_specs=P()))
-    with pytest.raises(NameError, match=r"jaxring\.overlap\(axis_name='bacth'\): the "
-                                        r"decorator's axis_name argument names 'bacth', "
-                                        r"which no map around the decorated step binds; "
-                                        r"the axes bound here are 'batch': pass one of "
-                                        r"those as axis_name") as raised:
+    f = jax.jit(
+        jax.shard_map(
+            jaxring.overlap(lambda x: jax.lax.psum(x, "batch"), axis_name="bacth"),
+            mesh=mesh(),
+            in_specs=P("batch"),
+            out_specs=P(),
+        )
+    )
+    with pytest.raises(
+        NameError,
+        match=r"jaxring\.overlap\(axis_name='bacth'\): the "
+        r"decorator's axis_name argument names 'bacth', "
+        r"which no map around the decorated step binds; "
+        r"the axes bound here are 'batch': pass one of "
+        r"those as axis_name",
+    ) as raised:
         f(on_devices(jnp.ones(N)))
     assert "jaxring.allreduce" not in str(raised.value)
 
@@ -483,14 +564,21 @@ def test_compiled_order_overlaps_the_backward_pass(check_vma):
     layers = 6
     params, data = init_mlp(layers=layers, width=64), batch(width=64)
     one_layer = 64 * 64 * 4 / 2**20
-    ov = jaxring.overlap(make_step(jax.lax.pmean, opt, check_vma=check_vma),
-                         axis_name="batch", bucket_mb=one_layer,
-                         first_bucket_mb=one_layer, partition_mb=100)
+    ov = jaxring.overlap(
+        make_step(jax.lax.pmean, opt, check_vma=check_vma),
+        axis_name="batch",
+        bucket_mb=one_layer,
+        first_bucket_mb=one_layer,
+        partition_mb=100,
+    )
     f = sharded(ov, check_vma)
     m = mesh()
-    hlo = f.lower(params, opt.init(params),
-                  jax.device_put(data, NamedSharding(m, P("batch")))).compile().as_text()
-    entry = hlo[hlo.index("\nENTRY"):].splitlines()
+    hlo = (
+        f.lower(params, opt.init(params), jax.device_put(data, NamedSharding(m, P("batch"))))
+        .compile()
+        .as_text()
+    )
+    entry = hlo[hlo.index("\nENTRY") :].splitlines()
     starts, dones, backward = {}, {}, {}
     for pos, line in enumerate(entry):
         layer = re.search(r'op_name="[^"]*transpose\(jvp\(layer(\d+)\)\)([^"]*)"', line)
@@ -548,20 +636,27 @@ def test_flax_cnn_with_batchnorm_and_train_state():
     images = jnp.asarray(rng.normal(size=(N, 4, 8, 8, 3)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 10, (N, 4)))
     variables = model.init(jax.random.key(0), images[0], train=False)
-    state = State.create(apply_fn=model.apply, params=variables["params"],
-                         batch_stats=variables["batch_stats"],
-                         # Not adam: a conv bias before BatchNorm has a zero
-                         # gradient up to rounding, which adam would scale up
-                         # to full steps of either sign.
-                         tx=optax.sgd(0.1, momentum=0.9))
+    state = State.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        batch_stats=variables["batch_stats"],
+        # Not adam: a conv bias before BatchNorm has a zero
+        # gradient up to rounding, which adam would scale up
+        # to full steps of either sign.
+        tx=optax.sgd(0.1, momentum=0.9),
+    )
 
     def train_step(state, images, labels):
         def loss_fn(params):
             logits, updates = state.apply_fn(
-                {"params": params, "batch_stats": state.batch_stats}, images,
-                train=True, mutable=["batch_stats"])
+                {"params": params, "batch_stats": state.batch_stats},
+                images,
+                train=True,
+                mutable=["batch_stats"],
+            )
             loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
             return loss, updates
+
         (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         grads = jax.lax.pmean(grads, "batch")
         state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
@@ -577,8 +672,9 @@ def test_flax_cnn_with_batchnorm_and_train_state():
         return s.params, s.batch_stats, losses
 
     ref = run(train_step)
-    got = run(jaxring.overlap(axis_name="batch", bucket_mb=0.002,
-                              first_bucket_mb=0.001)(train_step))
+    got = run(
+        jaxring.overlap(axis_name="batch", bucket_mb=0.002, first_bucket_mb=0.001)(train_step)
+    )
     assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -589,8 +685,15 @@ def test_psum_of_a_psum_result():
 
     m = mesh()
     x = jax.device_put(jnp.arange(N * 4, dtype=jnp.float32), NamedSharding(m, P("batch")))
-    run = lambda f: jax.jit(jax.shard_map(f, mesh=m, in_specs=P("batch"),  # noqa: E731
-                                          out_specs=P(), check_vma=False))(x)
+    run = lambda f: jax.jit(
+        jax.shard_map(
+            f,
+            mesh=m,
+            in_specs=P("batch"),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )(x)
     assert_trees_close(run(jaxring.overlap(step, axis_name="batch")), run(step))
 
 
@@ -606,12 +709,15 @@ def test_overlapped_step_inside_an_unrolled_scan():
                 p, s = carry
                 p, s, loss, _ = step(p, s, d)
                 return (p, s), loss
+
             (p, s), losses = jax.lax.scan(body, (p, s), None, length=4, unroll=2)
             return p, s, losses[-1], {"pred_mean": losses[0]}
+
         return run
 
-    ref = train(sharded(scanned(make_step(jax.lax.pmean, opt)), check_vma=False),
-                params, opt, data, steps=1)
+    ref = train(
+        sharded(scanned(make_step(jax.lax.pmean, opt)), check_vma=False), params, opt, data, steps=1
+    )
     ov = jaxring.overlap(make_step(jax.lax.pmean, opt), **small_buckets())
     got = train(sharded(scanned(ov), check_vma=False), params, opt, data, steps=1)
     assert_trees_close(got, ref)
@@ -624,26 +730,41 @@ def test_python_scalar_arguments_stay_static():
 
     m = mesh()
     x = jax.device_put(jnp.arange(N, dtype=jnp.float32), NamedSharding(m, P("batch")))
-    f = jax.jit(jax.shard_map(lambda v: jaxring.overlap(step, axis_name="batch")(v, True),
-                              mesh=m, in_specs=P("batch"), out_specs=P()))
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: jaxring.overlap(step, axis_name="batch")(v, True),
+            mesh=m,
+            in_specs=P("batch"),
+            out_specs=P(),
+        )
+    )
     np.testing.assert_allclose(np.asarray(f(x)), 2 * np.arange(N).sum())
 
 
 def test_a_done_takes_the_op_id_of_its_own_start():
     from jaxring._src import runtime, split_phase
+
     runtime.register_ffi_targets()
     m = mesh()
 
     def two(v):
-        handles = [split_phase.start([v * k], axes=("batch",), op="sum", rings=1,
-                                     chunk_bytes=1 << 20, timeout_s=30.0, label=f"b{k}")
-                   for k in (1, 2)]
+        handles = [
+            split_phase.start(
+                [v * k],
+                axes=("batch",),
+                op="sum",
+                rings=1,
+                chunk_bytes=1 << 20,
+                timeout_s=30.0,
+                label=f"b{k}",
+            )
+            for k in (1, 2)
+        ]
         # Waited for in the other order: each done still pairs with its start.
         second, first = (split_phase.done(h, [jax.typeof(v)])[0] for h in handles[::-1])
         return first, second
 
-    f = jax.jit(jax.shard_map(two, mesh=m, in_specs=P("batch"), out_specs=P(),
-                              check_vma=False))
+    f = jax.jit(jax.shard_map(two, mesh=m, in_specs=P("batch"), out_specs=P(), check_vma=False))
     x = jax.device_put(jnp.arange(N * 3, dtype=jnp.float32), NamedSharding(m, P("batch")))
     text = f.lower(x).as_text()
     starts = re.findall(r"jaxring_allreduce_start_cpu.*?op_id = (-?\d+)", text, re.S)
@@ -656,15 +777,18 @@ def test_a_done_takes_the_op_id_of_its_own_start():
 
     def stray(v):
         return split_phase.done(jnp.int32(0), [jax.typeof(v)])[0]
+
     with pytest.raises(RuntimeError, match="does not come from an allreduce start"):
-        jax.jit(jax.shard_map(stray, mesh=m, in_specs=P("batch"), out_specs=P("batch"),
-                              check_vma=False)).lower(x)
+        jax.jit(
+            jax.shard_map(stray, mesh=m, in_specs=P("batch"), out_specs=P("batch"), check_vma=False)
+        ).lower(x)
 
 
 def test_a_start_no_peer_joins_fails_after_the_timeout(script):
     """A split-phase allreduce that only one device starts ends in an error
     that names the missing ranks, not a hang."""
-    res = script("""
+    res = script(
+        """
         import jax, jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
         import jaxring
@@ -690,24 +814,32 @@ def test_a_start_no_peer_joins_fails_after_the_timeout(script):
             print("ERROR:", e)
         else:
             print("NO ERROR")
-    """, devices=4, timeout=120)
+    """,
+        devices=4,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ERROR:" in res.stdout, res.stdout
-    assert "timed out after 1 s" in res.stdout and "rank(s) 1, 2, 3 of 4 never arrived" in res.stdout, res.stdout
+    assert (
+        "timed out after 1 s" in res.stdout and "rank(s) 1, 2, 3 of 4 never arrived" in res.stdout
+    ), res.stdout
 
 
 def reduce_grads_again_step(optimizer):
     """The trap: under check_vma=True autodiff has summed the gradients,
     and the step reduces them once more."""
+
     def step(params, opt_state, data):
         def loss_fn(p):
             return jnp.mean((mlp(p, data["x"]) - data["y"]) ** 2)
+
         loss, grads = jax.value_and_grad(loss_fn)(params)
         grads = jax.lax.pmean(grads, "batch")  # the line the warning names
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         loss = jax.lax.pmean(loss, "batch")
         return params, opt_state, loss, {"pred_mean": loss}
+
     return step
 
 
@@ -725,8 +857,11 @@ def test_gradients_autodiff_reduced_are_not_sent_again():
     got, messages = train_noting_warnings(sharded(body, check_vma=True), params, opt, data)
     # Computed as lax defines it (the summed gradients times 8, divided by 8).
     assert_trees_close(got, train(sharded(step, check_vma=True), params, opt, data))
-    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1)
-                if "the line the warning names" in text)
+    line = next(
+        i
+        for i, text in enumerate(open(__file__).read().splitlines(), 1)
+        if "the line the warning names" in text
+    )
     assert messages and all(f"test_overlap.py:{line}" in m for m in messages), messages
     assert "args[0]['layer0']['w']" in messages[0] and "check_vma" in messages[0]
     assert "8x the full-batch gradient" in messages[0]
@@ -735,10 +870,20 @@ def test_gradients_autodiff_reduced_are_not_sent_again():
     sent = sum(b.nbytes for b in holder["report"].buckets)
     holder.clear()
     plain = jaxring.overlap(make_step(jax.lax.pmean, opt), axis_name="batch")
-    train(sharded(lambda p, s, d: (holder.setdefault("report", jaxring.explain(plain, p, s, d)),
-                                   plain(p, s, d))[1], check_vma=False),
-          params, opt, data, steps=1)
-    aux_bytes = 4   # make_step also averages its aux, a float32 scalar
+    train(
+        sharded(
+            lambda p, s, d: (
+                holder.setdefault("report", jaxring.explain(plain, p, s, d)),
+                plain(p, s, d),
+            )[1],
+            check_vma=False,
+        ),
+        params,
+        opt,
+        data,
+        steps=1,
+    )
+    aux_bytes = 4  # make_step also averages its aux, a float32 scalar
     assert sent == sum(b.nbytes for b in holder["report"].buckets) - aux_bytes
     assert holder["report"].computed_locally == []
 
@@ -751,9 +896,10 @@ def test_each_idiom_updates_as_one_device_on_the_whole_batch(check_vma):
     params, data = init_mlp(), batch()
     full = jax.grad(lambda p: jnp.mean((mlp(p, data["x"]) - data["y"]) ** 2))(params)
     want = jax.tree.map(lambda w, g: w - 0.1 * g, params, full)
-    for step in (make_step(jax.lax.pmean, opt, check_vma=check_vma),
-                 jaxring.overlap(make_step(jax.lax.pmean, opt, check_vma=check_vma),
-                                 **small_buckets())):
+    for step in (
+        make_step(jax.lax.pmean, opt, check_vma=check_vma),
+        jaxring.overlap(make_step(jax.lax.pmean, opt, check_vma=check_vma), **small_buckets()),
+    ):
         got, _ = train(sharded(step, check_vma), params, opt, data, steps=1)
         assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -762,6 +908,7 @@ def test_statistics_the_step_needs_at_once_stay_out_of_the_buckets():
     """BatchNorm statistics (and their cotangents' sums in the backward
     pass) are needed before the gradients exist: they run where they are,
     as written, and only the gradients and the loss are bucketed."""
+
     def model(params, x):
         for i in range(len(params)):
             p = params[f"layer{i}"]

@@ -68,9 +68,13 @@ def test_plan_invariants_sweep(p, count):
 
 
 @settings(max_examples=150, deadline=None)
-@given(p=st.integers(1, 16), rings=st.integers(1, 4),
-       count=st.integers(0, 3000), elem=st.sampled_from([1, 2, 4, 8]),
-       chunk=st.integers(1, 4096))
+@given(
+    p=st.integers(1, 16),
+    rings=st.integers(1, 4),
+    count=st.integers(0, 3000),
+    elem=st.sampled_from([1, 2, 4, 8]),
+    chunk=st.integers(1, 4096),
+)
 def test_plan_invariants_property(p, rings, count, elem, chunk):
     check_plan(p, rings, count, elem, chunk)
 
@@ -89,8 +93,7 @@ def test_counts_above_2_31_use_64_bit_offsets():
     plan = _jaxring.RingPlan(4, 2, count, 1, 2**30)
     transfers = plan.transfers()
     assert max(t["offset"] + t["count"] for t in transfers) == count
-    assert sum(t["count"] for t in transfers) * 1 == sum(
-        plan.bytes_sent(r) for r in range(4))
+    assert sum(t["count"] for t in transfers) * 1 == sum(plan.bytes_sent(r) for r in range(4))
     covered = {}
     for t in transfers:
         if t["step"] == plan.num_steps - 1:  # last all-gather step: one span each
@@ -103,9 +106,10 @@ def test_counts_above_2_31_use_64_bit_offsets():
     assert abs(plan.bytes_sent(1) - optimum) <= 2 * 3 * 2
 
 
-@pytest.mark.parametrize("bad", [(0, 1, 10, 4, 64), (2, 0, 10, 4, 64),
-                                 (2, 1, -1, 4, 64), (2, 1, 10, 0, 64),
-                                 (2, 1, 10, 4, 0)])
+@pytest.mark.parametrize(
+    "bad",
+    [(0, 1, 10, 4, 64), (2, 0, 10, 4, 64), (2, 1, -1, 4, 64), (2, 1, 10, 0, 64), (2, 1, 10, 4, 0)],
+)
 def test_plan_rejects_bad_arguments(bad):
     with pytest.raises(ValueError):
         _jaxring.RingPlan(*bad)

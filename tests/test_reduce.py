@@ -23,8 +23,7 @@ def test_16_bit_floats_combine_in_float32_and_round_once(name, op):
     # and NaN, and every rounding case of the conversion.
     a = np.arange(2**16, dtype=np.uint16).view(dt)
     b = np.random.default_rng(0).permutation(a)
-    f = {"sum": np.add, "prod": np.multiply, "min": np.minimum,
-         "max": np.maximum}[op]
+    f = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
     with np.errstate(all="ignore"):
         expected = f(a.astype(np.float32), b.astype(np.float32)).astype(dt)
     got = kernel(name, op, a, b)
@@ -33,8 +32,9 @@ def test_16_bit_floats_combine_in_float32_and_round_once(name, op):
     assert np.array_equal(got[~nan].view(np.uint16), expected[~nan].view(np.uint16))
 
 
-@pytest.mark.parametrize("name", ["int8", "int16", "int32", "int64",
-                                  "uint8", "uint16", "uint32", "uint64"])
+@pytest.mark.parametrize(
+    "name", ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+)
 @pytest.mark.parametrize("op", list(OPS))
 def test_integers_wrap_like_numpy(name, op):
     dt = np.dtype(name)
@@ -44,8 +44,7 @@ def test_integers_wrap_like_numpy(name, op):
     b = rng.integers(info.min, info.max, 5000, dtype=dt, endpoint=True)
     a[:4] = [info.max, info.min, info.max, 0]
     b[:4] = [info.max, info.min, 1, info.min]
-    f = {"sum": np.add, "prod": np.multiply, "min": np.minimum,
-         "max": np.maximum}[op]
+    f = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
     with np.errstate(all="ignore"):
         expected = f(a, b)
     assert np.array_equal(kernel(name, op, a, b), expected)
@@ -59,6 +58,5 @@ def test_wide_floats_match_numpy_and_propagate_nan(name, op):
     a = rng.standard_normal(1001).astype(dt)
     b = rng.standard_normal(1001).astype(dt)
     a[0], b[1] = np.nan, np.nan
-    f = {"sum": np.add, "prod": np.multiply, "min": np.minimum,
-         "max": np.maximum}[op]
+    f = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
     assert np.array_equal(kernel(name, op, a, b), f(a, b), equal_nan=True)

@@ -2,7 +2,8 @@
 
 
 def test_use_cpu_devices_replaces_the_device_count(script):
-    res = script("""
+    res = script(
+        """
         import jaxring
         jaxring.use_cpu_devices(3)
         import jax
@@ -11,7 +12,9 @@ def test_use_cpu_devices_replaces_the_device_count(script):
             jaxring.use_cpu_devices(0)
         except ValueError as e:
             print("ValueError", e)
-    """, devices=8)
+    """,
+        devices=8,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split()[0] == "3", res.stdout
     assert "ValueError jaxring.use_cpu_devices: n must be a positive int" in res.stdout
@@ -21,7 +24,8 @@ def test_use_cpu_devices_after_jax_started_keeps_its_count_or_says_how_to_fix(sc
     """Once the CPU backend runs its device count is fixed: another count
     raises, naming both fixes, and leaves XLA_FLAGS as it was; the count it
     already has is accepted."""
-    res = script("""
+    res = script(
+        """
         import os
         import jaxring
         import jax
@@ -32,17 +36,21 @@ def test_use_cpu_devices_after_jax_started_keeps_its_count_or_says_how_to_fix(sc
         except RuntimeError as e:
             print("RuntimeError", " ".join(str(e).split()))
         print("flags", os.environ["XLA_FLAGS"])
-    """, devices=4)
+    """,
+        devices=4,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert "devices 4" in out, out
-    assert "RuntimeError jaxring.use_cpu_devices(2) was called after JAX started " \
-           "its backend (with 4 CPU devices)" in out, out
+    assert (
+        "RuntimeError jaxring.use_cpu_devices(2) was called after JAX started "
+        "its backend (with 4 CPU devices)" in out
+    ), out
     assert "before the first JAX computation or jax.devices()" in out, out
-    assert "set XLA_FLAGS=--xla_force_host_platform_device_count=2 before " \
-           "starting Python" in out, out
+    assert "set XLA_FLAGS=--xla_force_host_platform_device_count=2 before starting Python" in out, (
+        out
+    )
     assert "flags --xla_force_host_platform_device_count=4" in out, out
-
 
 
 def test_the_rest_of_the_program_runs_inside_a_transport_completion(script):
@@ -53,7 +61,8 @@ def test_the_rest_of_the_program_runs_inside_a_transport_completion(script):
     before JAX destroys the CPU client under them. (Not every time: where the
     result is ready before XLA waits for it, XLA continues on its own
     thread, so the test asks for most callbacks, not all.)"""
-    res = script("""
+    res = script(
+        """
         import jaxring
         import jax, numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -77,7 +86,9 @@ def test_the_rest_of_the_program_runs_inside_a_transport_completion(script):
         # wait_for_completions(0.0) is False while a thread is completing.
         print("callbacks", len(inside), "inside a completion", inside.count(False))
         print("after", _jaxring.wait_for_completions(10.0))
-    """, devices=2)
+    """,
+        devices=2,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     words = res.stdout.split()
     callbacks, inside = int(words[1]), int(words[5])

@@ -33,8 +33,7 @@ def test_step_time_hides_cheap_communication_and_exposes_the_rest():
 
 
 def test_tiered_plan_scales_better_at_thousands_of_gpus():
-    rows = simulate.simulate(simulate.PRESETS["issue"], [8, 256, 4096], 2, 1 << 20,
-                             25.0, 1.0, 0.0)
+    rows = simulate.simulate(simulate.PRESETS["issue"], [8, 256, 4096], 2, 1 << 20, 25.0, 1.0, 0.0)
     assert rows[0]["flat_allreduce_s"] == pytest.approx(rows[0]["tiered_allreduce_s"])
     for r in rows:
         assert 0 < r["flat_efficiency"] <= 1 and 0 < r["tiered_efficiency"] <= 1
@@ -44,22 +43,43 @@ def test_tiered_plan_scales_better_at_thousands_of_gpus():
     # The allreduce time is the cost model's, for the machine of that size.
     m = simulate.machine_for(4096, simulate.PRESETS["issue"], 0.0)
     assert big["tiered_allreduce_s"] == pytest.approx(
-        cm.tiered_time(m, big["grad_bytes"], 2, 1 << 20))
+        cm.tiered_time(m, big["grad_bytes"], 2, 1 << 20)
+    )
 
 
 @pytest.mark.slow  # jaxring's own script: on the newest jax only
 def test_command_prints_predictions_and_writes_plot(tmp_path):
     png, js = tmp_path / "s.png", tmp_path / "s.json"
     res = subprocess.run(
-        [sys.executable, "-m", "jaxring.simulate", "--gpus", "8", "64", "512",
-         "--plot", str(png), "--json", str(js)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "jaxring.simulate",
+            "--gpus",
+            "8",
+            "64",
+            "512",
+            "--plot",
+            str(png),
+            "--json",
+            str(js),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert "PREDICTIONS of jaxring's cost model, not measurements" in res.stdout
     assert "95% at 256 GPUs: PowerAI DDL" in res.stdout
     rows = json.loads(js.read_text())["rows"]
     assert [r["gpus"] for r in rows] == [8, 64, 512]
     assert png.stat().st_size > 10_000
-    res = subprocess.run([sys.executable, "-m", "jaxring.simulate", "--gpus", "12"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "jaxring.simulate", "--gpus", "12"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert res.returncode != 0 and "do not fill hosts of 8" in res.stderr

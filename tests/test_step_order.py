@@ -27,7 +27,7 @@ def _params(seed=0):
 def _loss(params, x):
     for w in params:
         x = jnp.tanh(x @ w)
-    return jnp.sum(x ** 2)
+    return jnp.sum(x**2)
 
 
 def scaled_step(params, x):
@@ -45,8 +45,12 @@ def _jaxpr_in_map(fn, *args):
         holder["jaxpr"] = jax.make_jaxpr(fn)(*a).jaxpr
         return fn(*a)
 
-    jax.eval_shape(jax.shard_map(body, mesh=mesh(), in_specs=(P(), P("batch")),
-                                 out_specs=P(), check_vma=False), *args)
+    jax.eval_shape(
+        jax.shard_map(
+            body, mesh=mesh(), in_specs=(P(), P("batch")), out_specs=P(), check_vma=False
+        ),
+        *args,
+    )
     return holder["jaxpr"]
 
 
@@ -56,8 +60,11 @@ def test_each_scaling_moves_up_to_just_after_its_gradient():
     psums = {i for i, e in enumerate(jaxpr.eqns) if e.primitive.name.startswith("psum")}
     order = step_order.hoisted_order(jaxpr, psums)
     assert sorted(order) == list(range(len(jaxpr.eqns)))
-    muls = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "mul"
-            and any(getattr(v, "val", None) == 0.5 for v in e.invars)]
+    muls = [
+        i
+        for i, e in enumerate(jaxpr.eqns)
+        if e.primitive.name == "mul" and any(getattr(v, "val", None) == 0.5 for v in e.invars)
+    ]
     assert len(muls) == LAYERS
     position = {i: k for k, i in enumerate(order)}
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
@@ -91,17 +98,16 @@ def test_what_reads_a_reduced_value_stays_behind():
     second = max(psums)
     assert second not in movable
     for i, e in enumerate(jaxpr.eqns):
-        if e.primitive.name == "mul" and any(getattr(v, "val", None) == 3.0
-                                             for v in e.invars):
+        if e.primitive.name == "mul" and any(getattr(v, "val", None) == 3.0 for v in e.invars):
             assert i not in movable
 
 
 def test_overlap_starts_the_buckets_during_the_backward_pass():
     params, x = _params(), np.random.default_rng(1).normal(size=(N * 2, 16)).astype(np.float32)
-    run = lambda f: jax.jit(jax.shard_map(  # noqa: E731
-        f, mesh=mesh(), in_specs=(P(), P("batch")), out_specs=P(), check_vma=False))
-    step = jaxring.overlap(scaled_step, axis_name="batch", bucket_mb=0.0005,
-                           first_bucket_mb=0.0005)
+    run = lambda f: jax.jit(
+        jax.shard_map(f, mesh=mesh(), in_specs=(P(), P("batch")), out_specs=P(), check_vma=False)
+    )
+    step = jaxring.overlap(scaled_step, axis_name="batch", bucket_mb=0.0005, first_bucket_mb=0.0005)
     with warnings.catch_warnings():
         warnings.simplefilter("error", jaxring.OverlapWarning)
         got = run(step)(params, x)

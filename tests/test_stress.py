@@ -10,8 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxring
 
-DTYPES = [np.float32, np.float64, np.int32, np.int64, np.uint8, np.int16,
-          np.float16, jnp.bfloat16]
+DTYPES = [np.float32, np.float64, np.int32, np.int64, np.uint8, np.int16, np.float16, jnp.bfloat16]
 
 
 @pytest.mark.slow
@@ -29,8 +28,15 @@ def test_two_thousand_allreduces_of_random_sizes_and_dtypes():
         rings = int(rng.integers(1, 5))
         chunk = int(rng.choice([256, 4096, 1 << 20]))
         fn = functools.partial(jaxring.allreduce, op=op, rings=rings, chunk_bytes=chunk)
-        f = jax.jit(jax.shard_map(lambda v, fn=fn: fn(v, "i"), mesh=mesh,
-                                  in_specs=spec, out_specs=spec, check_vma=False))
+        f = jax.jit(
+            jax.shard_map(
+                lambda v, fn=fn: fn(v, "i"),
+                mesh=mesh,
+                in_specs=spec,
+                out_specs=spec,
+                check_vma=False,
+            )
+        )
         pool.append((count, np.dtype(dtype), op, f))
     mismatches = 0
     pending = []
@@ -40,7 +46,8 @@ def test_two_thousand_allreduces_of_random_sizes_and_dtypes():
         # numpy is exact whatever the reduction order.
         x = rng.integers(0, 4, (8, count)).astype(dtype)
         want = {"sum": np.sum, "max": np.max, "min": np.min}[op](
-            x.astype(np.float64), axis=0).astype(dtype)
+            x.astype(np.float64), axis=0
+        ).astype(dtype)
         pending.append((f(jax.device_put(x, NamedSharding(mesh, spec))), want))
         if len(pending) == 16 or call == 1999:  # dispatch ahead, then check
             for out, w in pending:
@@ -86,7 +93,8 @@ def test_back_to_back_dispatch_does_not_hang(script):
 
 
 def test_sixteen_devices(script):
-    res = script("""
+    res = script(
+        """
         import jaxring, jax, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
         mesh = jax.make_mesh((16,), ("i",))
@@ -99,6 +107,9 @@ def test_sixteen_devices(script):
                                       mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
             assert np.array_equal(np.asarray(f(xs)), np.asarray(g(xs)))
         print("OK")
-    """, devices=16, env={"JAX_ENABLE_X64": "1"})
+    """,
+        devices=16,
+        env={"JAX_ENABLE_X64": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == "OK"

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxring
 from jaxring import _jaxring
+
 from conftest import overlapped_and_plain
 
 TOPOLOGIES = [(2, 4), (4, 2), (2, 2, 2)]
@@ -32,13 +33,11 @@ def ones8():
 
 
 def sharded_call(fn, mesh, spec=P("i")):
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec,
-                                 check_vma=False))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
 
 def lowered_topology(f, x) -> str:
-    return re.search(r"topology = (dense<[^>]*> : tensor<\d+xi64>)",
-                     f.lower(x).as_text()).group(1)
+    return re.search(r"topology = (dense<[^>]*> : tensor<\d+xi64>)", f.lower(x).as_text()).group(1)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "x".join(map(str, t)))
@@ -48,8 +47,12 @@ def test_float_sums_match_psum(topology, rings, chunk_bytes):
     rng = np.random.default_rng(sum(topology) * 10 + rings)
     x = rng.standard_normal((8, 5003)).astype(np.float32)
     xs = jax.device_put(x, NamedSharding(mesh, P("i")))
-    f = sharded_call(lambda v: jaxring.allreduce(
-        v, "i", topology=topology, rings=rings, chunk_bytes=chunk_bytes), mesh)
+    f = sharded_call(
+        lambda v: jaxring.allreduce(
+            v, "i", topology=topology, rings=rings, chunk_bytes=chunk_bytes
+        ),
+        mesh,
+    )
     want = np.asarray(sharded_call(lambda v: jax.lax.psum(v, "i"), mesh)(xs))
     tiers = lowered_topology(f, xs)  # e.g. dense<[2, 4]> : tensor<2xi64>
     assert tiers.endswith(f"tensor<{len(topology)}xi64>"), tiers  # not flat
@@ -67,8 +70,12 @@ def test_integer_reductions_are_exact(topology, op, count):
     rng = np.random.default_rng(count)
     x = rng.integers(-3, 4, size=(8, count)).astype(np.int32)
     xs = jax.device_put(x, NamedSharding(mesh, P("i")))
-    got = np.asarray(sharded_call(lambda v: jaxring.allreduce(
-        v, "i", op=op, topology=topology, rings=2, chunk_bytes=8), mesh)(xs))
+    got = np.asarray(
+        sharded_call(
+            lambda v: jaxring.allreduce(v, "i", op=op, topology=topology, rings=2, chunk_bytes=8),
+            mesh,
+        )(xs)
+    )
     f = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}[op]
     want = f(x, axis=0, keepdims=True).astype(np.int32)
     assert np.array_equal(got, np.broadcast_to(want, got.shape))
@@ -81,8 +88,9 @@ def test_tiers_over_two_mesh_axes_and_within_groups():
     mesh = jax.make_mesh((2, 4), ("a", "b"), devices=devices)
     x = np.arange(8 * 6, dtype=np.int64).reshape(2, 4, 6) ** 2
     xs = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
-    got = sharded_call(lambda v: jaxring.psum(v, ("a", "b"), topology=(4, 2)),
-                       mesh, P("a", "b"))(xs)
+    got = sharded_call(lambda v: jaxring.psum(v, ("a", "b"), topology=(4, 2)), mesh, P("a", "b"))(
+        xs
+    )
     want = sharded_call(lambda v: jax.lax.psum(v, ("a", "b")), mesh, P("a", "b"))(xs)
     assert np.array_equal(np.asarray(got), np.asarray(want))
 
@@ -90,10 +98,12 @@ def test_tiers_over_two_mesh_axes_and_within_groups():
     y = np.arange(8 * 5, dtype=np.int32).reshape(8, 5)
     ys = jax.device_put(y, NamedSharding(mesh, P("i")))
     groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
-    got = sharded_call(lambda v: jaxring.psum(
-        v, "i", axis_index_groups=groups, topology=(2, 2)), mesh)(ys)
-    want = np.concatenate([np.broadcast_to(y[:4].sum(0), (4, 5)),
-                           np.broadcast_to(y[4:].sum(0), (4, 5))])
+    got = sharded_call(
+        lambda v: jaxring.psum(v, "i", axis_index_groups=groups, topology=(2, 2)), mesh
+    )(ys)
+    want = np.concatenate(
+        [np.broadcast_to(y[:4].sum(0), (4, 5)), np.broadcast_to(y[4:].sum(0), (4, 5))]
+    )
     assert np.array_equal(np.asarray(got), want)
 
 
@@ -101,23 +111,30 @@ def test_overlap_with_a_tiered_topology_matches_the_plain_step():
     mesh = mesh8()
     jaxring.config.update("topology", (2, 4))
     try:
+
         def step(w, x):
             def loss(w):
                 h = jnp.tanh(x @ w["a"])
                 return jnp.sum((h @ w["b"]) ** 2)
+
             g = jax.grad(loss)(w)
             return jax.tree.map(lambda t: jax.lax.pmean(t, "i"), g)
 
         rng = np.random.default_rng(3)
-        w = {"a": jnp.asarray(rng.standard_normal((16, 32)), jnp.float32),
-             "b": jnp.asarray(rng.standard_normal((32, 4)), jnp.float32)}
-        x = jax.device_put(rng.standard_normal((8 * 4, 16)).astype(np.float32),
-                           NamedSharding(mesh, P("i")))
+        w = {
+            "a": jnp.asarray(rng.standard_normal((16, 32)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal((32, 4)), jnp.float32),
+        }
+        x = jax.device_put(
+            rng.standard_normal((8 * 4, 16)).astype(np.float32), NamedSharding(mesh, P("i"))
+        )
 
         def run(f):
-            return jax.jit(jax.shard_map(lambda xb: f(w, xb), mesh=mesh,
-                                         in_specs=P("i"), out_specs=P(),
-                                         check_vma=False))
+            return jax.jit(
+                jax.shard_map(
+                    lambda xb: f(w, xb), mesh=mesh, in_specs=P("i"), out_specs=P(), check_vma=False
+                )
+            )
 
         # 400 bytes: smaller than either gradient (512 and 2048 bytes), so
         # each is a bucket of its own.
@@ -135,8 +152,9 @@ def test_overlap_with_a_tiered_topology_matches_the_plain_step():
 def test_direct_algorithm_is_refused_with_tiers():
     mesh, xs = mesh8(), ones8()
     with pytest.raises(ValueError, match="'direct' has no tiers"):
-        sharded_call(lambda v: jaxring.allreduce(
-            v, "i", topology=(2, 4), algorithm="direct"), mesh).lower(xs)
+        sharded_call(
+            lambda v: jaxring.allreduce(v, "i", topology=(2, 4), algorithm="direct"), mesh
+        ).lower(xs)
 
 
 def timed(f, x):
@@ -163,8 +181,10 @@ def test_emulated_two_tier_cluster_paces_each_tier_on_its_own_link():
     try:
         took = {}
         for topology, floor in floors.items():
-            got, took[topology] = timed(sharded_call(lambda v: jaxring.allreduce(
-                v, "i", topology=topology, rings=2), mesh), xs)
+            got, took[topology] = timed(
+                sharded_call(lambda v: jaxring.allreduce(v, "i", topology=topology, rings=2), mesh),
+                xs,
+            )
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
             assert took[topology] >= 0.95 * floor, (topology, took[topology], floor)
     finally:
@@ -179,8 +199,10 @@ def test_emulated_tiers_must_divide_the_ring():
         with pytest.raises(ValueError, match="does not divide the 8 ranks"):
             sharded_call(lambda v: jaxring.allreduce(v, "i"), mesh).lower(xs)
         with pytest.raises(NotImplementedError, match="one cluster per ring"):
-            sharded_call(lambda v: jaxring.allreduce(
-                v, "i", axis_index_groups=[[0, 1, 2], [3, 4, 5, 6, 7]]), mesh).lower(xs)
+            sharded_call(
+                lambda v: jaxring.allreduce(v, "i", axis_index_groups=[[0, 1, 2], [3, 4, 5, 6, 7]]),
+                mesh,
+            ).lower(xs)
     finally:
         jaxring.config.reset("cpu_link")
 
@@ -189,16 +211,15 @@ EMULATED_PLANS = {  # id: (devices, the allreduce's arguments)
     "2x4": (8, dict(topology=(2, 4))),
     "2x2x2,rings2,chunks256": (8, dict(topology=(2, 2, 2), rings=2, chunk_bytes=256)),
     "exchange": (8, dict(algorithm="exchange")),
-    "exchange,rings3,chunks4096": (8, dict(algorithm="exchange", rings=3,
-                                           chunk_bytes=4096)),
+    "exchange,rings3,chunks4096": (8, dict(algorithm="exchange", rings=3, chunk_bytes=4096)),
     "exchange,6 devices": (6, dict(algorithm="exchange", rings=2)),  # tiers 2, 3
 }
 
 
-@pytest.mark.parametrize("devices,plan", EMULATED_PLANS.values(),
-                         ids=EMULATED_PLANS.keys())
-@pytest.mark.parametrize("dtype,op", [(np.float32, "sum"), (np.float16, "sum"),
-                                      (np.float32, "min"), (np.int32, "sum")])
+@pytest.mark.parametrize("devices,plan", EMULATED_PLANS.values(), ids=EMULATED_PLANS.keys())
+@pytest.mark.parametrize(
+    "dtype,op", [(np.float32, "sum"), (np.float16, "sum"), (np.float32, "min"), (np.int32, "sum")]
+)
 def test_emulated_plans_give_the_executors_bits(plan, dtype, op, devices):
     # Under link emulation a plan's data moves at once, ring by ring on one
     # thread (inprocess_emulation.cc); without it the plan executor moves it
@@ -214,16 +235,18 @@ def test_emulated_plans_give_the_executors_bits(plan, dtype, op, devices):
     plain = np.asarray(f(xs))
     jaxring.config.update("cpu_link", "100Gbit,1us")
     try:
-        emulated = np.asarray(sharded_call(
-            lambda v: jaxring.allreduce(v, "i", op=op, **plan), mesh)(xs))
+        emulated = np.asarray(
+            sharded_call(lambda v: jaxring.allreduce(v, "i", op=op, **plan), mesh)(xs)
+        )
     finally:
         jaxring.config.reset("cpu_link")
     assert plain.tobytes() == emulated.tobytes()
     reference = {"sum": np.sum, "min": np.min}[op](x.astype(dtype), axis=0)
     tolerance = dict(rtol=2e-2, atol=1.0) if dtype == np.float16 else dict(rtol=1e-5, atol=1e-3)
     for k in range(devices):
-        np.testing.assert_allclose(emulated[k].astype(np.float64),
-                                   reference.astype(np.float64), **tolerance)
+        np.testing.assert_allclose(
+            emulated[k].astype(np.float64), reference.astype(np.float64), **tolerance
+        )
     assert _jaxring.inprocess_pending_ops() == 0
 
 
@@ -238,8 +261,9 @@ def test_emulated_exchange_takes_fewer_hops_than_the_ring():
     try:
         took = {}
         for algorithm in ("ring", "exchange"):
-            got, took[algorithm] = timed(sharded_call(lambda v: jaxring.allreduce(
-                v, "i", algorithm=algorithm), mesh), xs)
+            got, took[algorithm] = timed(
+                sharded_call(lambda v: jaxring.allreduce(v, "i", algorithm=algorithm), mesh), xs
+            )
             np.testing.assert_array_equal(got, np.full((8, 4), 8.0, np.float32))
     finally:
         jaxring.config.reset("cpu_link")
@@ -263,8 +287,15 @@ def test_the_exchange_limit_weighs_a_whole_bucket():
     try:
         for limit, whole_bucket_exchanged in [(64, False), (2052 * 4, True)]:
             jaxring.config.update("exchange_max_bytes", limit)
-            f = jax.jit(jax.shard_map(jaxring.overlap(step, bucket_mb=1), mesh=mesh,
-                                      in_specs=P(), out_specs=P(), check_vma=False))
+            f = jax.jit(
+                jax.shard_map(
+                    jaxring.overlap(step, bucket_mb=1),
+                    mesh=mesh,
+                    in_specs=P(),
+                    out_specs=P(),
+                    check_vma=False,
+                )
+            )
             hlo = f.lower(w).as_text()
             starts = re.findall(r"jaxring_allreduce_start_cpu.*", hlo)
             assert len(starts) == 1, hlo  # one bucket of both leaves

@@ -44,8 +44,7 @@ def simulate(plan):
 
 def same_group_but(plan, a, b, tier):
     """a and b share every coordinate except (perhaps) the one of tier."""
-    return all(plan.coord(a, i) == plan.coord(b, i)
-               for i in range(len(plan.dims)) if i != tier)
+    return all(plan.coord(a, i) == plan.coord(b, i) for i in range(len(plan.dims)) if i != tier)
 
 
 def check_plan(dims, rings, count, elem, chunk):
@@ -95,8 +94,7 @@ def check_plan(dims, rings, count, elem, chunk):
                 units = plan.num_units(r, j, rank)
                 for u in range(units):
                     if u % steps != steps - 1:
-                        assert (plan.recv_span(r, j, rank, u)
-                                == plan.send_span(r, j, rank, u + 1))
+                        assert plan.recv_span(r, j, rank, u) == plan.send_span(r, j, rank, u + 1)
 
     # Per tier, a rank sends 2(d-1)/d of its shard there, n / (product of
     # the tighter tiers): exactly when everything divides evenly, within one
@@ -105,8 +103,9 @@ def check_plan(dims, rings, count, elem, chunk):
     for rank in range(p):
         tighter = 1
         for tier, d in enumerate(dims):
-            sent = sum(t["count"] for t in transfers
-                       if t["src"] == rank and t["tier"] == tier) * elem
+            sent = (
+                sum(t["count"] for t in transfers if t["src"] == rank and t["tier"] == tier) * elem
+            )
             assert sent == plan.bytes_sent(rank, tier)
             formula = 2 * (d - 1) / d * count * elem / tighter
             if count % divisor == 0:
@@ -117,8 +116,22 @@ def check_plan(dims, rings, count, elem, chunk):
     return plan
 
 
-TOPOLOGIES = [(1,), (2,), (5,), (2, 2), (2, 3), (3, 2), (4, 2), (2, 2, 2),
-              (1, 4), (4, 1), (2, 1, 3), (3, 3), (2, 2, 3), (1, 1, 1)]
+TOPOLOGIES = [
+    (1,),
+    (2,),
+    (5,),
+    (2, 2),
+    (2, 3),
+    (3, 2),
+    (4, 2),
+    (2, 2, 2),
+    (1, 4),
+    (4, 1),
+    (2, 1, 3),
+    (3, 3),
+    (2, 2, 3),
+    (1, 1, 1),
+]
 
 
 @pytest.mark.parametrize("dims", TOPOLOGIES)
@@ -129,10 +142,13 @@ def test_tiered_plan_invariants_sweep(dims, count):
 
 
 @settings(max_examples=120, deadline=None)
-@given(dims=st.lists(st.integers(1, 4), min_size=1, max_size=3).filter(
-           lambda d: math.prod(d) <= 16),
-       rings=st.integers(1, 4), count=st.integers(0, 1500),
-       elem=st.sampled_from([1, 2, 4, 8]), chunk=st.integers(1, 2048))
+@given(
+    dims=st.lists(st.integers(1, 4), min_size=1, max_size=3).filter(lambda d: math.prod(d) <= 16),
+    rings=st.integers(1, 4),
+    count=st.integers(0, 1500),
+    elem=st.sampled_from([1, 2, 4, 8]),
+    chunk=st.integers(1, 2048),
+)
 def test_tiered_plan_invariants_property(dims, rings, count, elem, chunk):
     check_plan(dims, rings, count, elem, chunk)
 
@@ -152,15 +168,18 @@ def test_exchange_plan_is_recursive_doubling(p, count):
         assert plan.exchange and plan.world_size == p
         phases = [plan.phase(j) for j in range(plan.num_phases)]
         assert [ph["kind"] for ph in phases] == [
-            "exchange" if d == 2 else "allreduce" for d in dims if d > 1]
+            "exchange" if d == 2 else "allreduce" for d in dims if d > 1
+        ]
         # The steps that wait on the network: 3 for 8 ranks, 14 on a ring.
         steps = sum(ph["num_steps"] for ph in phases)
         odd = dims[-1] if dims[-1] % 2 else 1
         assert steps == sum(1 for d in dims if d == 2) + 2 * (odd - 1)
         assert (simulate(plan) == 1).all()
         transfers = plan.transfers()
-        sent = {(t["ring"], t["phase"], t["unit"], t["src"], t["dst"]):
-                (t["offset"], t["count"]) for t in transfers}
+        sent = {
+            (t["ring"], t["phase"], t["unit"], t["src"], t["dst"]): (t["offset"], t["count"])
+            for t in transfers
+        }
         for t in transfers:
             assert same_group_but(plan, t["src"], t["dst"], t["tier"])
             if phases[t["phase"]]["kind"] == "exchange":
@@ -182,17 +201,30 @@ def test_one_tier_is_the_flat_ring(p, rings):
     assert tiered.num_phases == 1 and tiered.phase(0)["kind"] == "allreduce"
 
     def key(t):
-        return (t["ring"], t["chunk"], t["step"], t["src"], t["dst"],
-                t["offset"], t["count"], t["reduce"])
+        return (
+            t["ring"],
+            t["chunk"],
+            t["step"],
+            t["src"],
+            t["dst"],
+            t["offset"],
+            t["count"],
+            t["reduce"],
+        )
+
     assert sorted(map(key, flat.transfers())) == sorted(map(key, tiered.transfers()))
 
 
 def test_phases_of_three_tiers():
     plan = _jaxring.TieredPlan([2, 3, 4], 1, 240, 4, 64)
-    kinds = [(plan.phase(j)["kind"], plan.phase(j)["tier"])
-             for j in range(plan.num_phases)]
-    assert kinds == [("reduce_scatter", 0), ("reduce_scatter", 1),
-                     ("allreduce", 2), ("all_gather", 1), ("all_gather", 0)]
+    kinds = [(plan.phase(j)["kind"], plan.phase(j)["tier"]) for j in range(plan.num_phases)]
+    assert kinds == [
+        ("reduce_scatter", 0),
+        ("reduce_scatter", 1),
+        ("allreduce", 2),
+        ("all_gather", 1),
+        ("all_gather", 0),
+    ]
     # Tier 0 varies fastest: ranks 0 and 1 share a tier-0 group.
     assert plan.group(0, 0, 0) == [0, 1]
     assert plan.group(0, 1, 0) == [0, 2, 4]
@@ -223,17 +255,30 @@ def test_large_counts_use_64_bit_offsets():
 
 def test_accessors_check_their_indices():
     plan = _jaxring.TieredPlan([2, 2], 2, 100, 4, 64)
-    for call in (lambda: plan.shard(2, 0, 0), lambda: plan.group(0, 3, 0),
-                 lambda: plan.num_units(0, 0, 4), lambda: plan.send_span(-1, 0, 0, 0),
-                 lambda: plan.coord(0, 2), lambda: plan.bytes_sent(9, 0),
-                 lambda: plan.phase(3)):
+    for call in (
+        lambda: plan.shard(2, 0, 0),
+        lambda: plan.group(0, 3, 0),
+        lambda: plan.num_units(0, 0, 4),
+        lambda: plan.send_span(-1, 0, 0, 0),
+        lambda: plan.coord(0, 2),
+        lambda: plan.bytes_sent(9, 0),
+        lambda: plan.phase(3),
+    ):
         with pytest.raises(IndexError):
             call()
 
 
-@pytest.mark.parametrize("bad", [([], 1, 10, 4, 64), ([2, 0], 1, 10, 4, 64),
-                                 ([2], 0, 10, 4, 64), ([2], 1, -1, 4, 64),
-                                 ([2], 1, 10, 0, 64), ([2], 1, 10, 4, 0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ([], 1, 10, 4, 64),
+        ([2, 0], 1, 10, 4, 64),
+        ([2], 0, 10, 4, 64),
+        ([2], 1, -1, 4, 64),
+        ([2], 1, 10, 0, 64),
+        ([2], 1, 10, 4, 0),
+    ],
+)
 def test_tiered_plan_rejects_bad_arguments(bad):
     with pytest.raises(ValueError):
         _jaxring.TieredPlan(*bad)

@@ -18,11 +18,22 @@ def overlapped_step():
     def step(params, x):
         grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"]))(params)
         return jax.lax.pmean(grads, "batch")
+
     mesh = jax.make_mesh((N,), ("batch",))
-    f = jax.jit(jax.shard_map(
-        jaxring.overlap(step, axis_name="batch", bucket_mb=32 * 8 * 4 / 2**20,
-                        first_bucket_mb=32 * 8 * 4 / 2**20),
-        mesh=mesh, in_specs=(P(), P("batch")), out_specs=P(), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            jaxring.overlap(
+                step,
+                axis_name="batch",
+                bucket_mb=32 * 8 * 4 / 2**20,
+                first_bucket_mb=32 * 8 * 4 / 2**20,
+            ),
+            mesh=mesh,
+            in_specs=(P(), P("batch")),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
     params = {"w1": jnp.ones((16, 32), jnp.float32), "w2": jnp.ones((32, 8), jnp.float32)}
     x = jax.device_put(jnp.ones((N * 2, 16), jnp.float32), NamedSharding(mesh, P("batch")))
     return f, params, x
@@ -64,15 +75,13 @@ def test_spans_say_how_long_a_device_waited_for_the_others(tmp_path):
         x = jax.lax.cond(first, slow, lambda v: v, x[0])
         return jaxring.allreduce(x, "i")[None]
 
-    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
-                              check_vma=False))
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("i"), out_specs=P("i"), check_vma=False))
     x = jax.device_put(jnp.ones((4, 64, 64), jnp.float32), NamedSharding(mesh, P("i")))
     jax.block_until_ready(f(x))
     path = tmp_path / "skew.json"
     with jaxring.timeline(path):
         jax.block_until_ready(f(x))
-    spans = {e["tid"]: e for e in json.loads(path.read_text())["traceEvents"]
-             if e["ph"] == "X"}
+    spans = {e["tid"]: e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"}
     assert sorted(spans) == [0, 1, 2, 3]
     last_start = max(e["ts"] for e in spans.values())  # microseconds
     for e in spans.values():
@@ -96,7 +105,8 @@ def test_nothing_is_recorded_outside_the_block(tmp_path):
 
 def test_environment_variable_writes_the_trace_at_exit(script, tmp_path):
     path = tmp_path / "env.json"
-    res = script("""
+    res = script(
+        """
         import jaxring, jax, jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
         mesh = jax.make_mesh((4,), ("i",))
@@ -104,13 +114,19 @@ def test_environment_variable_writes_the_trace_at_exit(script, tmp_path):
                                   in_specs=P("i"), out_specs=P("i")))
         x = jax.device_put(jnp.ones((4, 1000)), NamedSharding(mesh, P("i")))
         jax.block_until_ready(f(x))
-    """, devices=4, env={"JAXRING_TIMELINE": str(path)})
+    """,
+        devices=4,
+        env={"JAXRING_TIMELINE": str(path)},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert sorted(e["tid"] for e in spans) == [0, 1, 2, 3]
     assert all(e["name"] == "allreduce sum over i" for e in spans)
-    res = script("import jaxring", devices=4,
-                 env={"JAXRING_TIMELINE": str(tmp_path / "missing" / "env.json")})
+    res = script(
+        "import jaxring",
+        devices=4,
+        env={"JAXRING_TIMELINE": str(tmp_path / "missing" / "env.json")},
+    )
     assert res.returncode != 0
     assert "JAXRING_TIMELINE=" in res.stderr and "does not exist" in res.stderr
 
@@ -118,15 +134,21 @@ def test_environment_variable_writes_the_trace_at_exit(script, tmp_path):
 def test_a_path_that_cannot_be_written_fails_before_recording(tmp_path):
     missing = tmp_path / "no-such-dir" / "trace.json"
     ran = []
-    with pytest.raises(FileNotFoundError, match=re.escape(
+    with pytest.raises(
+        FileNotFoundError,
+        match=re.escape(
             f"jaxring.timeline('{missing}'): cannot write the timeline to "
             f"'{missing}': the directory '{missing.parent}' does not exist. Name a "
-            "file in a directory that exists")):
+            "file in a directory that exists"
+        ),
+    ):
         with jaxring.timeline(missing):
             ran.append(True)
     assert not ran  # the block's work is not done in vain
-    with pytest.raises(IsADirectoryError, match=re.escape(
-            f"cannot write the timeline to '{tmp_path}': Is a directory")):
+    with pytest.raises(
+        IsADirectoryError,
+        match=re.escape(f"cannot write the timeline to '{tmp_path}': Is a directory"),
+    ):
         with jaxring.timeline(tmp_path):
             ran.append(True)
     assert not ran
@@ -140,11 +162,16 @@ def test_a_bad_environment_path_fails_at_import(monkeypatch, tmp_path):
     """The variable is checked where it is read (at import), not when the
     trace is written at exit."""
     from jaxring._src import timeline
+
     missing = tmp_path / "no-such-dir" / "trace.json"
     monkeypatch.setenv("JAXRING_TIMELINE", str(missing))
-    with pytest.raises(FileNotFoundError, match=re.escape(
+    with pytest.raises(
+        FileNotFoundError,
+        match=re.escape(
             f"JAXRING_TIMELINE='{missing}': cannot write the timeline to "
-            f"'{missing}': the directory '{missing.parent}' does not exist")):
+            f"'{missing}': the directory '{missing.parent}' does not exist"
+        ),
+    ):
         timeline.start_from_environment()
     assert not timeline._recording
 
@@ -152,17 +179,22 @@ def test_a_bad_environment_path_fails_at_import(monkeypatch, tmp_path):
 @pytest.mark.examples
 def test_demo_trainer_runs_and_losses_agree(script, tmp_path):
     path, png = tmp_path / "demo.json", tmp_path / "demo.png"
-    res = script(f"""
+    res = script(
+        f"""
         import sys
         from jaxring import demo
         sys.exit(demo.main(["--devices", "4", "--steps", "2", "--per-device-batch", "4",
                             "--timeline", {str(path)!r}, "--plot", {str(png)!r}]))
-    """, devices=4, timeout=600)
+    """,
+        devices=4,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert "overlap chose" in out and "median step" in out, out
-    rows = [line.split() for line in out.splitlines()
-            if line.strip()[:1].isdigit() and "ms" in line]
+    rows = [
+        line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "ms" in line
+    ]
     assert len(rows) == 2, out
     for row in rows:  # step, loss (pmean at end), loss (overlap), ...
         assert abs(float(row[1]) - float(row[2])) < 1e-4, row
@@ -171,4 +203,3 @@ def test_demo_trainer_runs_and_losses_agree(script, tmp_path):
     assert any(e["name"].startswith("step, overlap") for e in spans)
     assert f"plot of loss and step time per step: {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-

@@ -10,23 +10,26 @@ import jaxring
 from jaxring._src import topology
 
 
-@pytest.mark.parametrize("procs,hosts,want", [
-    # 2 devices in each of 2 processes of one host.
-    ([0, 0, 1, 1], {0: "10.0.0.1", 1: "10.0.0.1"}, (2, 2, 1)),
-    # Hosts not known: each process counts as its own.
-    ([0, 0, 1, 1], None, (2, 1, 2)),
-    # ...on two hosts.
-    ([0, 0, 1, 1], {0: "10.0.0.1", 1: "10.0.0.2"}, (2, 1, 2)),
-    # 2 devices x 2 processes per host x 2 hosts.
-    ([0, 0, 1, 1, 2, 2, 3, 3], {0: "a", 1: "a", 2: "b", 3: "b"}, (2, 2, 2)),
-    # One device per process.
-    ([0, 1, 2, 3], {0: "a", 1: "a", 2: "b", 3: "b"}, (1, 2, 2)),
-    # Ranks of a process not consecutive, or blocks of different sizes.
-    ([0, 1, 0, 1], None, ()),
-    ([0, 0, 0, 1], None, ()),
-    # Hosts not in consecutive blocks of processes: one tier of processes.
-    ([0, 1, 2, 3], {0: "a", 1: "b", 2: "a", 3: "b"}, (1, 4)),
-])
+@pytest.mark.parametrize(
+    "procs,hosts,want",
+    [
+        # 2 devices in each of 2 processes of one host.
+        ([0, 0, 1, 1], {0: "10.0.0.1", 1: "10.0.0.1"}, (2, 2, 1)),
+        # Hosts not known: each process counts as its own.
+        ([0, 0, 1, 1], None, (2, 1, 2)),
+        # ...on two hosts.
+        ([0, 0, 1, 1], {0: "10.0.0.1", 1: "10.0.0.2"}, (2, 1, 2)),
+        # 2 devices x 2 processes per host x 2 hosts.
+        ([0, 0, 1, 1, 2, 2, 3, 3], {0: "a", 1: "a", 2: "b", 3: "b"}, (2, 2, 2)),
+        # One device per process.
+        ([0, 1, 2, 3], {0: "a", 1: "a", 2: "b", 3: "b"}, (1, 2, 2)),
+        # Ranks of a process not consecutive, or blocks of different sizes.
+        ([0, 1, 0, 1], None, ()),
+        ([0, 0, 0, 1], None, ()),
+        # Hosts not in consecutive blocks of processes: one tier of processes.
+        ([0, 1, 2, 3], {0: "a", 1: "b", 2: "a", 3: "b"}, (1, 4)),
+    ],
+)
 def test_discover(procs, hosts, want):
     assert topology.discover(np.array(procs), hosts) == want
 
@@ -60,10 +63,17 @@ def test_topology_settings_in_one_process_at_trace_time():
     x = jax.device_put(np.ones(16, np.float32), NamedSharding(mesh, P("i")))
 
     def lowered(**kw):
-        f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i", **kw),
-                                  mesh=mesh, in_specs=P("i"), out_specs=P("i"),
-                                  check_vma=False))
+        f = jax.jit(
+            jax.shard_map(
+                lambda v: jaxring.allreduce(v, "i", **kw),
+                mesh=mesh,
+                in_specs=P("i"),
+                out_specs=P("i"),
+                check_vma=False,
+            )
+        )
         return f.lower(x).as_text()
+
     assert "topology = dense<> : tensor<0xi64>" in lowered()
     assert "topology = dense<> : tensor<0xi64>" in lowered(topology=[4])
     assert "topology = dense<2> : tensor<2xi64>" in lowered(topology=(2, 2))
@@ -94,8 +104,7 @@ def test_topology_setting():
 
 @pytest.mark.slow  # processes and jaxring's own parsing: on the newest jax only
 def test_topology_from_the_environment(script):
-    res = script("import jaxring; print(jaxring.config.topology)",
-                 env={"JAXRING_TOPOLOGY": "4x2"})
+    res = script("import jaxring; print(jaxring.config.topology)", env={"JAXRING_TOPOLOGY": "4x2"})
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["(4,", "2)"]
     res = script("import jaxring", env={"JAXRING_TOPOLOGY": "four"})

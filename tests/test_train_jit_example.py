@@ -16,8 +16,13 @@ pytestmark = pytest.mark.examples
 
 def run(*args, timeout=600):
     with tempfile.TemporaryDirectory() as cwd:  # outside the checkout
-        res = subprocess.run([sys.executable, str(SCRIPT), "--quiet", *args],
-                             capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        res = subprocess.run(
+            [sys.executable, str(SCRIPT), "--quiet", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+        )
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.splitlines()
     summary = next(line for line in lines if line.startswith("mode="))
@@ -29,8 +34,12 @@ def run(*args, timeout=600):
 def test_first_update_equals_the_one_device_full_batch_update():
     fields, losses, out = run("--devices", "8", "--steps", "3", "--check-update")
     assert fields["mode"] == "overlap" and len(losses) == 3
-    check = dict(re.findall(r"(\w+)=([-\d.e+]+)", next(
-        line for line in out.splitlines() if line.startswith("update check:"))))
+    check = dict(
+        re.findall(
+            r"(\w+)=([-\d.e+]+)",
+            next(line for line in out.splitlines() if line.startswith("update check:")),
+        )
+    )
     check = {k: float(v) for k, v in check.items()}
     # Adam's first update is nearly lr * sign(gradient), so it barely shows
     # the gradients' scale; its first moment, the averaged gradient itself,

@@ -7,8 +7,10 @@ import pytest
 from jaxring._src import distributed
 
 
-@pytest.mark.parametrize("value, want", [(None, "auto"), ("", "auto"), ("auto", "auto"),
-                                         ("tcp", "tcp"), (" TCP ", "tcp")])
+@pytest.mark.parametrize(
+    "value, want",
+    [(None, "auto"), ("", "auto"), ("auto", "auto"), ("tcp", "tcp"), (" TCP ", "tcp")],
+)
 def test_transport_choice_reads_the_environment(monkeypatch, value, want):
     if value is None:
         monkeypatch.delenv("JAXRING_TRANSPORT", raising=False)

@@ -17,8 +17,14 @@ import jaxring
 from jaxring._src import tuning
 from jaxring._src.tuning import Choice, Params
 
-TRUE = Params(call_s=3e-4, alpha_s=2e-5, beta_s_per_byte=4e-10, gamma_s_per_byte=1e-10,
-              direct_call_s=2e-4, direct_s_per_byte=3e-10)
+TRUE = Params(
+    call_s=3e-4,
+    alpha_s=2e-5,
+    beta_s_per_byte=4e-10,
+    gamma_s_per_byte=1e-10,
+    direct_call_s=2e-4,
+    direct_s_per_byte=3e-10,
+)
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 
 
@@ -33,9 +39,15 @@ def test_fit_recovers_the_parameters_of_model_generated_times():
 # Two tiers: 2 ranks in each group of a fast tier, 2 groups on a slow one
 # whose link the 2 ranks of a group share.
 DIMS = (2, 2)
-TRUE_TIERED = Params(call_s=3e-4, alpha_s=1e-4, beta_s_per_byte=8e-9, gamma_s_per_byte=1e-10,
-                     direct_call_s=0.0, direct_s_per_byte=0.0,
-                     tiers=((2, 2e-5, 5e-10, 1), (2, 1e-4, 8e-9, 2)))
+TRUE_TIERED = Params(
+    call_s=3e-4,
+    alpha_s=1e-4,
+    beta_s_per_byte=8e-9,
+    gamma_s_per_byte=1e-10,
+    direct_call_s=0.0,
+    direct_s_per_byte=0.0,
+    tiers=((2, 2e-5, 5e-10, 1), (2, 1e-4, 8e-9, 2)),
+)
 
 
 def test_fit_recovers_each_tiers_parameters_from_flat_and_tiered_times():
@@ -53,8 +65,10 @@ def test_fit_recovers_each_tiers_parameters_from_flat_and_tiered_times():
     # each group's link; the tiered plan n: tiered wins for large messages.
     big = tuning.select(got, choices, 4, [64 << 20])[64 << 20]
     assert big.topology == "auto"
-    flat = min((c for c in choices if c.topology == "flat"),
-               key=lambda c: tuning.predict(got, c, 4, 64 << 20))
+    flat = min(
+        (c for c in choices if c.topology == "flat"),
+        key=lambda c: tuning.predict(got, c, 4, 64 << 20),
+    )
     assert tuning.predict(got, flat, 4, 64 << 20) > 1.3 * tuning.predict(got, big, 4, 64 << 20)
 
 
@@ -70,7 +84,9 @@ def test_direct_is_measured_across_processes_that_share_the_host_segment():
     assert any(c.topology == "auto" for c in tiered)  # the tiered plan too
     choices = tuning.candidates(4, in_one_process=False, host_direct=True)
     assert [c for c in choices if c.algorithm != "ring"] == [
-        Choice("direct", 2, 1 << 20), Choice("exchange", 1, 1 << 20)]
+        Choice("direct", 2, 1 << 20),
+        Choice("exchange", 1, 1 << 20),
+    ]
     true = dataclasses.replace(TRUE, direct_call_s=1e-4, direct_s_per_byte=1e-9)
     measured = [(c, n, tuning.predict(true, c, 4, n)) for c in choices for n in SIZES]
     got = tuning.fit(measured, 4, true.gamma_s_per_byte)
@@ -83,10 +99,12 @@ def test_direct_is_measured_across_processes_that_share_the_host_segment():
     assert picked[4 << 10].algorithm == "direct"
 
 
-@pytest.mark.parametrize("direct_call_s, direct_s_per_byte, kept",
-                         [(2e-4, 2e-9, "no direct"), (1e-5, 1e-9, "direct")])
+@pytest.mark.parametrize(
+    "direct_call_s, direct_s_per_byte, kept", [(2e-4, 2e-9, "no direct"), (1e-5, 1e-9, "direct")]
+)
 def test_across_processes_of_one_host_a_table_takes_direct_everywhere_or_nowhere(
-        direct_call_s, direct_s_per_byte, kept):
+    direct_call_s, direct_s_per_byte, kept
+):
     """Direct sends no frames: processes at one call site with different
     shapes, one in direct and one in the ring, would wait for each other
     until the timeout. So where the processes share the host segment the
@@ -94,17 +112,21 @@ def test_across_processes_of_one_host_a_table_takes_direct_everywhere_or_nowhere
     lose least to the fastest, summed over the sizes as ratios."""
     choices = tuning.candidates(4, in_one_process=False, host_direct=True)
     # Cheaper calls, dearer bytes: direct is fastest at the small sizes only.
-    params = dataclasses.replace(TRUE, direct_call_s=direct_call_s,
-                                 direct_s_per_byte=direct_s_per_byte)
+    params = dataclasses.replace(
+        TRUE, direct_call_s=direct_call_s, direct_s_per_byte=direct_s_per_byte
+    )
     mixed = tuning.select(params, choices, 4, SIZES)
     assert {c.algorithm == "direct" for c in mixed.values()} == {True, False}
     one = tuning.select(params, choices, 4, SIZES, direct_everywhere_or_nowhere=True)
-    assert {"direct" if c.algorithm == "direct" else "no direct"
-            for c in one.values()} == {kept}
+    assert {"direct" if c.algorithm == "direct" else "no direct" for c in one.values()} == {kept}
 
     def loss(family):
-        return sum(min(tuning.predict(params, c, 4, n) for c in family)
-                   / tuning.predict(params, mixed[n], 4, n) for n in SIZES)
+        return sum(
+            min(tuning.predict(params, c, 4, n) for c in family)
+            / tuning.predict(params, mixed[n], 4, n)
+            for n in SIZES
+        )
+
     direct = [c for c in choices if c.algorithm == "direct"]
     rest = [c for c in choices if c.algorithm != "direct"]
     assert (loss(direct) <= loss(rest)) == (kept == "direct")
@@ -130,7 +152,8 @@ def test_exchange_is_measured_across_processes_and_wins_where_steps_cost_most():
     measured = [(c, n, tuning.predict(slow, c, 8, n)) for c in choices for n in sizes]
     got = tuning.fit(measured, 8, slow.gamma_s_per_byte)
     assert (got.alpha_s, got.beta_s_per_byte) == pytest.approx(
-        (slow.alpha_s, slow.beta_s_per_byte), rel=1e-6)
+        (slow.alpha_s, slow.beta_s_per_byte), rel=1e-6
+    )
     picked = tuning.select(got, choices, 8, sizes)
     assert picked[256].algorithm == "exchange"
     assert picked[64 << 10].algorithm == "ring"
@@ -156,21 +179,30 @@ def test_select_takes_the_fastest_prediction_and_lookup_the_next_size():
     choices = tuning.candidates(8, in_one_process=True)
     sel = tuning.select(TRUE, choices, 8, SIZES)
     for n, c in sel.items():
-        assert tuning.predict(TRUE, c, 8, n) == min(
-            tuning.predict(TRUE, x, 8, n) for x in choices)
+        assert tuning.predict(TRUE, c, 8, n) == min(tuning.predict(TRUE, x, 8, n) for x in choices)
     # Predictions within TIE of each other: the measurement decides.
     a, b = Choice("ring", 1, 1 << 20, "auto"), Choice("ring", 2, 1 << 20, "auto")
     tied = dataclasses.replace(TRUE_TIERED, tiers=((2, 0.0, 5e-10, 1), (2, 0.0, 8e-9, 2)))
     assert tuning.predict(tied, a, 4, 1 << 24) == pytest.approx(tuning.predict(tied, b, 4, 1 << 24))
     assert tuning.select(tied, [a, b], 4, [1 << 24])[1 << 24] == a
-    assert tuning.select(tied, [a, b], 4, [1 << 24],
-                         [(a, 1 << 24, 0.2), (b, 1 << 24, 0.1)])[1 << 24] == b
+    assert (
+        tuning.select(tied, [a, b], 4, [1 << 24], [(a, 1 << 24, 0.2), (b, 1 << 24, 0.1)])[1 << 24]
+        == b
+    )
     # Outside the tie, the model's choice stands whatever was measured.
     slow = Choice("ring", 2, 1 << 20, "flat")
-    assert tuning.select(tied, [a, slow], 4, [1 << 24],
-                         [(a, 1 << 24, 0.2), (slow, 1 << 24, 0.1)])[1 << 24] == a
-    entry = {"choices": {"1024": vars(Choice("ring", 1, 4096)),
-                         "65536": vars(Choice("direct", 2, 1 << 20))}}
+    assert (
+        tuning.select(tied, [a, slow], 4, [1 << 24], [(a, 1 << 24, 0.2), (slow, 1 << 24, 0.1)])[
+            1 << 24
+        ]
+        == a
+    )
+    entry = {
+        "choices": {
+            "1024": vars(Choice("ring", 1, 4096)),
+            "65536": vars(Choice("direct", 2, 1 << 20)),
+        }
+    }
     assert tuning.lookup(entry, 10) == Choice("ring", 1, 4096)
     assert tuning.lookup(entry, 1024) == Choice("ring", 1, 4096)
     assert tuning.lookup(entry, 1025) == Choice("direct", 2, 1 << 20)
@@ -194,12 +226,16 @@ def test_a_table_that_mixes_direct_with_the_ring_is_not_used_across_processes(tm
     tuning._warned_mixed.clear()
     with pytest.warns(UserWarning, match="takes direct at some sizes") as caught:
         for nbytes in (100, 1 << 20):
-            assert tuning.tuned_choice(path, "cpu/ranks=4/processes=4", nbytes,
-                                       across_processes=True) is None
+            assert (
+                tuning.tuned_choice(path, "cpu/ranks=4/processes=4", nbytes, across_processes=True)
+                is None
+            )
     assert len(caught) == 1
     assert tuning.tuned_choice(path, "cpu/ranks=4/processes=1", 100) == mixed[4096]
-    assert tuning.tuned_choice(path, "cpu/ranks=8/processes=4", 1 << 20,
-                               across_processes=True) == rings_only[1 << 20]
+    assert (
+        tuning.tuned_choice(path, "cpu/ranks=8/processes=4", 1 << 20, across_processes=True)
+        == rings_only[1 << 20]
+    )
 
 
 def test_file_round_trip_keeps_other_topologies(tmp_path):
@@ -223,22 +259,35 @@ def test_file_round_trip_keeps_other_topologies(tmp_path):
 def _attrs(text):
     m = re.search(r"custom_call @jaxring_allreduce_cpu\(.*?\) \{(.*?)\}", text, re.S)
     body = m.group(1)
-    return {k: int(re.search(rf"{k} = (\d+)", body).group(1))
-            for k in ("num_rings", "chunk_bytes", "algorithm")}
+    return {
+        k: int(re.search(rf"{k} = (\d+)", body).group(1))
+        for k in ("num_rings", "chunk_bytes", "algorithm")
+    }
 
 
 def test_allreduce_takes_unset_settings_from_the_table(tmp_path):
     path = str(tmp_path / "t.json")
     key = tuning.key("cpu", 4, 1)
-    tuning.save(path, key, tuning.entry(TRUE, {
-        1024: Choice("ring", 3, 12345), 1 << 20: Choice("direct", 2, 1 << 16)}))
+    tuning.save(
+        path,
+        key,
+        tuning.entry(TRUE, {1024: Choice("ring", 3, 12345), 1 << 20: Choice("direct", 2, 1 << 16)}),
+    )
     mesh = jax.make_mesh((4,), ("i",), devices=jax.devices()[:4])
 
     def lowered(count, **kw):
         x = jax.device_put(np.ones(4 * count, np.float32), NamedSharding(mesh, P("i")))
-        f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i", **kw), mesh=mesh,
-                                  in_specs=P("i"), out_specs=P("i"), check_vma=False))
+        f = jax.jit(
+            jax.shard_map(
+                lambda v: jaxring.allreduce(v, "i", **kw),
+                mesh=mesh,
+                in_specs=P("i"),
+                out_specs=P("i"),
+                check_vma=False,
+            )
+        )
         return _attrs(f.lower(x).as_text())
+
     default = lowered(16)
     jaxring.config.update("tuning", path)
     try:
@@ -258,49 +307,82 @@ def test_allreduce_takes_unset_settings_from_the_table(tmp_path):
 
 def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
     from jaxring._src.allreduce import tuned_settings
+
     path = str(tmp_path / "t.json")
-    tuning.save(path, tuning.key("cpu", 4, 1), tuning.entry(TRUE, {
-        1024: Choice("ring", 3, 12345, "auto"), 1 << 20: Choice("ring", 1, 4096, "flat")}))
+    tuning.save(
+        path,
+        tuning.key("cpu", 4, 1),
+        tuning.entry(
+            TRUE, {1024: Choice("ring", 3, 12345, "auto"), 1 << 20: Choice("ring", 1, 4096, "flat")}
+        ),
+    )
     everything = {"rings", "chunk_bytes", "algorithm", "topology"}
     jaxring.config.update("tuning", path)
     try:
         assert tuned_settings(everything, 4, 100, 2, 1 << 20, "auto", "flat") == (
-            3, 12345, "ring", "auto", True)
+            3,
+            12345,
+            "ring",
+            "auto",
+            True,
+        )
         assert tuned_settings(everything, 4, 1 << 19, 2, 1 << 20, "auto", "auto") == (
-            1, 4096, "ring", "flat", True)
+            1,
+            4096,
+            "ring",
+            "flat",
+            True,
+        )
         # No entry for 8 ranks: the settings stay, and say they were not tabled.
         assert tuned_settings(everything, 8, 100, 2, 1 << 20, "auto", "auto") == (
-            2, 1 << 20, "auto", "auto", False)
+            2,
+            1 << 20,
+            "auto",
+            "auto",
+            False,
+        )
         # A topology that was given stays.
-        assert tuned_settings(everything - {"topology"}, 4, 100, 2, 1 << 20, "auto",
-                              (2, 2))[3] == (2, 2)
+        assert tuned_settings(everything - {"topology"}, 4, 100, 2, 1 << 20, "auto", (2, 2))[3] == (
+            2,
+            2,
+        )
         # An algorithm given as "auto" keeps "auto"'s topology too: the
         # table's "flat" at some sizes and "auto" at others would run the
         # ring at some and direct at others across processes of one host.
         # Given as "ring", the table still picks flat or tiered.
-        assert tuned_settings(everything - {"algorithm"}, 4, 1 << 19, 2, 1 << 20, "auto",
-                              "auto") == (1, 4096, "auto", "auto", True)
-        assert tuned_settings(everything - {"algorithm"}, 4, 1 << 19, 2, 1 << 20, "ring",
-                              "auto") == (1, 4096, "ring", "flat", True)
+        assert tuned_settings(
+            everything - {"algorithm"}, 4, 1 << 19, 2, 1 << 20, "auto", "auto"
+        ) == (1, 4096, "auto", "auto", True)
+        assert tuned_settings(
+            everything - {"algorithm"}, 4, 1 << 19, 2, 1 << 20, "ring", "auto"
+        ) == (1, 4096, "ring", "flat", True)
     finally:
         jaxring.config.reset("tuning")
     # The table's exchange runs where the topology is the table's too; a
     # topology that was given asks for the ring plan, as it does of "auto".
-    tuning.save(path, tuning.key("cpu", 4, 1), tuning.entry(TRUE, {
-        1024: Choice("exchange", 1, 1 << 20)}))
+    tuning.save(
+        path, tuning.key("cpu", 4, 1), tuning.entry(TRUE, {1024: Choice("exchange", 1, 1 << 20)})
+    )
     tuning._loaded.clear()
     jaxring.config.update("tuning", path)
     try:
         assert tuned_settings(everything, 4, 100, 2, 4096, "auto", "auto") == (
-            1, 1 << 20, "exchange", "flat", True)
+            1,
+            1 << 20,
+            "exchange",
+            "flat",
+            True,
+        )
         for given in ((2, 2), "flat"):
-            assert tuned_settings(everything - {"topology"}, 4, 100, 2, 4096, "auto",
-                                  given)[2:4] == ("ring", given)
+            assert tuned_settings(everything - {"topology"}, 4, 100, 2, 4096, "auto", given)[
+                2:4
+            ] == ("ring", given)
     finally:
         jaxring.config.reset("tuning")
     # A table entry whose topology is neither "flat" nor "auto" is refused.
-    tuning.save(path, tuning.key("cpu", 4, 1),
-                tuning.entry(TRUE, {1024: Choice("ring", 3, 12345, "2x2")}))
+    tuning.save(
+        path, tuning.key("cpu", 4, 1), tuning.entry(TRUE, {1024: Choice("ring", 3, 12345, "2x2")})
+    )
     tuning._loaded.clear()
     jaxring.config.update("tuning", path)
     try:
@@ -314,18 +396,51 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
 def test_tune_command_measures_fits_and_writes_a_table(tmp_path):
     out = tmp_path / "tuning.json"
     res = subprocess.run(
-        [sys.executable, "-m", "jaxring.tune", "--devices", "2", "--min-bytes", "4K",
-         "--max-bytes", "16K", "--quick", "--rounds", "1", "--min-time", "0.02",
-         "--out", str(out)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "jaxring.tune",
+            "--devices",
+            "2",
+            "--min-bytes",
+            "4K",
+            "--max-bytes",
+            "16K",
+            "--quick",
+            "--rounds",
+            "1",
+            "--min-time",
+            "0.02",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "prediction error: median" in res.stdout
     assert "model's choice:" in res.stdout
     tables = tuning.load(str(out))
     assert sorted(tables["cpu/ranks=2/processes=1"]["choices"]) == ["16384", "4096"]
     res = subprocess.run(
-        [sys.executable, "-m", "jaxring.tune", "--devices", "2", "--max-bytes", "16K",
-         "--load", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "jaxring.tune",
+            "--devices",
+            "2",
+            "--max-bytes",
+            "16K",
+            "--load",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "predicted" in res.stdout and "16 KiB" in res.stdout
 
@@ -340,11 +455,33 @@ def test_tune_across_processes_measures_both_plans_and_the_job_uses_its_table(tm
     or the ring flat or tiered."""
     out = tmp_path / "tuning.json"
     res = subprocess.run(
-        [sys.executable, "-m", "jaxring.launch", "-n", "2", "--devices-per-process", "2",
-         "-m", "jaxring.tune", "--quick", "--min-bytes", "4K", "--max-bytes", "16K",
-         "--rounds", "1",
-         "--min-time", "0.02", "--out", str(out)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "jaxring.launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "2",
+            "-m",
+            "jaxring.tune",
+            "--quick",
+            "--min-bytes",
+            "4K",
+            "--max-bytes",
+            "16K",
+            "--rounds",
+            "1",
+            "--min-time",
+            "0.02",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[0] # 4 devices in 2 processes, tiers 2x2" in res.stdout
     assert "tiered r=1" in res.stdout and "ring r=1" in res.stdout
@@ -362,8 +499,22 @@ def test_tune_across_processes_measures_both_plans_and_the_job_uses_its_table(tm
     tuning.save(str(out), "cpu/ranks=4/processes=2", entry)
     script = Path(__file__).parent / "multiprocess" / "tuned_lowering.py"
     res = subprocess.run(
-        [sys.executable, "-m", "jaxring.launch", "-n", "2", "--devices-per-process", "2",
-         str(script), str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "jaxring.launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "2",
+            str(script),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = [l.split("] ", 1)[1] for l in res.stdout.splitlines() if "CHOICE" in l]
     assert len(lines) == 4, res.stdout

@@ -20,8 +20,9 @@ def mesh_8():
 
 def x_on(mesh):
     rng = np.random.default_rng(0)
-    return jax.device_put(rng.standard_normal((8, 5)).astype(np.float32),
-                          NamedSharding(mesh, P("i")))
+    return jax.device_put(
+        rng.standard_normal((8, 5)).astype(np.float32), NamedSharding(mesh, P("i"))
+    )
 
 
 def run(body, mesh, out_specs=P()):
@@ -32,8 +33,9 @@ def unreduced(v):
     return jax.lax.pcast(v, "i", to="unreduced")
 
 
-@pytest.mark.parametrize("ours,theirs", [(jaxring.psum, jax.lax.psum),
-                                         (jaxring.pmean, jax.lax.pmean)])
+@pytest.mark.parametrize(
+    "ours,theirs", [(jaxring.psum, jax.lax.psum), (jaxring.pmean, jax.lax.pmean)]
+)
 def test_sum_of_an_unreduced_value_matches_lax_and_is_typed_reduced(ours, theirs):
     mesh = mesh_8()
     types = {}
@@ -43,7 +45,9 @@ def test_sum_of_an_unreduced_value_matches_lax_and_is_typed_reduced(ours, theirs
             r = reduce(unreduced(v * 3), "i")
             types[name] = jax.typeof(r)
             return r
+
         return f
+
     got = run(body(ours, "ours"), mesh)(x_on(mesh))
     want = run(body(theirs, "lax"), mesh)(x_on(mesh))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
@@ -57,7 +61,9 @@ def test_gradient_matches_lax():
     def grad_of(psum):
         def f(v):
             return jax.grad(lambda w: jnp.sum(jnp.sin(psum(unreduced(w * w), "i"))))(v)
+
         return np.asarray(run(f, mesh, out_specs=P("i"))(x_on(mesh)))
+
     np.testing.assert_allclose(grad_of(jaxring.psum), grad_of(jax.lax.psum), rtol=1e-6)
 
 
@@ -68,17 +74,26 @@ def test_unreduced_and_varying_leaves_of_one_tree():
         def f(v):
             out = psum({"u": unreduced(v), "v": v * 2}, "i")
             return out["u"] + out["v"]
+
         return f
-    np.testing.assert_allclose(np.asarray(run(body(jaxring.psum), mesh)(x_on(mesh))),
-                               np.asarray(run(body(jax.lax.psum), mesh)(x_on(mesh))),
-                               rtol=1e-6)
+
+    np.testing.assert_allclose(
+        np.asarray(run(body(jaxring.psum), mesh)(x_on(mesh))),
+        np.asarray(run(body(jax.lax.psum), mesh)(x_on(mesh))),
+        rtol=1e-6,
+    )
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda u: jaxring.allreduce(u, "i", op="max"), "can only be summed"),
-    (lambda u: jaxring.psum(u, "i", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]]),
-     "without axis_index_groups"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda u: jaxring.allreduce(u, "i", op="max"), "can only be summed"),
+        (
+            lambda u: jaxring.psum(u, "i", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]]),
+            "without axis_index_groups",
+        ),
+    ],
+)
 def test_what_lax_psum_refuses_on_unreduced_values_is_refused(call, match):
     mesh = mesh_8()
     with pytest.raises(TypeError, match=match):
@@ -88,9 +103,14 @@ def test_what_lax_psum_refuses_on_unreduced_values_is_refused(call, match):
 def test_unreduced_over_some_reduced_axes_only_is_refused():
     mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
     x = jax.device_put(np.ones((8, 3), np.float32), NamedSharding(mesh, P(("a", "b"))))
-    f = jax.jit(jax.shard_map(
-        lambda v: jaxring.psum(jax.lax.pcast(v, "a", to="unreduced"), ("a", "b")),
-        mesh=mesh, in_specs=P(("a", "b")), out_specs=P()))
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: jaxring.psum(jax.lax.pcast(v, "a", to="unreduced"), ("a", "b")),
+            mesh=mesh,
+            in_specs=P(("a", "b")),
+            out_specs=P(),
+        )
+    )
     with pytest.raises(ValueError, match="unreduced over \\['a'\\] but not over"):
         f(x)
 
@@ -103,12 +123,12 @@ def test_overlap_leaves_an_unreduced_sum_where_it_is_with_a_warning(psum):
 
     def step(v):
         return psum(unreduced(v), "i") + jax.lax.psum(v, "i")
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", jaxring.OverlapWarning)
         got = run(jaxring.overlap(step, axis_name="i"), mesh)(x_on(mesh))
     assert any("typed unreduced" in str(w.message) for w in caught), caught
-    np.testing.assert_allclose(np.asarray(got), np.asarray(run(step, mesh)(x_on(mesh))),
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(run(step, mesh)(x_on(mesh))), rtol=1e-6)
 
 
 def mesh_4x2():
@@ -117,8 +137,9 @@ def mesh_4x2():
 
 def x_on_4x2(mesh):
     rng = np.random.default_rng(1)
-    return jax.device_put(rng.standard_normal((4, 2, 3)).astype(np.float32),
-                          NamedSharding(mesh, P("i", "j")))
+    return jax.device_put(
+        rng.standard_normal((4, 2, 3)).astype(np.float32), NamedSharding(mesh, P("i", "j"))
+    )
 
 
 def test_sum_over_one_axis_of_a_value_unreduced_over_another_matches_lax():
@@ -134,11 +155,16 @@ def test_sum_over_one_axis_of_a_value_unreduced_over_another_matches_lax():
                 out = psum({"u": u, "v": v * 2}, "i")
                 return jax.lax.psum(out["u"], "j") + jax.lax.psum(out["v"], "j")
             return jax.lax.psum(psum(u, "i"), "j")
+
         return f
 
     def run2(f):
-        return np.asarray(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i", "j"),
-                                                out_specs=P()))(x_on_4x2(mesh)))
+        return np.asarray(
+            jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i", "j"), out_specs=P()))(
+                x_on_4x2(mesh)
+            )
+        )
+
     for tree in (False, True):
         want = run2(body(jax.lax.psum, tree))
         np.testing.assert_allclose(run2(body(jaxring.psum, tree)), want, rtol=1e-6)
@@ -164,5 +190,7 @@ def test_a_max_not_yet_taken_over_another_axis_is_not_summed():
         with pytest.raises(TypeError, match="unreduced kind max"):
             _check_unreduced(awaiting_max, ("i",), None, "sum")
         return v
-    jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i", "j"),
-                          out_specs=P("i", "j")))(x_on_4x2(mesh))
+
+    jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i", "j"), out_specs=P("i", "j")))(
+        x_on_4x2(mesh)
+    )

@@ -36,9 +36,13 @@ def mesh(kind=AxisType.Explicit, shape=(N,), names=("batch",)):
 
 def init_mlp(seed=0, layers=LAYERS, width=WIDTH):
     rng = np.random.default_rng(seed)
-    return {f"layer{i}": {"w": jnp.asarray(rng.normal(0, 0.3, (width, width)), jnp.float32),
-                          "b": jnp.asarray(rng.normal(0, 0.1, (width,)), jnp.float32)}
-            for i in range(layers)}
+    return {
+        f"layer{i}": {
+            "w": jnp.asarray(rng.normal(0, 0.3, (width, width)), jnp.float32),
+            "b": jnp.asarray(rng.normal(0, 0.1, (width,)), jnp.float32),
+        }
+        for i in range(layers)
+    }
 
 
 def mlp(params, x):
@@ -55,8 +59,11 @@ def loss_fn(params, x, y):
 def loss_with_aux(params, x, y):
     pred = mlp(params, x)
     loss = jnp.mean((pred - y) ** 2)
-    return loss, {"pred_mean": jnp.mean(pred), "positives": jnp.sum(pred > 0),
-                  "per_example": jnp.sum(pred, axis=-1)}
+    return loss, {
+        "pred_mean": jnp.mean(pred),
+        "positives": jnp.sum(pred > 0),
+        "per_example": jnp.sum(pred, axis=-1),
+    }
 
 
 def batch(seed=1, per_device=4, width=WIDTH, devices=N):
@@ -68,13 +75,18 @@ def batch(seed=1, per_device=4, width=WIDTH, devices=N):
 
 def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
     assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(lambda u, v: np.testing.assert_allclose(
-        np.asarray(u), np.asarray(v), rtol=rtol, atol=atol), a, b)
+    jax.tree.map(
+        lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol),
+        a,
+        b,
+    )
 
 
 def placed(m, params, *batch_args, axis="batch"):
-    return (jax.device_put(params, NamedSharding(m, P())),
-            *jax.device_put(batch_args, NamedSharding(m, P(axis))))
+    return (
+        jax.device_put(params, NamedSharding(m, P())),
+        *jax.device_put(batch_args, NamedSharding(m, P(axis))),
+    )
 
 
 def small_buckets():
@@ -85,6 +97,7 @@ def small_buckets():
 
 # ---- values -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def test_matches_value_and_grad_on_the_whole_batch(kind):
     m = mesh(kind)
@@ -93,8 +106,9 @@ def test_matches_value_and_grad_on_the_whole_batch(kind):
 
     @jax.jit
     def step(params, x, y):
-        return jaxring.value_and_grad(loss_fn, mesh=m, axis_name="batch",
-                                      **small_buckets())(params, x, y)
+        return jaxring.value_and_grad(loss_fn, mesh=m, axis_name="batch", **small_buckets())(
+            params, x, y
+        )
 
     for args in (placed(m, params, x, y), (params, x, y)):  # placed, and not
         loss, grads = step(*args)
@@ -127,7 +141,8 @@ def test_two_axis_mesh_and_a_tuple_axis_name():
     for axis, spec in (("data", P("data")), (("data", "model"), P(("data", "model")))):
         got = jax.jit(jaxring.value_and_grad(loss_fn, mesh=m, axis_name=axis))(
             jax.device_put(params, NamedSharding(m, P())),
-            *jax.device_put((x, y), NamedSharding(m, spec)))
+            *jax.device_put((x, y), NamedSharding(m, spec)),
+        )
         assert_trees_close(got, want)
 
 
@@ -139,7 +154,8 @@ def test_batch_args_may_be_pytrees():
         return loss_fn(params, data["x"], data["y"])
 
     got = jax.jit(jaxring.value_and_grad(dict_loss, mesh=m, axis_name="batch"))(
-        params, {"x": x, "y": y})
+        params, {"x": x, "y": y}
+    )
     assert_trees_close(got, jax.value_and_grad(loss_fn)(params, x, y))
 
 
@@ -147,9 +163,11 @@ def test_has_aux_stacks_each_shards_aux():
     m = mesh()
     params, (x, y) = init_mlp(), batch()
     (want_loss, want_aux), want_grads = jax.value_and_grad(loss_with_aux, has_aux=True)(
-        params, x, y)
-    (loss, aux), grads = jax.jit(jaxring.value_and_grad(
-        loss_with_aux, mesh=m, axis_name="batch", has_aux=True))(*placed(m, params, x, y))
+        params, x, y
+    )
+    (loss, aux), grads = jax.jit(
+        jaxring.value_and_grad(loss_with_aux, mesh=m, axis_name="batch", has_aux=True)
+    )(*placed(m, params, x, y))
     np.testing.assert_allclose(np.asarray(loss), np.asarray(want_loss), rtol=2e-6)
     assert_trees_close(grads, want_grads)
     # Row i is shard i's aux: the loss function on that shard's examples.
@@ -161,12 +179,20 @@ def test_has_aux_stacks_each_shards_aux():
         examples = slice(i * 4, (i + 1) * 4)
         _, local = loss_with_aux(params, x[examples], y[examples])
         assert_trees_close(jax.tree.map(lambda a: a[i], rows), local)
-    np.testing.assert_allclose(np.asarray(aux["pred_mean"].mean(0)),
-                               np.asarray(want_aux["pred_mean"]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(aux["pred_mean"].mean(0)),
+        np.asarray(want_aux["pred_mean"]),
+        rtol=1e-5,
+        atol=1e-7,
+    )
     assert aux["positives"].dtype == want_aux["positives"].dtype
     assert int(aux["positives"].sum()) == int(want_aux["positives"])
-    np.testing.assert_allclose(np.asarray(aux["per_example"]).reshape(-1),
-                               np.asarray(want_aux["per_example"]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(aux["per_example"]).reshape(-1),
+        np.asarray(want_aux["per_example"]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_adam_step_in_jit_equals_the_one_device_update():
@@ -180,11 +206,11 @@ def test_adam_step_in_jit_equals_the_one_device_update():
             loss, grads = grad_fn(params, x, y)
             updates, opt_state = opt.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
+
         return step
 
     one_device = make_step(jax.value_and_grad(loss_fn))
-    ring = make_step(jaxring.value_and_grad(loss_fn, mesh=m, axis_name="batch",
-                                            **small_buckets()))
+    ring = make_step(jaxring.value_and_grad(loss_fn, mesh=m, axis_name="batch", **small_buckets()))
     want = (params, opt.init(params))
     p, xs, ys = placed(m, params, x, y)
     got = (p, jax.device_put(opt.init(params), NamedSharding(m, P())))
@@ -202,19 +228,22 @@ def test_adam_step_in_jit_equals_the_one_device_update():
 def test_overlap_options_pass_through(capsys):
     m = mesh()
     params, (x, y) = init_mlp(), batch()
-    vg = jaxring.value_and_grad(loss_fn, mesh=m, axis_name="batch", report=True,
-                                wire_dtype="bfloat16", **small_buckets())
+    vg = jaxring.value_and_grad(
+        loss_fn, mesh=m, axis_name="batch", report=True, wire_dtype="bfloat16", **small_buckets()
+    )
     opts = vg.jaxring_overlap_options
     assert opts.axis_name == "batch" and opts.wire_dtype == np.dtype(jnp.bfloat16)
     assert opts.bucket_mb == small_buckets()["bucket_mb"]
     loss, grads = jax.jit(vg)(*placed(m, params, x, y))
     assert re.search(r"jaxring.overlap: \d+ bucket\(s\)", capsys.readouterr().out)
     # bfloat16 on the wire: close to the float32 result, not equal.
-    assert_trees_close((loss, grads), jax.value_and_grad(loss_fn)(params, x, y),
-                       rtol=2e-2, atol=2e-3)
+    assert_trees_close(
+        (loss, grads), jax.value_and_grad(loss_fn)(params, x, y), rtol=2e-2, atol=2e-3
+    )
 
 
 # ---- the compiled program ------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def test_compiled_step_uses_jaxring_buckets_and_no_xla_all_reduce(kind):
@@ -224,13 +253,17 @@ def test_compiled_step_uses_jaxring_buckets_and_no_xla_all_reduce(kind):
 
     @jax.jit
     def step(params, opt_state, x, y):
-        loss, grads = jaxring.value_and_grad(loss_fn, mesh=m, axis_name="batch",
-                                             **small_buckets())(params, x, y)
+        loss, grads = jaxring.value_and_grad(loss_fn, mesh=m, axis_name="batch", **small_buckets())(
+            params, x, y
+        )
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    hlo = step.lower(*placed(m, params, x, y)[:1], opt.init(params),
-                     *placed(m, params, x, y)[1:]).compile().as_text()
+    hlo = (
+        step.lower(*placed(m, params, x, y)[:1], opt.init(params), *placed(m, params, x, y)[1:])
+        .compile()
+        .as_text()
+    )
     starts = re.findall(r'custom_call_target="jaxring_allreduce_start_cpu"', hlo)
     dones = re.findall(r'custom_call_target="jaxring_allreduce_done_cpu"', hlo)
     buckets = set(re.findall(r"jaxring_bucket(\d+)", hlo))
@@ -241,16 +274,25 @@ def test_compiled_step_uses_jaxring_buckets_and_no_xla_all_reduce(kind):
 
 # ---- errors -------------------------------------------------------------------
 
+
 def test_params_split_over_the_batch_axis_are_refused():
     params, (x, y) = init_mlp(), batch()
     for kind in (AxisType.Explicit, AxisType.Auto):
         m = mesh(kind)
-        split = dict(params, layer0=dict(params["layer0"], w=jax.device_put(
-            params["layer0"]["w"], NamedSharding(m, P("batch")))))
+        split = dict(
+            params,
+            layer0=dict(
+                params["layer0"],
+                w=jax.device_put(params["layer0"]["w"], NamedSharding(m, P("batch"))),
+            ),
+        )
         vg = jaxring.value_and_grad(loss_fn, mesh=m, axis_name="batch")
         # A concrete array's sharding is known outside jit ...
-        with pytest.raises(ValueError, match=r"params\['layer0'\]\['w'\] is split over "
-                                             r"'batch', the batch axis"):
+        with pytest.raises(
+            ValueError,
+            match=r"params\['layer0'\]\['w'\] is split over "
+            r"'batch', the batch axis",
+        ):
             vg(split, x, y)
     # ... and inside jit on a mesh of explicit axes, from the abstract value.
     m = mesh(AxisType.Explicit)
@@ -264,17 +306,24 @@ def test_batch_that_does_not_split_evenly_is_refused(bad):
     m = mesh()
     params, (x, y) = init_mlp(), batch()
     vg = jax.jit(jaxring.value_and_grad(loss_fn, mesh=m, axis_name="batch"))
-    with pytest.raises(ValueError, match=rf"batch argument 2 has shape {re.escape(str(bad))}; "
-                                         r".*divisible by the size of 'batch' \(8\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"batch argument 2 has shape {re.escape(str(bad))}; "
+        r".*divisible by the size of 'batch' \(8\)",
+    ):
         vg(params, x, jnp.zeros(bad, jnp.float32))
     with pytest.raises(ValueError, match=r"batch argument 1\['x'\] has shape \(12, 32\)"):
-        jaxring.value_and_grad(lambda p, d: loss_fn(p, d["x"], d["y"]), mesh=m,
-                               axis_name="batch")(params, {"x": x[:12], "y": y})
+        jaxring.value_and_grad(lambda p, d: loss_fn(p, d["x"], d["y"]), mesh=m, axis_name="batch")(
+            params, {"x": x[:12], "y": y}
+        )
 
 
 def test_axis_not_in_the_mesh_is_refused():
-    with pytest.raises(ValueError, match=r"axis_name 'data' is not an axis of the mesh, "
-                                         r"whose axes are \('batch',\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"axis_name 'data' is not an axis of the mesh, "
+        r"whose axes are \('batch',\)",
+    ):
         jaxring.value_and_grad(loss_fn, mesh=mesh(), axis_name="data")
     with pytest.raises(TypeError, match="axis_name must be a mesh axis name"):
         jaxring.value_and_grad(loss_fn, mesh=mesh(), axis_name=0)
@@ -282,7 +331,7 @@ def test_axis_not_in_the_mesh_is_refused():
 
 def test_no_batch_argument_is_refused():
     m = mesh()
-    vg = jaxring.value_and_grad(lambda p: jnp.sum(p ** 2), mesh=m, axis_name="batch")
+    vg = jaxring.value_and_grad(lambda p: jnp.sum(p**2), mesh=m, axis_name="batch")
     with pytest.raises(ValueError, match="needs at least one batch argument"):
         jax.jit(vg)(jnp.ones(3))
 
@@ -294,9 +343,12 @@ def test_wrong_mesh_type_is_refused():
 
 
 def test_unknown_keywords_are_refused():
-    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) bucket_size; "
-                                        r"the options it passes on to jaxring.overlap are "
-                                        r"bucket_mb, first_bucket_mb"):
+    with pytest.raises(
+        TypeError,
+        match=r"unexpected keyword argument\(s\) bucket_size; "
+        r"the options it passes on to jaxring.overlap are "
+        r"bucket_mb, first_bucket_mb",
+    ):
         jaxring.value_and_grad(loss_fn, mesh=mesh(), axis_name="batch", bucket_size=4)
     with pytest.raises(ValueError, match="bucket_mb must be a positive number"):
         jaxring.value_and_grad(loss_fn, mesh=mesh(), axis_name="batch", bucket_mb=0)
@@ -310,9 +362,13 @@ def test_inside_a_shard_map_over_the_axis_is_refused():
     m = mesh()
     params, (x, y) = init_mlp(), batch()
     vg = jaxring.value_and_grad(loss_fn, mesh=m, axis_name="batch")
-    inner = jax.shard_map(lambda p, x, y: vg(p, x, y), mesh=m,
-                          in_specs=(P(), P("batch"), P("batch")), out_specs=P(),
-                          check_vma=False)
+    inner = jax.shard_map(
+        lambda p, x, y: vg(p, x, y),
+        mesh=m,
+        in_specs=(P(), P("batch"), P("batch")),
+        out_specs=P(),
+        check_vma=False,
+    )
     with pytest.raises(ValueError, match="already maps 'batch'; there, take"):
         jax.jit(inner)(*placed(m, params, x, y))
 
@@ -323,8 +379,25 @@ def test_a_jit_step_compiles_to_the_program_of_the_shard_map_step():
     jaxring.overlap (the benchmark compares the compiled entry computations)."""
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "jit_value_and_grad.py"
     with tempfile.TemporaryDirectory() as cwd:
-        res = subprocess.run([sys.executable, str(script), "--devices", "4", "--layers", "2",
-                              "--width", "64", "--rounds", "1", "--steps", "1"],
-                             capture_output=True, text=True, timeout=300, cwd=cwd)
+        res = subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                "--devices",
+                "4",
+                "--layers",
+                "2",
+                "--width",
+                "64",
+                "--rounds",
+                "1",
+                "--steps",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=cwd,
+        )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "the two jaxring variants compile to the same program: yes" in res.stdout, res.stdout

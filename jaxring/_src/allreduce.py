@@ -21,28 +21,49 @@ import contextvars
 import functools
 import math
 import operator
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxring._src import (call_sites, cost_model, cuda_agreement, cuda_backend,
-                         distributed, runtime, timeline)
-from jaxring._src import host_segment
-from jaxring._src import topology as _topology
-from jaxring._src import tuning as _tuning
-from jaxring._src import wire_format
-from jaxring._src import jax_compat as compat
+from jaxring._src import (
+    call_sites,
+    cost_model,
+    cuda_agreement,
+    cuda_backend,
+    distributed,
+    host_segment,
+    jax_compat as compat,
+    runtime,
+    timeline,
+    topology as _topology,
+    tuning as _tuning,
+    wire_format,
+)
 from jaxring._src.config import config, parse_links, validate
 from jaxring._src.jax_compat import ad, batching, hlo, ir, mlir
 
 _PUBLIC_OPS = ("sum", "mean", "max", "min", "prod")
-SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (
-    jax.numpy.float16, jax.numpy.bfloat16, np.float32, np.float64,
-    np.int8, np.int16, np.int32, np.int64,
-    np.uint8, np.uint16, np.uint32, np.uint64))
+SUPPORTED_DTYPES = tuple(
+    np.dtype(d)
+    for d in (
+        jax.numpy.float16,
+        jax.numpy.bfloat16,
+        np.float32,
+        np.float64,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+    )
+)
 
 # Op ids tell concurrent allreduces of one execution apart: each call site
 # gets its own at lowering, the same on every device and in every process
@@ -61,7 +82,8 @@ def _axes_tuple(axis_name: Any) -> tuple:
         if isinstance(a, int):
             raise TypeError(
                 "jaxring.allreduce reduces over named axes only; got the "
-                f"positional axis {a}. Use jnp.sum for positional reductions.")
+                f"positional axis {a}. Use jnp.sum for positional reductions."
+            )
     if len(set(axes)) != len(axes):
         raise ValueError(f"jaxring.allreduce: axis {axes} repeats a name")
     return axes
@@ -73,18 +95,19 @@ def _groups_tuple(axis_index_groups) -> tuple | None:
     if axis_index_groups is None:
         return None
     try:
-        groups = tuple(tuple(int(operator.index(i)) for i in g)
-                       for g in axis_index_groups)
+        groups = tuple(tuple(int(operator.index(i)) for i in g) for g in axis_index_groups)
     except TypeError:
         raise TypeError(
             "jaxring.allreduce: axis_index_groups must be a list of lists of "
-            f"axis indices, got {axis_index_groups!r}") from None
+            f"axis indices, got {axis_index_groups!r}"
+        ) from None
     indices = [i for g in groups for i in g]
-    if not groups or any(not g for g in groups) or \
-            sorted(indices) != list(range(len(indices))):
+    if not groups or any(not g for g in groups) or sorted(indices) != list(range(len(indices))):
         # lax.psum's own wording.
-        raise ValueError("axis_index_groups must cover all indices exactly once "
-                         f"(jaxring.allreduce got {axis_index_groups!r})")
+        raise ValueError(
+            "axis_index_groups must cover all indices exactly once "
+            f"(jaxring.allreduce got {axis_index_groups!r})"
+        )
     return groups
 
 
@@ -97,7 +120,8 @@ def _check_groups_cover(axes: tuple, groups: tuple | None) -> None:
         raise ValueError(
             f"axis_index_groups must cover all indices exactly once: they "
             f"hold {count} indices, but the axes {axes} have {size} "
-            "(jaxring.allreduce)")
+            "(jaxring.allreduce)"
+        )
 
 
 def bound_axes_text(what: str = "") -> str:
@@ -105,10 +129,13 @@ def bound_axes_text(what: str = "") -> str:
     what: how a name is passed (e.g. "as axis_name")."""
     names = compat.bound_axis_names()
     if not names:
-        return ("no axis is bound here (this is not inside jax.shard_map, "
-                "jax.pmap or jax.vmap)")
-    return ("the axes bound here are " + ", ".join(repr(n) for n in names)
-            + ": pass one of those" + (f" {what}" if what else ""))
+        return "no axis is bound here (this is not inside jax.shard_map, jax.pmap or jax.vmap)"
+    return (
+        "the axes bound here are "
+        + ", ".join(repr(n) for n in names)
+        + ": pass one of those"
+        + (f" {what}" if what else "")
+    )
 
 
 def _check_bound(axes: tuple, overlap_axis_name: Any = None) -> None:
@@ -120,22 +147,27 @@ def _check_bound(axes: tuple, overlap_axis_name: Any = None) -> None:
     for name in axes:
         if compat.axis_is_bound(name):
             continue
-        jax_words = (f"Found an unbound axis name: {name}. To fix this, please "
-                     "call psum under `jax.shard_map`.")
+        jax_words = (
+            f"Found an unbound axis name: {name}. To fix this, please "
+            "call psum under `jax.shard_map`."
+        )
         if overlap_axis_name is not None:
             raise NameError(
                 f"{jax_words} jaxring.overlap(axis_name={overlap_axis_name!r}): "
                 f"the decorator's axis_name argument names {name!r}, which no "
                 "map around the decorated step binds; "
                 f"{bound_axes_text('as axis_name')}. The decorated step runs "
-                "inside jax.shard_map or jax.pmap over the axis it names.")
+                "inside jax.shard_map or jax.pmap over the axis it names."
+            )
         raise NameError(
             f"{jax_words} jaxring.allreduce runs inside jax.shard_map, jax.pmap "
             "or jax.vmap over an axis of that name. It was asked to reduce over "
-            f"{name!r}, which no enclosing map binds; {bound_axes_text()}.")
+            f"{name!r}, which no enclosing map binds; {bound_axes_text()}."
+        )
 
 
 # ---- varying-manual-axes (check_vma) helpers, across jax versions ----------
+
 
 def varying(aval) -> frozenset:
     mat = getattr(aval, "mat", None)
@@ -155,8 +187,22 @@ def with_varying(aval, varying: frozenset):
 allreduce_p = compat.Primitive("jaxring_allreduce")
 
 
-def _abstract_eval(aval, *, axes, groups, op, rings, rings_from_default, chunk_bytes,
-                   timeout_s, link, algorithm, topology, invariant, unreduced):
+def _abstract_eval(
+    aval,
+    *,
+    axes,
+    groups,
+    op,
+    rings,
+    rings_from_default,
+    chunk_bytes,
+    timeout_s,
+    link,
+    algorithm,
+    topology,
+    invariant,
+    unreduced,
+):
     del op, rings, rings_from_default, chunk_bytes, timeout_s, link, algorithm, topology
     _check_bound(axes)
     _check_groups_cover(axes, groups)
@@ -177,7 +223,8 @@ allreduce_p.def_effectful_abstract_eval(_abstract_eval)
 def _impl(x, **params):
     raise NameError(
         "jaxring.allreduce must be called inside jax.shard_map or jax.pmap "
-        "(it was called eagerly, outside any mapped axis).")
+        "(it was called eagerly, outside any mapped axis)."
+    )
 
 
 allreduce_p.def_impl(_impl)
@@ -190,7 +237,8 @@ def _jvp(primals, tangents, **params):
     if params["op"] != "sum":
         raise TypeError(
             f"jaxring.allreduce(op={params['op']!r}) is not differentiable "
-            "(neither are lax.pmax/pmin); only op='sum' and op='mean' are.")
+            "(neither are lax.pmax/pmin); only op='sum' and op='mean' are."
+        )
     return y, allreduce_p.bind(t, **params)
 
 
@@ -231,12 +279,15 @@ def _to_low(x, **params):
             f"jaxring.allreduce over {params['axes']}: the value "
             f"({aval.str_short(True)}) is unreduced over mesh axes outside "
             "the shard_map's manual axes, which jaxring cannot sum; reduce "
-            "it with lax.psum or jax.sharding.reshard first.")
+            "it with lax.psum or jax.sharding.reshard first."
+        )
     out_aval, _ = _abstract_eval(aval, **params)
     # The low form is varying where the high one was unreduced, so a sum of
     # an unreduced operand gives an invariant result, as its high type says.
-    summed = allreduce_p.bind(low, **{**params, "unreduced": False,
-                                      "invariant": params["invariant"] or params["unreduced"]})
+    summed = allreduce_p.bind(
+        low,
+        **{**params, "unreduced": False, "invariant": params["invariant"] or params["unreduced"]},
+    )
     return compat.high_value(out_aval, summed)
 
 
@@ -244,8 +295,12 @@ compat.define_high_rule(allreduce_p, _to_low)
 
 
 def _local_reduce(op: str, x, dim: int):
-    return {"sum": lax.reduce_sum, "prod": lax.reduce_prod,
-            "min": lax.reduce_min, "max": lax.reduce_max}[op](x, (dim,))
+    return {
+        "sum": lax.reduce_sum,
+        "prod": lax.reduce_prod,
+        "min": lax.reduce_min,
+        "max": lax.reduce_max,
+    }[op](x, (dim,))
 
 
 def _batch(axis_data, vals, dims, *, axes, groups, op, **params):
@@ -255,14 +310,16 @@ def _batch(axis_data, vals, dims, *, axes, groups, op, **params):
     if params["unreduced"]:
         raise NotImplementedError(
             "jaxring.allreduce of a value typed unreduced cannot be vmapped "
-            f"over the reduced axis {axis_data.name!r} (nor can lax.psum's).")
+            f"over the reduced axis {axis_data.name!r} (nor can lax.psum's)."
+        )
     if groups is not None:
         # lax.psum's batcher refuses this too: the groups index the reduced
         # axes jointly, and vmap would split them into a local and a ring part.
         raise NotImplementedError(
             "axis_index_groups not supported in vmap collectives: "
             f"jaxring.allreduce over {axes} with axis_index_groups cannot be "
-            f"vmapped over the reduced axis {axis_data.name!r}.")
+            f"vmapped over the reduced axis {axis_data.name!r}."
+        )
     rest = tuple(a for a in axes if a != axis_data.name)
     if d is None:
         # Every member of the vmapped axis holds the same x.
@@ -283,8 +340,9 @@ def _batch(axis_data, vals, dims, *, axes, groups, op, **params):
 batching.fancy_primitive_batchers[allreduce_p] = _batch
 
 
-def _rank_tables(axis_names: Sequence, axis_sizes: Sequence[int], axes: tuple,
-                 groups: tuple | None = None):
+def _rank_tables(
+    axis_names: Sequence, axis_sizes: Sequence[int], axes: tuple, groups: tuple | None = None
+):
     """Rank in its ring and ring number, per partition id (row-major mesh).
 
     A device's index over `axes` is row-major in the order `axes` are given
@@ -329,8 +387,7 @@ def _lookup(table: np.ndarray, index):
     """table[index] as a scalar int32, index a scalar int32 value."""
     const = mlir.ir_constant(table)
     sliced = hlo.dynamic_slice(const, [index], ir.DenseI64ArrayAttr.get([1]))
-    return hlo.reshape(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)),
-                       sliced)
+    return hlo.reshape(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), sliced)
 
 
 def automatic_axes(ctx) -> tuple:
@@ -340,8 +397,7 @@ def automatic_axes(ctx) -> tuple:
     if mesh is None:
         return ()
     manual = getattr(axis_ctx, "manual_axes", frozenset(mesh.axis_names))
-    return tuple(n for n, s in zip(mesh.axis_names, mesh.axis_sizes)
-                 if n not in manual and s > 1)
+    return tuple(n for n, s in zip(mesh.axis_names, mesh.axis_sizes) if n not in manual and s > 1)
 
 
 def _lower_in_manual_region(ctx, x, auto: tuple, params: dict):
@@ -360,15 +416,17 @@ def _lower_in_manual_region(ctx, x, auto: tuple, params: dict):
     (aval,) = ctx.avals_in
     sharding = getattr(aval, "sharding", None)
     spec = getattr(sharding, "spec", None) or P()
-    spec = P(*(d if d is not None and set(_spec_axes(d)) <= set(auto) else None
-               for d in spec))
-    reduce_parts = jax.shard_map(lambda u: allreduce_p.bind(u, **params),
-                                 in_specs=spec, out_specs=spec,
-                                 axis_names=frozenset(auto), check_vma=False)
+    spec = P(*(d if d is not None and set(_spec_axes(d)) <= set(auto) else None for d in spec))
+    reduce_parts = jax.shard_map(
+        lambda u: allreduce_p.bind(u, **params),
+        in_specs=spec,
+        out_specs=spec,
+        axis_names=frozenset(auto),
+        check_vma=False,
+    )
     # The nested shard_map lowers over the abstract mesh, which has no
     # devices; its partition ids are the enclosing lowering's.
-    token = _enclosing_devices.set(
-        distributed.device_assignment(ctx.module_context.axis_context))
+    token = _enclosing_devices.set(distributed.device_assignment(ctx.module_context.axis_context))
     try:
         return mlir.lower_fun(reduce_parts, multiple_results=False)(ctx, x)
     finally:
@@ -378,18 +436,21 @@ def _lower_in_manual_region(ctx, x, auto: tuple, params: dict):
 def _in_manual_region(lowering):
     """The allreduce's lowering, entering a region manual over every mesh
     axis first where the shard_map being lowered left some automatic."""
+
     def lower(ctx, x, **params):
         auto = automatic_axes(ctx)
         if auto:
             return _lower_in_manual_region(ctx, x, auto, params)
         return lowering(ctx, x, **params)
+
     return lower
 
 
 # The devices of the lowering that entered a nested manual region, for the
 # lowerings inside it (_lower_in_manual_region).
 _enclosing_devices: contextvars.ContextVar = contextvars.ContextVar(
-    "jaxring_enclosing_devices", default=None)
+    "jaxring_enclosing_devices", default=None
+)
 
 
 def _spec_axes(entry) -> tuple:
@@ -410,7 +471,8 @@ def mesh_layout(ctx, axes: tuple, groups: tuple | None = None):
     if mesh is None:
         raise NotImplementedError(
             "jaxring.allreduce lowers only inside jax.shard_map or jax.pmap "
-            f"(found the axis context {type(axis_ctx).__name__}).")
+            f"(found the axis context {type(axis_ctx).__name__})."
+        )
     names, sizes = tuple(mesh.axis_names), tuple(mesh.axis_sizes)
     auto = automatic_axes(ctx)
     if auto:
@@ -419,7 +481,8 @@ def mesh_layout(ctx, axes: tuple, groups: tuple | None = None):
         raise NotImplementedError(
             f"jaxring.overlap inside a shard_map that leaves mesh axes {list(auto)} "
             "automatic is not supported; make every mesh axis manual there "
-            "(jaxring.allreduce itself works in such a shard_map).")
+            "(jaxring.allreduce itself works in such a shard_map)."
+        )
     world = math.prod(sizes[names.index(a)] for a in axes)
     if groups is not None:
         world = max(len(g) for g in groups)
@@ -437,6 +500,7 @@ class RingCoordinates(NamedTuple):
     of every group when they differ (uneven axis_index_groups; rows are then
     padded to the largest), else nothing.
     """
+
     world: int
     rank: Any
     group: Any
@@ -444,8 +508,9 @@ class RingCoordinates(NamedTuple):
     group_sizes: np.ndarray
 
 
-def ring_coordinates(ctx, axes: tuple, groups: tuple | None, timeout_s: float,
-                     link) -> RingCoordinates:
+def ring_coordinates(
+    ctx, axes: tuple, groups: tuple | None, timeout_s: float, link
+) -> RingCoordinates:
     """This device's RingCoordinates for a ring over axes (within its
     axis_index_group); when a ring spans processes this also sets up the TCP
     transport."""
@@ -454,22 +519,29 @@ def ring_coordinates(ctx, axes: tuple, groups: tuple | None, timeout_s: float,
         if jax.process_count() > 1:
             raise NotImplementedError(
                 "jaxring.allreduce: cannot tell which process runs each device "
-                "of this lowering (no device assignment).")
+                "of this lowering (no device assignment)."
+            )
         rank_process = np.zeros(world * (int(group_table.max()) + 1), np.int64)
     else:
-        rank_process = distributed.process_table(devices, rank_table,
-                                                 group_table, world)
+        rank_process = distributed.process_table(devices, rank_table, group_table, world)
     if distributed.spans_processes(rank_process):
         if link:
             raise NotImplementedError(
                 "jaxring: cpu_link emulates links between the devices of one "
                 "process; this ring spans processes, whose traffic crosses a "
-                "real network. Unset jaxring.config.cpu_link / JAXRING_CPU_LINK.")
+                "real network. Unset jaxring.config.cpu_link / JAXRING_CPU_LINK."
+            )
         distributed.ensure_tcp_transport(timeout_s)
-    pid = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)),
-                      hlo.partition_id())
-    return RingCoordinates(world, _lookup(rank_table, pid), _lookup(group_table, pid),
-                           rank_process, group_sizes(groups, group_table))
+    pid = hlo.convert(
+        ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), hlo.partition_id()
+    )
+    return RingCoordinates(
+        world,
+        _lookup(rank_table, pid),
+        _lookup(group_table, pid),
+        rank_process,
+        group_sizes(groups, group_table),
+    )
 
 
 def link_param() -> tuple:
@@ -488,23 +560,27 @@ def link_attributes(link: tuple, world: int, uneven_groups: bool) -> dict:
             raise NotImplementedError(
                 "jaxring: cpu_link with tiers emulates one cluster per ring, "
                 "which axis_index_groups of different sizes do not share; use "
-                "one link (\"10Gbit,20us\") or groups of one size.")
+                'one link ("10Gbit,20us") or groups of one size.'
+            )
         inner = math.prod(size for size, _, _ in link[:-1])
         if world % inner:
             raise ValueError(
                 f"jaxring: cpu_link's tiers put {inner} ranks in a group of the "
                 f"last tier, which does not divide the {world} ranks of this "
-                "allreduce; give tier sizes whose product divides the axis size.")
-    return dict(link_bytes_per_s=np.asarray([bw for _, bw, _ in link], np.float64),
-                link_latency_s=np.asarray([lat for _, _, lat in link], np.float64),
-                link_tiers=np.asarray([size for size, _, _ in link[:-1]] + [0] * bool(link),
-                                      np.int64))
+                "allreduce; give tier sizes whose product divides the axis size."
+            )
+    return dict(
+        link_bytes_per_s=np.asarray([bw for _, bw, _ in link], np.float64),
+        link_latency_s=np.asarray([lat for _, _, lat in link], np.float64),
+        link_tiers=np.asarray([size for size, _, _ in link[:-1]] + [0] * bool(link), np.int64),
+    )
 
 
 def _algorithm_id(algorithm: str) -> np.int64:
     """The custom calls' algorithm attribute, as the C++ side names its
     values for both backends (Algorithm in xla_ffi/algorithm.h)."""
     from jaxring import _jaxring
+
     return np.int64(_jaxring.ALGORITHMS[algorithm])
 
 
@@ -512,13 +588,22 @@ def _reduce_op_id(op: str) -> np.int64:
     """The custom calls' reduce_op attribute for op, as the C++ side names
     its values (ReduceOp in xla_ffi/reduce.h)."""
     from jaxring import _jaxring
+
     return np.int64(_jaxring.REDUCE_OPS[op])
 
 
-def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
-                      nbytes: int | None = None, topology: Any = "auto",
-                      world: int = 0, rings: int = 1, chunk_bytes: int = 1 << 20) -> str:
-    """"ring", "direct" or "exchange" for an operation, from the setting and
+def resolve_algorithm(
+    algorithm: str,
+    link,
+    rank_process,
+    tiered: bool = False,
+    nbytes: int | None = None,
+    topology: Any = "auto",
+    world: int = 0,
+    rings: int = 1,
+    chunk_bytes: int = 1 << 20,
+) -> str:
+    """ "ring", "direct" or "exchange" for an operation, from the setting and
     where its ranks run. "auto" takes direct where it applies: no emulated
     link (which models the transfers of a plan, and direct has none), and
     either every rank in this process (direct reads its peers' memory) and
@@ -536,8 +621,7 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
     across = distributed.spans_processes(rank_process)
     emulated = bool(link)
     if algorithm == "auto":
-        if (across and not emulated and topology == "auto"
-                and host_segment.unavailable() is None):
+        if across and not emulated and topology == "auto" and host_segment.unavailable() is None:
             # Over the host segment direct beat the ring and the exchange at
             # every size measured with 4 processes (1 KiB to 64 MiB; with 2,
             # up to 16 MiB, and within 11 % either way above), and the
@@ -551,35 +635,43 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
             limit = config.exchange_max_bytes  # 0: never
             if 0 < limit and nbytes <= limit:
                 return "exchange"
-            if (emulated and not config.is_explicit("exchange_max_bytes")
-                    and _exchange_faster_on(link, world, nbytes, rings, chunk_bytes)):
+            if (
+                emulated
+                and not config.is_explicit("exchange_max_bytes")
+                and _exchange_faster_on(link, world, nbytes, rings, chunk_bytes)
+            ):
                 return "exchange"
         return "ring" if across or emulated or tiered else "direct"
     if algorithm == "nccl":
         raise ValueError(
             "jaxring: algorithm='nccl' runs NCCL's allreduce and exists on the "
-            "CUDA backend only; on CPU use 'ring', 'direct', 'exchange' or 'auto'.")
+            "CUDA backend only; on CPU use 'ring', 'direct', 'exchange' or 'auto'."
+        )
     if algorithm == "exchange" and tiered:
         raise ValueError(
             "jaxring: algorithm='exchange' picks its own tiers (one exchange per "
             "factor 2 of the world size), so it takes no tiered topology; use "
-            "topology='flat' or 'auto' with it, or algorithm='ring'.")
+            "topology='flat' or 'auto' with it, or algorithm='ring'."
+        )
     if algorithm == "direct" and across and host_segment.unavailable():
         raise ValueError(
             "jaxring: algorithm='direct' across processes runs over shared "
             "memory that every process of a job on one host maps, which this "
             f"job does not have: {host_segment.unavailable()}. Use "
-            "algorithm='ring' or 'auto'.")
+            "algorithm='ring' or 'auto'."
+        )
     if algorithm == "direct" and tiered:
         raise ValueError(
             "jaxring: algorithm='direct' has no tiers, and a tiered topology "
             "runs the ring plan; use algorithm='ring' or 'auto', or "
-            "topology='flat'.")
+            "topology='flat'."
+        )
     if algorithm == "direct" and emulated:
         raise ValueError(
             "jaxring: algorithm='direct' has no transfers for cpu_link to "
             "emulate; use algorithm='ring' or 'auto' with cpu_link, or unset "
-            "cpu_link.")
+            "cpu_link."
+        )
     return algorithm
 
 
@@ -592,8 +684,7 @@ def resolve_algorithm(algorithm: str, link, rank_process, tiered: bool = False,
 MODELLED_EXCHANGE_MAX_BYTES = 16 << 10
 
 
-def _exchange_faster_on(link: tuple, world: int, nbytes: int, rings: int,
-                        chunk_bytes: int) -> bool:
+def _exchange_faster_on(link: tuple, world: int, nbytes: int, rings: int, chunk_bytes: int) -> bool:
     """Whether the cost model of the emulated link predicts the exchange
     faster than the flat ring for nbytes over world ranks. One link only:
     across tiers the model paces a flat ring at its slowest hop at every
@@ -601,16 +692,16 @@ def _exchange_faster_on(link: tuple, world: int, nbytes: int, rings: int,
     then (with "4:100Gbit,2us;1Gbit,20us" it predicted the exchange faster
     up to 12 KiB; it was slower from 4 KiB)."""
     machine = cost_model.emulated_machine(link, world)
-    if (machine is None or len(link) != 1 or world < 2
-            or nbytes > MODELLED_EXCHANGE_MAX_BYTES):
+    if machine is None or len(link) != 1 or world < 2 or nbytes > MODELLED_EXCHANGE_MAX_BYTES:
         return False
-    return (cost_model.exchange_time(machine, nbytes, rings, chunk_bytes)
-            < cost_model.flat_ring_time(machine, nbytes, rings, chunk_bytes))
+    return cost_model.exchange_time(
+        machine, nbytes, rings, chunk_bytes
+    ) < cost_model.flat_ring_time(machine, nbytes, rings, chunk_bytes)
 
 
 def allreduce_label(op, axes, groups=None) -> str:
     """What the timeline calls a jaxring.allreduce."""
-    over = ','.join(map(str, axes))
+    over = ",".join(map(str, axes))
     if groups is not None:
         over += f" in groups {[list(g) for g in groups]}"
     return f"allreduce {op} over {over}"
@@ -624,61 +715,110 @@ def _call_ids(ctx, label: str, mesh_description) -> dict:
     """The op_id and slot_id attributes of the call being lowered, named
     `label` in the timeline."""
     operands = _operands_text(ctx)
-    op_id, slot_id = call_sites.call_ids(ctx.module_context,
-                                         f"{label}|{mesh_description}|{operands}")
+    op_id, slot_id = call_sites.call_ids(
+        ctx.module_context, f"{label}|{mesh_description}|{operands}"
+    )
     timeline.name_op(op_id, label)
     return dict(op_id=np.int64(op_id), slot_id=np.int64(slot_id))
 
 
-def _attribute_dict(ctx, label, mesh_description, *, world, rank_process,
-                    uneven_sizes, tiers, algorithm, op, rings, chunk_bytes,
-                    timeout_s, link) -> dict:
+def _attribute_dict(
+    ctx,
+    label,
+    mesh_description,
+    *,
+    world,
+    rank_process,
+    uneven_sizes,
+    tiers,
+    algorithm,
+    op,
+    rings,
+    chunk_bytes,
+    timeout_s,
+    link,
+) -> dict:
     """The attributes every allreduce custom call carries on either backend
     (RingAttrs in xla_ffi/ring_attrs.h), with the op id of its place in the
     module being lowered."""
-    return dict(**_call_ids(ctx, label, mesh_description),
-                world_size=np.int64(world),
-                group_sizes=np.asarray(uneven_sizes, np.int64),
-                algorithm=_algorithm_id(algorithm),
-                topology=np.asarray(tiers, np.int64),
-                rank_process=np.asarray(rank_process, np.int64),
-                reduce_op=_reduce_op_id(op), num_rings=np.int64(rings),
-                chunk_bytes=np.int64(chunk_bytes), timeout_s=np.float64(timeout_s),
-                **link_attributes(link, world, bool(len(uneven_sizes))))
+    return dict(
+        **_call_ids(ctx, label, mesh_description),
+        world_size=np.int64(world),
+        group_sizes=np.asarray(uneven_sizes, np.int64),
+        algorithm=_algorithm_id(algorithm),
+        topology=np.asarray(tiers, np.int64),
+        rank_process=np.asarray(rank_process, np.int64),
+        reduce_op=_reduce_op_id(op),
+        num_rings=np.int64(rings),
+        chunk_bytes=np.int64(chunk_bytes),
+        timeout_s=np.float64(timeout_s),
+        **link_attributes(link, world, bool(len(uneven_sizes))),
+    )
 
 
-def ring_attributes(ctx, label, ring: RingCoordinates, op, rings, chunk_bytes,
-                    timeout_s, link, algorithm, topology,
-                    rings_from_default=False) -> dict:
+def ring_attributes(
+    ctx,
+    label,
+    ring: RingCoordinates,
+    op,
+    rings,
+    chunk_bytes,
+    timeout_s,
+    link,
+    algorithm,
+    topology,
+    rings_from_default=False,
+) -> dict:
     """The CPU ring operation's attributes. A ring count left to the default
     adapts to the job's cores where the ring spans processes (crowding.py);
     ring_coordinates has set the transport up, whose records say how many."""
     world, rank_process = ring.world, ring.rank_process
     if rings_from_default and distributed.spans_processes(rank_process):
         rings = distributed.default_rings_across_processes(rings)
-    if len(ring.group_sizes) and topology not in ("auto", "flat") \
-            and _topology.normalized(tuple(topology)):
+    if (
+        len(ring.group_sizes)
+        and topology not in ("auto", "flat")
+        and _topology.normalized(tuple(topology))
+    ):
         raise NotImplementedError(
             f"jaxring: topology {tuple(topology)} asks for a tiered plan, but "
             "axis_index_groups of different sizes make rings of different "
-            "sizes, which run as flat rings; use topology='flat' or 'auto'.")
-    tiers = (() if len(ring.group_sizes)
-             else _topology.resolve(topology, world, rank_process))
+            "sizes, which run as flat rings; use topology='flat' or 'auto'."
+        )
+    tiers = () if len(ring.group_sizes) else _topology.resolve(topology, world, rank_process)
     if algorithm in ("exchange", "direct") and topology == "auto":
         tiers = ()  # the tiers "auto" finds are the ring plan's
     # Every operand: a split-phase start reduces a bucket of them as one.
-    nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize
-                 for a in ctx.avals_in)
-    chosen = resolve_algorithm(algorithm, link, rank_process, tiered=bool(tiers),
-                               nbytes=nbytes, topology=topology, world=world,
-                               rings=rings, chunk_bytes=chunk_bytes)
+    nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ctx.avals_in)
+    chosen = resolve_algorithm(
+        algorithm,
+        link,
+        rank_process,
+        tiered=bool(tiers),
+        nbytes=nbytes,
+        topology=topology,
+        world=world,
+        rings=rings,
+        chunk_bytes=chunk_bytes,
+    )
     if chosen in ("exchange", "direct"):
         tiers = ()
     mesh = (world, tuple(rank_process), tuple(ring.group_sizes))
-    return _attribute_dict(ctx, label, mesh, world=world, rank_process=rank_process,
-                           uneven_sizes=ring.group_sizes, tiers=tiers,
-                           algorithm=chosen, op=op, rings=rings,
-                           chunk_bytes=chunk_bytes, timeout_s=timeout_s, link=link)
+    return _attribute_dict(
+        ctx,
+        label,
+        mesh,
+        world=world,
+        rank_process=rank_process,
+        uneven_sizes=ring.group_sizes,
+        tiers=tiers,
+        algorithm=chosen,
+        op=op,
+        rings=rings,
+        chunk_bytes=chunk_bytes,
+        timeout_s=timeout_s,
+        link=link,
+    )
 
 
 SCALAR_I32 = compat.ShapedArray((), np.int32)
@@ -686,15 +826,41 @@ SCALAR_I32 = compat.ShapedArray((), np.int32)
 
 # ---- lowering: one path, each backend's difference in one function ----------
 
-def cpu_call(ctx, label, dtype, *, axes, groups, op, rings, rings_from_default,
-             chunk_bytes, timeout_s, link, algorithm, topology) -> tuple[dict, list]:
+
+def cpu_call(
+    ctx,
+    label,
+    dtype,
+    *,
+    axes,
+    groups,
+    op,
+    rings,
+    rings_from_default,
+    chunk_bytes,
+    timeout_s,
+    link,
+    algorithm,
+    topology,
+) -> tuple[dict, list]:
     """The CPU backend's attributes, and its rank operands: the device's
     rank and group, looked up from its partition id (the handler has no
     other way to know them)."""
     del dtype
     ring = ring_coordinates(ctx, axes, groups, timeout_s, link)
-    attrs = ring_attributes(ctx, label, ring, op, rings, chunk_bytes, timeout_s,
-                            link, algorithm, topology, rings_from_default)
+    attrs = ring_attributes(
+        ctx,
+        label,
+        ring,
+        op,
+        rings,
+        chunk_bytes,
+        timeout_s,
+        link,
+        algorithm,
+        topology,
+        rings_from_default,
+    )
     return attrs, [ring.rank, ring.group]
 
 
@@ -707,13 +873,18 @@ def cuda_call(ctx, label, dtype, **params) -> tuple[dict, list]:
 BACKENDS = {"cpu": cpu_call, "cuda": cuda_call}
 
 
-def _lowering(ctx, x, *, platform, axes, groups, op, invariant, unreduced,
-              **params):
+def _lowering(ctx, x, *, platform, axes, groups, op, invariant, unreduced, **params):
     del invariant, unreduced
     (aval,) = ctx.avals_in
-    attrs, ranks = BACKENDS[platform](ctx, allreduce_label(op, axes, groups),
-                                      aval.dtype, axes=axes, groups=groups, op=op,
-                                      **params)
+    attrs, ranks = BACKENDS[platform](
+        ctx,
+        allreduce_label(op, axes, groups),
+        aval.dtype,
+        axes=axes,
+        groups=groups,
+        op=op,
+        **params,
+    )
     call = jax.ffi.ffi_lowering(f"jaxring_allreduce_{platform}")
     sub_ctx = ctx.replace(avals_in=[aval] + [SCALAR_I32] * len(ranks))
     return call(sub_ctx, x, *ranks, **attrs)
@@ -721,35 +892,41 @@ def _lowering(ctx, x, *, platform, axes, groups, op, invariant, unreduced,
 
 for _platform in BACKENDS:
     call_sites.register_lowering(
-        allreduce_p, _in_manual_region(functools.partial(_lowering, platform=_platform)),
-        platform=_platform)
+        allreduce_p,
+        _in_manual_region(functools.partial(_lowering, platform=_platform)),
+        platform=_platform,
+    )
 
 
 # ---- what the CUDA backend adds ---------------------------------------------
 
 # Element types NCCL's own allreduce has (the ring moves bytes and reduces
 # with jaxring's kernels, so it has every supported type).
-_NCCL_DTYPES = tuple(d for d in SUPPORTED_DTYPES
-                     if d not in (np.dtype(np.int16), np.dtype(np.uint16)))
+_NCCL_DTYPES = tuple(
+    d for d in SUPPORTED_DTYPES if d not in (np.dtype(np.int16), np.dtype(np.uint16))
+)
 
 
 def resolve_cuda_algorithm(algorithm: str, dtype) -> str:
-    """"ring" or "nccl" on the CUDA backend; "auto" takes the ring."""
+    """ "ring" or "nccl" on the CUDA backend; "auto" takes the ring."""
     if algorithm in ("auto", "ring"):
         return "ring"
     if algorithm == "direct":
         raise ValueError(
             "jaxring: algorithm='direct' reads peers' host memory and exists on "
-            "the CPU backend only; on GPU use 'ring', 'nccl' or 'auto'.")
+            "the CPU backend only; on GPU use 'ring', 'nccl' or 'auto'."
+        )
     if algorithm == "exchange":
         raise ValueError(
             "jaxring: algorithm='exchange' runs on the CPU transports only; on "
             "GPU use 'ring', 'nccl' (NCCL picks its own small-message "
-            "algorithms) or 'auto'.")
+            "algorithms) or 'auto'."
+        )
     if np.dtype(dtype) not in _NCCL_DTYPES:
         raise TypeError(
             f"jaxring: algorithm='nccl' cannot reduce {np.dtype(dtype)} (NCCL "
-            "has no 16-bit integer types); use algorithm='ring'.")
+            "has no 16-bit integer types); use algorithm='ring'."
+        )
     return "nccl"
 
 
@@ -764,12 +941,14 @@ def cuda_tiers(topology, world: int, rank_process, algorithm: str) -> tuple:
         raise ValueError(
             f"jaxring: algorithm='nccl' runs NCCL's own allreduce, which has no "
             f"tiers, but topology {tuple(topology)} asks for a tiered plan; use "
-            "algorithm='ring' with it, or topology='flat'.")
+            "algorithm='ring' with it, or topology='flat'."
+        )
     return tiers
 
 
-def _ring_members(devices, rank_table: np.ndarray, group_table: np.ndarray,
-                  world: int) -> list[list]:
+def _ring_members(
+    devices, rank_table: np.ndarray, group_table: np.ndarray, world: int
+) -> list[list]:
     """The lowering's devices as rings of ranks: members[group][rank]."""
     n_groups = int(group_table.max()) + 1 if len(group_table) else 1
     members = [[None] * world for _ in range(n_groups)]
@@ -778,8 +957,22 @@ def _ring_members(devices, rank_table: np.ndarray, group_table: np.ndarray,
     return members
 
 
-def cuda_attributes(ctx, label, *, axes, groups, op, rings, chunk_bytes, timeout_s,
-                    link, algorithm, topology, dtype, rings_from_default=False) -> dict:
+def cuda_attributes(
+    ctx,
+    label,
+    *,
+    axes,
+    groups,
+    op,
+    rings,
+    chunk_bytes,
+    timeout_s,
+    link,
+    algorithm,
+    topology,
+    dtype,
+    rings_from_default=False,
+) -> dict:
     """The CUDA ring operation's attributes (CudaAttrs in
     xla_ffi/ring_attrs.h); registers the CUDA targets first (or raises why
     there are none). The ring count is taken as it is: each ring is an NCCL
@@ -789,45 +982,66 @@ def cuda_attributes(ctx, label, *, axes, groups, op, rings, chunk_bytes, timeout
     if link:
         raise ValueError(
             "jaxring: cpu_link emulates links of the CPU backend; unset "
-            "jaxring.config.cpu_link / JAXRING_CPU_LINK on GPUs.")
+            "jaxring.config.cpu_link / JAXRING_CPU_LINK on GPUs."
+        )
     if groups is not None and len({len(g) for g in groups}) > 1:
         raise NotImplementedError(
             "jaxring: axis_index_groups of different sizes are not supported "
             "on the CUDA backend yet (its communicators are made for one ring "
-            "size); use groups of one size, or the CPU backend.")
+            "size); use groups of one size, or the CPU backend."
+        )
     world, rank_table, group_table, devices = mesh_layout(ctx, axes, groups)
     if devices is None:
         raise NotImplementedError(
             "jaxring.allreduce: cannot tell which GPU runs each rank of this "
-            "lowering (no device assignment).")
+            "lowering (no device assignment)."
+        )
     chosen = resolve_cuda_algorithm(algorithm, dtype)
     rank_process = distributed.process_table(devices, rank_table, group_table, world)
     tiers = cuda_tiers(topology, world, rank_process, chosen)
     members = _ring_members(devices, rank_table, group_table, world)
     attrs = _attribute_dict(
-        ctx, label, (members, tiers), world=world, rank_process=rank_process,
-        uneven_sizes=(), tiers=tiers, algorithm=chosen, op=op, rings=rings,
-        chunk_bytes=chunk_bytes, timeout_s=timeout_s, link=())
+        ctx,
+        label,
+        (members, tiers),
+        world=world,
+        rank_process=rank_process,
+        uneven_sizes=(),
+        tiers=tiers,
+        algorithm=chosen,
+        op=op,
+        rings=rings,
+        chunk_bytes=chunk_bytes,
+        timeout_s=timeout_s,
+        link=(),
+    )
     # What every process of the ring must lower at this place alike (NCCL
     # would not notice a difference: cuda_agreement.py).
     cuda_agreement.check_same_call(
         int(attrs["slot_id"]),
         f"{label} of {_operands_text(ctx)} over {world} ranks, {rings} ring(s) of "
         f"{chunk_bytes}-byte chunks, algorithm {chosen}, tiers {list(tiers) or 'none'}",
-        owner=int(rank_process[0]), processes=set(map(int, rank_process)),
-        timeout_s=timeout_s)
-    return dict(attrs, rank_device=cuda_backend.rank_devices(members),
-                nccl_ids=cuda_backend.unique_ids(members, rings, timeout_s))
+        owner=int(rank_process[0]),
+        processes=set(map(int, rank_process)),
+        timeout_s=timeout_s,
+    )
+    return dict(
+        attrs,
+        rank_device=cuda_backend.rank_devices(members),
+        nccl_ids=cuda_backend.unique_ids(members, rings, timeout_s),
+    )
 
 
 # ---- public functions -------------------------------------------------------
+
 
 def _check_dtype(leaf) -> np.dtype:
     dtype = np.dtype(jax.numpy.result_type(leaf))
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"jaxring.allreduce: unsupported dtype {dtype}; supported: "
-            + ", ".join(str(d) for d in (*SUPPORTED_DTYPES, *_LANE_DTYPES)))
+            + ", ".join(str(d) for d in (*SUPPORTED_DTYPES, *_LANE_DTYPES))
+        )
     return dtype
 
 
@@ -865,7 +1079,8 @@ def _check_op_dtype(leaf, op: str) -> None:
             raise TypeError(
                 f"jaxring.allreduce: op={op!r} is not defined for {dtype} "
                 "(complex numbers have no order, and a product does not act "
-                "on the real and imaginary parts apart); use op='sum' or 'mean'.")
+                "on the real and imaginary parts apart); use op='sum' or 'mean'."
+            )
     elif dtype != np.bool_:
         _check_dtype(leaf)
 
@@ -895,7 +1110,8 @@ def _check_unreduced(aval, axes: tuple, groups, op: str) -> bool:
             f"jaxring.allreduce over {axes}: the value is unreduced over "
             f"{sorted(unreduced, key=str)} but not over the other axes "
             f"({aval.str_short(True)}); reduce each kind of axis apart, as "
-            "lax.psum requires.")
+            "lax.psum requires."
+        )
     if op != "sum" or groups is not None:
         _refuse_unreduced(aval, op, groups, kind)
     return True
@@ -908,21 +1124,42 @@ def _refuse_unreduced(aval, op: str, groups, kind):
         f"axis_index_groups (got op={op!r}"
         + (f", axis_index_groups={[list(g) for g in groups]}" if groups else "")
         + (f", unreduced kind {kind}" if kind not in (None, "sum") else "")
-        + "), as with lax.psum.")
+        + "), as with lax.psum."
+    )
 
 
-def _reduce_leaf_group(leaves, axes, groups, op, rings, chunk_bytes, timeout_s,
-                       algorithm, topology, rings_from_default=False):
+def _reduce_leaf_group(
+    leaves,
+    axes,
+    groups,
+    op,
+    rings,
+    chunk_bytes,
+    timeout_s,
+    algorithm,
+    topology,
+    rings_from_default=False,
+):
     """The allreduce of leaves of one dtype: one fused operation, and one
     more for each value typed unreduced."""
     check_vma = compat.check_vma_enabled()
     # A reduction within axis_index_groups differs from group to group, so
     # its result still varies over the axes.
     invariant = check_vma and groups is None
-    params = dict(axes=axes, groups=groups, op=op, rings=rings,
-                  rings_from_default=rings_from_default, chunk_bytes=chunk_bytes,
-                  timeout_s=timeout_s, link=link_param(), algorithm=algorithm,
-                  topology=topology, invariant=invariant, unreduced=False)
+    params = dict(
+        axes=axes,
+        groups=groups,
+        op=op,
+        rings=rings,
+        rings_from_default=rings_from_default,
+        chunk_bytes=chunk_bytes,
+        timeout_s=timeout_s,
+        link=link_param(),
+        algorithm=algorithm,
+        topology=topology,
+        invariant=invariant,
+        unreduced=False,
+    )
     if not check_vma:
         return _fused_allreduce(leaves, params)
     # Mirror lax.psum: a value not varying over an axis is first made varying
@@ -962,15 +1199,24 @@ def _fused_allreduce(leaves: list, params: dict) -> list:
     pieces, start = [], 0
     for leaf in leaves:
         n = math.prod(leaf.shape)
-        pieces.append(out[start:start + n].reshape(leaf.shape))
+        pieces.append(out[start : start + n].reshape(leaf.shape))
         start += n
     return pieces
 
 
-def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
-              rings: int | None = None, chunk_bytes: int | None = None,
-              timeout_s: float | None = None, algorithm: str | None = None,
-              topology: Any = None, wire_dtype: Any = None):
+def allreduce(
+    x,
+    axis_name,
+    *,
+    op: str = "sum",
+    axis_index_groups=None,
+    rings: int | None = None,
+    chunk_bytes: int | None = None,
+    timeout_s: float | None = None,
+    algorithm: str | None = None,
+    topology: Any = None,
+    wire_dtype: Any = None,
+):
     """Reduces ``x`` over the mapped axis ``axis_name``, like ``lax.psum``.
 
     Runs a chunked multi-ring allreduce: the buffer is split into ``rings``
@@ -1034,27 +1280,30 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
     if wire is not None and op not in ("sum", "mean"):
         raise ValueError(
             f"jaxring.allreduce: wire_dtype applies to op='sum' or 'mean' "
-            f"(a wire format rounds partial sums), got op={op!r}")
+            f"(a wire format rounds partial sums), got op={op!r}"
+        )
     axes = _axes_tuple(axis_name)
     groups = _groups_tuple(axis_index_groups)
-    tunable = tunable_settings(rings=rings, chunk_bytes=chunk_bytes, algorithm=algorithm,
-                               topology=topology)
-    rings = validate("rings", config.rings if rings is None else rings,
-                     "jaxring.allreduce")
-    chunk_bytes = validate("chunk_bytes",
-                           config.chunk_bytes if chunk_bytes is None else chunk_bytes,
-                           "jaxring.allreduce")
-    timeout_s = validate("timeout_s",
-                         config.timeout_s if timeout_s is None else timeout_s,
-                         "jaxring.allreduce")
-    algorithm = validate("algorithm",
-                         config.algorithm if algorithm is None else algorithm,
-                         "jaxring.allreduce")
+    tunable = tunable_settings(
+        rings=rings, chunk_bytes=chunk_bytes, algorithm=algorithm, topology=topology
+    )
+    rings = validate("rings", config.rings if rings is None else rings, "jaxring.allreduce")
+    chunk_bytes = validate(
+        "chunk_bytes",
+        config.chunk_bytes if chunk_bytes is None else chunk_bytes,
+        "jaxring.allreduce",
+    )
+    timeout_s = validate(
+        "timeout_s", config.timeout_s if timeout_s is None else timeout_s, "jaxring.allreduce"
+    )
+    algorithm = validate(
+        "algorithm", config.algorithm if algorithm is None else algorithm, "jaxring.allreduce"
+    )
     if isinstance(topology, list):
         topology = tuple(topology)
-    topology = validate("topology",
-                        config.topology if topology is None else topology,
-                        "jaxring.allreduce")
+    topology = validate(
+        "topology", config.topology if topology is None else topology, "jaxring.allreduce"
+    )
     runtime.register_ffi_targets()
 
     leaves, treedef = jax.tree_util.tree_flatten(x)
@@ -1083,24 +1332,38 @@ def allreduce(x, axis_name, *, op: str = "sum", axis_index_groups=None,
     sent_leaves, restore = zip(*(_to_ring_form(leaves[i], ring_op) for i in sent))
     leaves = list(sent_leaves)
     if wire is not None:
-        leaves, restore = zip(*(_to_wire_form(l, r, wire)
-                                for l, r in zip(leaves, restore)))
+        leaves, restore = zip(*(_to_wire_form(l, r, wire) for l, r in zip(leaves, restore)))
     by_kind: dict[tuple[tuple, np.dtype], list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_kind.setdefault((send_axes[i], _check_dtype(leaf)), []).append(i)
     reduced_sent: list[Any] = [None] * len(leaves)
-    operations = [(over, dtype, idx) for (over, dtype), group in by_kind.items()
-                  for idx in _operations(group, leaves, dtype)]
+    operations = [
+        (over, dtype, idx)
+        for (over, dtype), group in by_kind.items()
+        for idx in _operations(group, leaves, dtype)
+    ]
     for over, dtype, idx in operations:
-        world = (math.prod(compat.axis_size(a) for a in over) if groups is None
-                 else max(len(g) for g in groups))
+        world = (
+            math.prod(compat.axis_size(a) for a in over)
+            if groups is None
+            else max(len(g) for g in groups)
+        )
         nbytes = sum(math.prod(leaves[i].shape) for i in idx) * dtype.itemsize
         g_rings, g_chunk, g_algorithm, g_topology, tabled = tuned_settings(
-            tunable, world, nbytes, rings, chunk_bytes, algorithm, topology)
-        reduced = _reduce_leaf_group([leaves[i] for i in idx], over, groups, ring_op,
-                                     g_rings, g_chunk, timeout_s, g_algorithm,
-                                     g_topology,
-                                     rings_from_default="rings" in tunable and not tabled)
+            tunable, world, nbytes, rings, chunk_bytes, algorithm, topology
+        )
+        reduced = _reduce_leaf_group(
+            [leaves[i] for i in idx],
+            over,
+            groups,
+            ring_op,
+            g_rings,
+            g_chunk,
+            timeout_s,
+            g_algorithm,
+            g_topology,
+            rings_from_default="rings" in tunable and not tabled,
+        )
         held = tuple(a for a in axes if a not in over)
         for i, r in zip(idx, reduced):
             reduced_sent[i] = restore[i](r)
@@ -1166,7 +1429,8 @@ def _refuse_without_pcast(axes: tuple, missing: tuple):
     raise ValueError(
         f"jaxring.allreduce over {axes}: the value is not varying "
         f"over {missing} (see jax.typeof(x).vma); apply "
-        "jax.lax.pcast(x, axes, to='varying') first.")
+        "jax.lax.pcast(x, axes, to='varying') first."
+    )
 
 
 def _reduce_invariant(leaf, op: str, axes: tuple):
@@ -1206,20 +1470,27 @@ def _mean_divisor(axes: tuple, groups: tuple | None):
 def tunable_settings(**passed) -> set:
     """What a tuning table may fill in: the settings of `passed` (name:
     argument) neither passed (None) nor set."""
-    return {name for name, arg in passed.items()
-            if arg is None and not config.is_explicit(name)}
+    return {name for name, arg in passed.items() if arg is None and not config.is_explicit(name)}
 
 
-def tuned_settings(tunable: set, world: int, nbytes: int, rings: int, chunk_bytes: int,
-                   algorithm: str, topology: Any) -> tuple[int, int, str, Any, bool]:
+def tuned_settings(
+    tunable: set,
+    world: int,
+    nbytes: int,
+    rings: int,
+    chunk_bytes: int,
+    algorithm: str,
+    topology: Any,
+) -> tuple[int, int, str, Any, bool]:
     """rings, chunk_bytes, algorithm and topology, with the tuning table's
     choice for this message size in place of those left at their defaults;
     and whether a table gave one."""
     if not tunable:
         return rings, chunk_bytes, algorithm, topology, False
     key = _tuning.key(jax.default_backend(), world, jax.process_count())
-    choice = _tuning.tuned_choice(config.tuning, key, nbytes,
-                                  across_processes=jax.process_count() > 1)
+    choice = _tuning.tuned_choice(
+        config.tuning, key, nbytes, across_processes=jax.process_count() > 1
+    )
     if choice is None:
         return rings, chunk_bytes, algorithm, topology, False
     if "rings" in tunable:
@@ -1243,8 +1514,11 @@ def tuned_settings(tunable: set, world: int, nbytes: int, rings: int, chunk_byte
         # for tiers this layout does not have. Direct has no plan: "auto"
         # lets it run across processes too (where the tuner measures it:
         # processes that share the host segment, as "auto" takes it).
-        topology = ("auto" if choice.algorithm == "direct" else
-                    validate("topology", choice.topology, "jaxring tuning table"))
+        topology = (
+            "auto"
+            if choice.algorithm == "direct"
+            else validate("topology", choice.topology, "jaxring tuning table")
+        )
     return rings, chunk_bytes, algorithm, topology, True
 
 

@@ -25,20 +25,22 @@ at the slot where its first item is needed (or earlier, for the window).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
 class Item:
     """One value to reduce, or a contiguous part of one."""
-    key: Hashable           # identifies the value (the planner does not look)
+
+    key: Hashable  # identifies the value (the planner does not look)
     nbytes: int
-    dtype: Any              # items of different dtypes may share a bucket
-    ready: int              # first slot at which it can start
-    needed: int             # last slot by which it must be done
-    part: int = 0           # index of this part within its value
-    offset: int = 0         # first element of this part
-    count: int = -1         # elements in this part (-1: the whole value)
+    dtype: Any  # items of different dtypes may share a bucket
+    ready: int  # first slot at which it can start
+    needed: int  # last slot by which it must be done
+    part: int = 0  # index of this part within its value
+    offset: int = 0  # first element of this part
+    count: int = -1  # elements in this part (-1: the whole value)
 
 
 @dataclasses.dataclass
@@ -75,17 +77,18 @@ def split_item(item: Item, elem_bytes: int, partition_bytes: int) -> list[Item]:
     parts = []
     for p, off in enumerate(range(0, count, per_part)):
         n = min(per_part, count - off)
-        parts.append(dataclasses.replace(item, nbytes=n * elem_bytes, part=p,
-                                         offset=off, count=n))
+        parts.append(dataclasses.replace(item, nbytes=n * elem_bytes, part=p, offset=off, count=n))
     return parts
 
 
-def plan_buckets(items: list[Item], *, first_bucket_bytes: int,
-                 bucket_bytes: int, max_inflight_bytes: int | None) -> Plan:
+def plan_buckets(
+    items: list[Item], *, first_bucket_bytes: int, bucket_bytes: int, max_inflight_bytes: int | None
+) -> Plan:
     for it in items:
         if it.ready > it.needed:
-            raise ValueError(f"item {it.key}: ready at slot {it.ready} but "
-                             f"needed at slot {it.needed}")
+            raise ValueError(
+                f"item {it.key}: ready at slot {it.ready} but needed at slot {it.needed}"
+            )
     order = sorted(range(len(items)), key=lambda i: (items[i].ready, i))
     buckets: list[Bucket] = []
     current: list[Item] = []
@@ -127,13 +130,13 @@ def _apply_credit_window(buckets: list[Bucket], limit: int | None) -> None:
     if limit is None:
         return
     in_flight: list[Bucket] = []  # oldest first
-    retired: list[int] = []       # taken out of flight, for all later starts
+    retired: list[int] = []  # taken out of flight, for all later starts
     for b in buckets:  # buckets are in start order
         while in_flight and sum(o.nbytes for o in in_flight) + b.nbytes > limit:
             oldest = in_flight.pop(0)
-            done_after_start = (oldest.done_slot > b.start_slot or
-                                (oldest.done_slot == b.start_slot
-                                 and oldest.start_slot == b.start_slot))
+            done_after_start = oldest.done_slot > b.start_slot or (
+                oldest.done_slot == b.start_slot and oldest.start_slot == b.start_slot
+            )
             if done_after_start:
                 oldest.done_slot = b.start_slot
                 b.waits_for.append(oldest.index)
@@ -151,13 +154,19 @@ def _actions(buckets: list[Bucket]) -> dict[int, list[tuple[str, int]]]:
     actions: dict[int, list[tuple[str, int]]] = {}
     slots = sorted({b.start_slot for b in buckets} | {b.done_slot for b in buckets})
     for s in slots:
-        acts = [("done", b.index) for b in buckets
-                if b.done_slot == s and b.start_slot < s and b.index not in forced]
+        acts = [
+            ("done", b.index)
+            for b in buckets
+            if b.done_slot == s and b.start_slot < s and b.index not in forced
+        ]
         for b in buckets:
             if b.start_slot == s:
                 acts += [("done", w) for w in b.waits_for]
                 acts.append(("start", b.index))
-        acts += [("done", b.index) for b in buckets
-                 if b.done_slot == s and b.start_slot == s and b.index not in forced]
+        acts += [
+            ("done", b.index)
+            for b in buckets
+            if b.done_slot == s and b.start_slot == s and b.index not in forced
+        ]
         actions[s] = acts
     return actions

@@ -22,6 +22,7 @@ def build_info() -> dict:
 
     from jaxring import _build_config, _jaxring
     from jaxring._src import cuda_backend, jax_compat
+
     cuda_status = cuda_backend.status()
     info = {
         "version": _build_config.VERSION,
@@ -31,8 +32,7 @@ def build_info() -> dict:
         "jaxlib": jaxlib.__version__,
         "tested_jax": jax_compat.SUPPORTED_JAX_TEXT,
         "jax_tested": jax_compat.in_tested_range(),
-        "backends": {"cpu": hasattr(_jaxring, "registrations"),
-                     "cuda": cuda_status == "built"},
+        "backends": {"cpu": hasattr(_jaxring, "registrations"), "cuda": cuda_status == "built"},
         "cuda": cuda_status,
         # What authenticates the TCP transport's peers (None: not built in,
         # and the transport refuses to start).
@@ -40,6 +40,7 @@ def build_info() -> dict:
     }
     if cuda_status == "built":
         from jaxring import _jaxring_cuda
+
         info["nccl"] = _nccl_version_string(_jaxring_cuda.nccl_version())
         info["nccl_headers"] = _nccl_version_string(_jaxring_cuda.NCCL_HEADER_VERSION)
         info["cuda_runtime"] = _jaxring_cuda.cuda_runtime_version()

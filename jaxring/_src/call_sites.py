@@ -50,9 +50,9 @@ from jaxring._src import jax_compat as compat
 from jaxring._src.jax_compat import mlir
 
 _primitives: set = set()
-_slot_lowerings: "collections.Counter" = collections.Counter()
+_slot_lowerings: collections.Counter = collections.Counter()
 _slot_lock = threading.Lock()
-_contains_memo: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_contains_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def register_lowering(primitive, rule, platform: str) -> None:
@@ -70,10 +70,11 @@ def contains_jaxring_op(jaxpr) -> bool:
         return _contains_memo[jaxpr]
     except (KeyError, TypeError):
         pass
-    found = any(eqn.primitive in _primitives
-                or any(contains_jaxring_op(sub)
-                       for sub in compat.jaxprs_in_params(eqn.params))
-                for eqn in jaxpr.eqns)
+    found = any(
+        eqn.primitive in _primitives
+        or any(contains_jaxring_op(sub) for sub in compat.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
     try:
         _contains_memo[jaxpr] = found
     except TypeError:  # not weak-referenceable: no memo
@@ -126,15 +127,16 @@ def call_ids(module_context, description: str) -> tuple[int, int]:
     (label, mesh, operand types)."""
     cache = getattr(module_context, compat.MODULE_CONTEXT_CACHES[-1])
     if not isinstance(cache, _FunctionCache):
-        raise RuntimeError("jaxring: internal error: a module context without "
-                           "jaxring's lowering cache (call_sites._install)")
+        raise RuntimeError(
+            "jaxring: internal error: a module context without "
+            "jaxring's lowering cache (call_sites._install)"
+        )
     name = str(module_context.module.operation.attributes["sym_name"])
     ordinal = next(cache.call_ordinals)
     with _slot_lock:
         _slot_lowerings[name, ordinal, description] += 1
         count = _slot_lowerings[name, ordinal, description]
-    return (_hash("op", name, ordinal, description, count),
-            _hash("slot", name, ordinal, count))
+    return (_hash("op", name, ordinal, description, count), _hash("slot", name, ordinal, count))
 
 
 def _install() -> None:

@@ -24,23 +24,22 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxring._src import allreduce as _ar
-from jaxring._src import jax_compat as compat
-from jaxring._src import wire_format
+from jaxring._src import allreduce as _ar, jax_compat as compat, wire_format
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
     """How one gradient leaf travels, fixed at init from the params."""
+
     path: str
     shape: tuple
     dtype: str
-    how: str               # "powersgd", a wire dtype's name, or "as is"
-    wire_bytes: int        # bytes this rank sends into the allreduces per step
-    full_bytes: int        # the same leaf, uncompressed
-    matrix: tuple = ()     # PowerSGD: (rows, columns) of the 2-D view
-    rank: int = 0          # PowerSGD: the rank used (at most rows, columns)
-    factors: str = ""      # PowerSGD: the wire dtype its factors travel in, if any
+    how: str  # "powersgd", a wire dtype's name, or "as is"
+    wire_bytes: int  # bytes this rank sends into the allreduces per step
+    full_bytes: int  # the same leaf, uncompressed
+    matrix: tuple = ()  # PowerSGD: (rows, columns) of the 2-D view
+    rank: int = 0  # PowerSGD: the rank used (at most rows, columns)
+    factors: str = ""  # PowerSGD: the wire dtype its factors travel in, if any
 
 
 class CompressionState:
@@ -48,6 +47,7 @@ class CompressionState:
     FIELDS (those in PER_RANK per-rank) and whose static part holds the
     per-leaf plan and the params' treedef, so that report() and the checks
     need no arrays. Subclasses are registered as pytree node classes."""
+
     FIELDS: tuple = ()
     PER_RANK: tuple = ()
 
@@ -69,10 +69,12 @@ class CompressionState:
 
     def per_rank_mask(self):
         """The state with True at its per-rank leaves, False elsewhere."""
-        return self.replace(**{
-            n: jax.tree_util.tree_map(lambda _, per=n in self.PER_RANK: per,
-                                      getattr(self, n))
-            for n in self.FIELDS})
+        return self.replace(
+            **{
+                n: jax.tree_util.tree_map(lambda _, per=n in self.PER_RANK: per, getattr(self, n))
+                for n in self.FIELDS
+            }
+        )
 
     def __repr__(self):
         inner = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.FIELDS)
@@ -95,7 +97,8 @@ def check_bound(axes: tuple, where: str) -> None:
             raise NameError(
                 f"{where}: the axis {name!r} is not bound here. Call the "
                 "optimizer's update inside the jax.shard_map or jax.pmap over "
-                f"{name!r}, on each rank's local gradients ({bound}).")
+                f"{name!r}, on each rank's local gradients ({bound})."
+            )
 
 
 def world_size(axes: tuple) -> int:
@@ -105,8 +108,11 @@ def world_size(axes: tuple) -> int:
 def leaf_paths(tree) -> tuple[list[str], list, Any]:
     """(paths, leaves, treedef) of a pytree."""
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return ([jax.tree_util.keystr(p) for p, _ in with_path],
-            [leaf for _, leaf in with_path], treedef)
+    return (
+        [jax.tree_util.keystr(p) for p, _ in with_path],
+        [leaf for _, leaf in with_path],
+        treedef,
+    )
 
 
 def check_float_leaves(paths, leaves, where: str) -> None:
@@ -116,7 +122,8 @@ def check_float_leaves(paths, leaves, where: str) -> None:
             raise TypeError(
                 f"{where}: the leaf {path or '<root>'} is {dtype}; gradient "
                 "compression takes float leaves only (keep integer state out "
-                "of the params the optimizer sees)")
+                "of the params the optimizer sees)"
+            )
 
 
 def check_structure(treedef, grads, where: str):
@@ -126,7 +133,8 @@ def check_structure(treedef, grads, where: str):
     if got != treedef:
         raise ValueError(
             f"{where}: the gradients' structure {got} differs from that of the "
-            f"params the state was made for ({treedef})")
+            f"params the state was made for ({treedef})"
+        )
     return leaves
 
 
@@ -151,7 +159,8 @@ def check_local(plan, leaves, axes: tuple, where: str) -> None:
                 "sent uncompressed before this transform saw them. Pass "
                 "check_vma=False to jax.shard_map so that the step's "
                 "gradients stay local, and take no pmean of them: the "
-                "transform averages them (docs/compression.md).")
+                "transform averages them (docs/compression.md)."
+            )
 
 
 def wire_plan(path: str, leaf, wire: np.dtype) -> LeafPlan:
@@ -160,9 +169,14 @@ def wire_plan(path: str, leaf, wire: np.dtype) -> LeafPlan:
     dtype = np.dtype(leaf.dtype)
     size = int(np.prod(leaf.shape))
     travels = wire_format.travels_as(dtype, wire)
-    return LeafPlan(path, tuple(leaf.shape), str(dtype),
-                    how=str(travels) if travels != dtype else "as is",
-                    wire_bytes=size * travels.itemsize, full_bytes=size * dtype.itemsize)
+    return LeafPlan(
+        path,
+        tuple(leaf.shape),
+        str(dtype),
+        how=str(travels) if travels != dtype else "as is",
+        wire_bytes=size * travels.itemsize,
+        full_bytes=size * dtype.itemsize,
+    )
 
 
 def to_wire(g, residual, axes: tuple, wire: np.dtype):
@@ -188,8 +202,7 @@ def per_rank_row(leaf, axes: tuple):
     leaf without one row per rank, or (where shard_map checks varying axes)
     one typed the same on every rank, which would leave every rank's
     residual but one's behind."""
-    replicated = (compat.check_vma_enabled()
-                  and not set(axes) <= _ar.varying(compat.typeof(leaf)))
+    replicated = compat.check_vma_enabled() and not set(axes) <= _ar.varying(compat.typeof(leaf))
     if leaf.shape[:1] != (1,) or replicated:
         raise ValueError(
             "jaxring.compression: a per-rank state leaf is "
@@ -198,11 +211,13 @@ def per_rank_row(leaf, axes: tuple):
             "split over the mapped axis. Under shard_map pass "
             "jaxring.compression.for_ranks(state, world) with "
             "in_specs/out_specs jaxring.compression.state_specs(state, "
-            "axis_name); under pmap replicate the whole state per device.")
+            "axis_name); under pmap replicate the whole state per device."
+        )
     return leaf[0]
 
 
 # ---- per-rank leaves, outside the map ----------------------------------------
+
 
 def _is_state(x) -> bool:
     return isinstance(x, CompressionState)
@@ -212,8 +227,8 @@ def rank_mask(opt_state):
     """opt_state with True at per-rank leaves (error-feedback residuals) and
     False at every other leaf."""
     return jax.tree_util.tree_map(
-        lambda x: x.per_rank_mask() if _is_state(x) else False,
-        opt_state, is_leaf=_is_state)
+        lambda x: x.per_rank_mask() if _is_state(x) else False, opt_state, is_leaf=_is_state
+    )
 
 
 def state_specs(opt_state, axis_name):
@@ -221,7 +236,8 @@ def state_specs(opt_state, axis_name):
     over axis_name (one row per rank), every other leaf replicated."""
     return jax.tree_util.tree_map(
         lambda per_rank: PartitionSpec(axis_name) if per_rank else PartitionSpec(),
-        rank_mask(opt_state))
+        rank_mask(opt_state),
+    )
 
 
 def for_ranks(opt_state, world: int):
@@ -229,20 +245,24 @@ def for_ranks(opt_state, world: int):
     row), for a shard_map over world ranks. Those leaves come back as NumPy
     arrays, which jit places as their specs ask, on a mesh of any axis type."""
     if not isinstance(world, int) or world < 1:
-        raise ValueError(f"jaxring.compression.for_ranks: world must be a "
-                         f"positive int, got {world!r}")
+        raise ValueError(
+            f"jaxring.compression.for_ranks: world must be a positive int, got {world!r}"
+        )
     return jax.tree_util.tree_map(
-        lambda leaf, per_rank: (np.repeat(np.asarray(leaf), world, axis=0)
-                                if per_rank else leaf),
-        opt_state, rank_mask(opt_state))
+        lambda leaf, per_rank: np.repeat(np.asarray(leaf), world, axis=0) if per_rank else leaf,
+        opt_state,
+        rank_mask(opt_state),
+    )
 
 
 # ---- the report ---------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class CompressionReport:
     """Bytes each rank sends into the allreduces per step, per leaf and in
     all, against the same gradients uncompressed (after any warm-up)."""
+
     leaves: list[LeafPlan]
 
     @property
@@ -259,25 +279,33 @@ class CompressionReport:
         return self.full_bytes / max(self.wire_bytes, 1)
 
     def __str__(self):
-        lines = [f"jaxring.compression: {self.wire_bytes:,} bytes per step on the "
-                 f"wire against {self.full_bytes:,} uncompressed "
-                 f"({self.ratio:.1f}x smaller)"]
+        lines = [
+            f"jaxring.compression: {self.wire_bytes:,} bytes per step on the "
+            f"wire against {self.full_bytes:,} uncompressed "
+            f"({self.ratio:.1f}x smaller)"
+        ]
         for l in self.leaves:
-            how = (f"powersgd rank {l.rank} of {l.matrix[0]}x{l.matrix[1]}"
-                   + (f" in {l.factors}" if l.factors else "")
-                   if l.how == "powersgd" else l.how)
-            lines.append(f"  {l.path or '<root>'} {l.dtype}{list(l.shape)}: "
-                         f"{how}, {l.wire_bytes:,} of {l.full_bytes:,} bytes")
+            how = (
+                f"powersgd rank {l.rank} of {l.matrix[0]}x{l.matrix[1]}"
+                + (f" in {l.factors}" if l.factors else "")
+                if l.how == "powersgd"
+                else l.how
+            )
+            lines.append(
+                f"  {l.path or '<root>'} {l.dtype}{list(l.shape)}: "
+                f"{how}, {l.wire_bytes:,} of {l.full_bytes:,} bytes"
+            )
         return "\n".join(lines)
 
 
 def report(opt_state) -> CompressionReport:
     """The wire bytes of every compression transform in opt_state (an optax
     state, a chain of them, or a train state holding one)."""
-    states = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_state)
-              if _is_state(x)]
+    states = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
     if not states:
-        raise ValueError("jaxring.compression.report: opt_state holds no "
-                         "jaxring.compression state (chain wire16 or powersgd "
-                         "into the optimizer first)")
+        raise ValueError(
+            "jaxring.compression.report: opt_state holds no "
+            "jaxring.compression state (chain wire16 or powersgd "
+            "into the optimizer first)"
+        )
     return CompressionReport([l for s in states for l in s.plan])

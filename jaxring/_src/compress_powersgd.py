@@ -32,12 +32,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxring._src import allreduce as _ar
-from jaxring._src import wire_format
+from jaxring._src import allreduce as _ar, wire_format
 from jaxring._src.compress_common import (
-    CompressionState, LeafPlan, axes_of, check_bound, check_float_leaves,
-    check_local, check_structure, leaf_paths, mean_from_wire, per_rank_row, to_wire,
-    wire_plan, world_size)
+    CompressionState,
+    LeafPlan,
+    axes_of,
+    check_bound,
+    check_float_leaves,
+    check_local,
+    check_structure,
+    leaf_paths,
+    mean_from_wire,
+    per_rank_row,
+    to_wire,
+    wire_plan,
+    world_size,
+)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -47,6 +57,7 @@ class PowerSGDState(CompressionState):
     """count: steps taken; q: per leaf its Q factor (columns x rank) or None;
     residual: per leaf this rank's error feedback (a row of one per rank) or
     None; key: the PRNG key Q factors are drawn from (the same on every rank)."""
+
     FIELDS = ("count", "q", "residual", "key")
     PER_RANK = ("residual",)
 
@@ -64,11 +75,17 @@ def _leaf_plan(path: str, leaf, rank: int, min_size: int, wire) -> LeafPlan:
         r = min(rank, rows, cols)
         if size >= min_size and (rows + cols) * r < rows * cols:
             factors = wire_format.travels_as(compute_dtype(dtype), wire)
-            return LeafPlan(path, shape, str(dtype), "powersgd",
-                            wire_bytes=(rows + cols) * r * factors.itemsize,
-                            full_bytes=size * dtype.itemsize, matrix=(rows, cols),
-                            rank=r,
-                            factors=str(factors) if factors != compute_dtype(dtype) else "")
+            return LeafPlan(
+                path,
+                shape,
+                str(dtype),
+                "powersgd",
+                wire_bytes=(rows + cols) * r * factors.itemsize,
+                full_bytes=size * dtype.itemsize,
+                matrix=(rows, cols),
+                rank=r,
+                factors=str(factors) if factors != compute_dtype(dtype) else "",
+            )
     return wire_plan(path, leaf, wire)
 
 
@@ -86,20 +103,26 @@ def orthonormalize(p):
 
 
 def _draw_q(key, index: int, lp: LeafPlan):
-    return jax.random.normal(jax.random.fold_in(key, index),
-                             (lp.matrix[1], lp.rank), compute_dtype(lp.dtype))
+    return jax.random.normal(
+        jax.random.fold_in(key, index), (lp.matrix[1], lp.rank), compute_dtype(lp.dtype)
+    )
 
 
 def _check_int(name: str, value, least: int, where: str) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
-        raise ValueError(f"{where}: {name} must be an int of at least {least}, "
-                         f"got {value!r}")
+        raise ValueError(f"{where}: {name} must be an int of at least {least}, got {value!r}")
     return int(value)
 
 
-def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 512,
-             warm_start: bool = True, seed: int = 0,
-             wire_dtype=None) -> optax.GradientTransformation:
+def powersgd(
+    axis_name,
+    rank: int = 4,
+    start_step: int = 0,
+    min_size: int = 512,
+    warm_start: bool = True,
+    seed: int = 0,
+    wire_dtype=None,
+) -> optax.GradientTransformation:
     """Averages local gradients over axis_name with PowerSGD compression.
 
     Chain it first and drop your own pmean of the gradients::
@@ -170,8 +193,14 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 512,
         for i, lp in enumerate(plan):
             if lp.how not in ("powersgd", "as is"):  # sent whole in the wire format
                 residual[i] = jnp.zeros((1,) + lp.shape, wire_format.CARRIED)
-        return PowerSGDState(plan, treedef, count=jnp.zeros((), jnp.int32),
-                             q=tuple(q), residual=tuple(residual), key=key)
+        return PowerSGDState(
+            plan,
+            treedef,
+            count=jnp.zeros((), jnp.int32),
+            q=tuple(q),
+            residual=tuple(residual),
+            key=key,
+        )
 
     def plain(leaves, state):
         out = [_ar.allreduce(g, axes, op="mean") for g in leaves]
@@ -197,8 +226,9 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 512,
             if not warm_start:
                 q = _draw_q(step_key, i, lp)
             ms[i] = m
-            ps[i] = _ar.allreduce(jnp.matmul(m, q, precision=_HIGHEST), axes, op="mean",
-                                  wire_dtype=wire)
+            ps[i] = _ar.allreduce(
+                jnp.matmul(m, q, precision=_HIGHEST), axes, op="mean", wire_dtype=wire
+            )
         # Then every Q in one allreduce: each waits for its P anyway, and a
         # Q whose mean is taken before the next one exists would cost an
         # allreduce of its own.
@@ -209,8 +239,11 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 512,
         q_means = _ar.allreduce(q_in, axes, op="mean", wire_dtype=wire) if q_in else {}
         for i, (lp, g) in enumerate(zip(state.plan, leaves)):
             if lp.how != "powersgd":
-                out.append(plain_means[i] if lp.how == "as is"
-                           else mean_from_wire(plain_means[i], world_size(axes), g.dtype))
+                out.append(
+                    plain_means[i]
+                    if lp.how == "as is"
+                    else mean_from_wire(plain_means[i], world_size(axes), g.dtype)
+                )
                 qs.append(state.q[i])
                 residuals.append(wire_residuals.get(i, state.residual[i]))
                 continue
@@ -231,17 +264,20 @@ def powersgd(axis_name, rank: int = 4, start_step: int = 0, min_size: int = 512,
                 raise TypeError(
                     f"{where}: warm_up must be a Python bool, got "
                     f"{type(warm_up).__name__}; make it a static argument of the "
-                    "jitted step (one compiled step per value), or use start_step")
+                    "jitted step (one compiled step per value), or use start_step"
+                )
             if start_step:
                 raise ValueError(
                     f"{where}: warm_up and start_step={start_step} both choose the "
-                    "warm-up steps; pass one (start_step=0 with warm_up)")
+                    "warm-up steps; pass one (start_step=0 with warm_up)"
+                )
             out, q, residual = (plain if warm_up else compressed)(leaves, state)
         elif start_step == 0:
             out, q, residual = compressed(leaves, state)
         else:
             out, q, residual = jax.lax.cond(
-                state.count >= start_step, compressed, plain, leaves, state)
+                state.count >= start_step, compressed, plain, leaves, state
+            )
         new = state.replace(count=state.count + 1, q=q, residual=residual)
         return jax.tree_util.tree_unflatten(state.treedef, out), new
 

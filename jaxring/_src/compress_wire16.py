@@ -17,23 +17,34 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxring._src import allreduce as _ar
-from jaxring._src import wire_format
+from jaxring._src import allreduce as _ar, wire_format
 from jaxring._src.compress_common import (
-    CompressionState, axes_of, check_bound, check_float_leaves, check_local,
-    check_structure, leaf_paths, mean_from_wire, to_wire, wire_plan, world_size)
+    CompressionState,
+    axes_of,
+    check_bound,
+    check_float_leaves,
+    check_local,
+    check_structure,
+    leaf_paths,
+    mean_from_wire,
+    to_wire,
+    wire_plan,
+    world_size,
+)
 
 
 @jax.tree_util.register_pytree_node_class
 class Wire16State(CompressionState):
     """residual: per leaf, this rank's rounding error not yet sent (a row of
     one per rank), or None for a leaf without one."""
+
     FIELDS = ("residual",)
     PER_RANK = ("residual",)
 
 
-def wire16(axis_name, dtype="bfloat16", error_feedback: bool = True
-           ) -> optax.GradientTransformation:
+def wire16(
+    axis_name, dtype="bfloat16", error_feedback: bool = True
+) -> optax.GradientTransformation:
     """Averages local gradients over axis_name in a 16-bit wire format.
 
     Chain it first and drop your own pmean of the gradients::
@@ -62,8 +73,10 @@ def wire16(axis_name, dtype="bfloat16", error_feedback: bool = True
         plan = tuple(wire_plan(p, l, wire) for p, l in zip(paths, leaves))
         residual = tuple(
             jnp.zeros((1,) + tuple(l.shape), wire_format.CARRIED)
-            if error_feedback and lp.how != "as is" else None
-            for lp, l in zip(plan, leaves))
+            if error_feedback and lp.how != "as is"
+            else None
+            for lp, l in zip(plan, leaves)
+        )
         return Wire16State(plan, treedef, residual=residual)
 
     def update(grads, state, params=None):
@@ -85,11 +98,17 @@ def wire16(axis_name, dtype="bfloat16", error_feedback: bool = True
             s, left_out = to_wire(g, r, axes, wire)
             sent.append(s)
             residual.append(left_out)
-        totals = [_ar.allreduce(s, axes, op="mean" if lp.how == "as is" else "sum")
-                  for lp, s in zip(state.plan, sent)]
-        out = [t if lp.how == "as is" else mean_from_wire(t, world, g.dtype)
-               for lp, g, t in zip(state.plan, leaves, totals)]
-        return (jax.tree_util.tree_unflatten(state.treedef, out),
-                state.replace(residual=tuple(residual)))
+        totals = [
+            _ar.allreduce(s, axes, op="mean" if lp.how == "as is" else "sum")
+            for lp, s in zip(state.plan, sent)
+        ]
+        out = [
+            t if lp.how == "as is" else mean_from_wire(t, world, g.dtype)
+            for lp, g, t in zip(state.plan, leaves, totals)
+        ]
+        return (
+            jax.tree_util.tree_unflatten(state.treedef, out),
+            state.replace(residual=tuple(residual)),
+        )
 
     return optax.GradientTransformation(init, update)

@@ -41,15 +41,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
 class Tier:
-    size: int                 # ranks in each group of this tier
-    alpha_s: float            # latency of one message
-    beta_s_per_byte: float    # inverse bandwidth of one link
-    shared_by: int = 1        # ranks whose traffic on this tier shares a link
+    size: int  # ranks in each group of this tier
+    alpha_s: float  # latency of one message
+    beta_s_per_byte: float  # inverse bandwidth of one link
+    shared_by: int = 1  # ranks whose traffic on this tier shares a link
 
     def __post_init__(self):
         if self.size < 1 or self.shared_by < 1:
@@ -60,7 +60,7 @@ class Tier:
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    tiers: tuple[Tier, ...]        # tightest first
+    tiers: tuple[Tier, ...]  # tightest first
     gamma_s_per_byte: float = 0.0  # reduction cost per byte reduced
 
     @property
@@ -72,21 +72,30 @@ class Machine:
         return tuple(t.size for t in self.tiers)
 
 
-def phase_time(g: int, shard_bytes: float, steps: int, reduce_steps: int,
-               rings: int, chunk_bytes: int, tier: Tier, streams: int,
-               gamma: float) -> float:
+def phase_time(
+    g: int,
+    shard_bytes: float,
+    steps: int,
+    reduce_steps: int,
+    rings: int,
+    chunk_bytes: int,
+    tier: Tier,
+    streams: int,
+    gamma: float,
+) -> float:
     """Seconds one phase takes (see the module docstring)."""
     if g <= 1 or steps == 0:
         return 0.0
     segment = shard_bytes / (g * rings)
     chunks = max(1, math.ceil(segment / max(chunk_bytes, 1)))
-    return ((steps + chunks - 1) * tier.alpha_s
-            + steps * segment * streams * tier.beta_s_per_byte
-            + reduce_steps * shard_bytes / g * gamma)
+    return (
+        (steps + chunks - 1) * tier.alpha_s
+        + steps * segment * streams * tier.beta_s_per_byte
+        + reduce_steps * shard_bytes / g * gamma
+    )
 
 
-def flat_ring_time(machine: Machine, nbytes: float, rings: int,
-                   chunk_bytes: int) -> float:
+def flat_ring_time(machine: Machine, nbytes: float, rings: int, chunk_bytes: int) -> float:
     """One flat ring over every rank, at the pace of its slowest hop."""
     p = machine.world_size
     active = [t for t in machine.tiers if t.size > 1]
@@ -94,13 +103,22 @@ def flat_ring_time(machine: Machine, nbytes: float, rings: int,
         return 0.0
     loosest = active[-1]
     if len(active) == 1:
-        streams = rings                      # every ring leaves each rank
+        streams = rings  # every ring leaves each rank
     elif loosest.shared_by > 1:
-        streams = rings                      # all crossings share the link
+        streams = rings  # all crossings share the link
     else:
-        streams = math.ceil(rings / 2)       # even and odd rings cross apart
-    return phase_time(p, nbytes, 2 * (p - 1), p - 1, rings, chunk_bytes,
-                      loosest, streams, machine.gamma_s_per_byte)
+        streams = math.ceil(rings / 2)  # even and odd rings cross apart
+    return phase_time(
+        p,
+        nbytes,
+        2 * (p - 1),
+        p - 1,
+        rings,
+        chunk_bytes,
+        loosest,
+        streams,
+        machine.gamma_s_per_byte,
+    )
 
 
 def tiered_phases(dims: Sequence[int]) -> list[tuple[str, int]]:
@@ -108,13 +126,14 @@ def tiered_phases(dims: Sequence[int]) -> list[tuple[str, int]]:
     active = [i for i, d in enumerate(dims) if d > 1]
     if not active:
         return []
-    return ([("reduce_scatter", i) for i in active[:-1]]
-            + [("allreduce", active[-1])]
-            + [("all_gather", i) for i in reversed(active[:-1])])
+    return (
+        [("reduce_scatter", i) for i in active[:-1]]
+        + [("allreduce", active[-1])]
+        + [("all_gather", i) for i in reversed(active[:-1])]
+    )
 
 
-def tiered_time(machine: Machine, nbytes: float, rings: int,
-                chunk_bytes: int) -> float:
+def tiered_time(machine: Machine, nbytes: float, rings: int, chunk_bytes: int) -> float:
     """The tiered plan over the machine's tiers: phase after phase."""
     total, shard = 0.0, float(nbytes)
     shards = {}
@@ -126,9 +145,17 @@ def tiered_time(machine: Machine, nbytes: float, rings: int,
         shards.setdefault(i, shard)
         steps = 2 * (g - 1) if kind == "allreduce" else g - 1
         reduce_steps = 0 if kind == "all_gather" else g - 1
-        total += phase_time(g, shard, steps, reduce_steps, rings, chunk_bytes,
-                            tier, rings * tier.shared_by,
-                            machine.gamma_s_per_byte)
+        total += phase_time(
+            g,
+            shard,
+            steps,
+            reduce_steps,
+            rings,
+            chunk_bytes,
+            tier,
+            rings * tier.shared_by,
+            machine.gamma_s_per_byte,
+        )
         if kind == "reduce_scatter":
             shard = shard / g
     return total
@@ -160,8 +187,7 @@ def tier_at_stride(machine: Machine, stride: int) -> Tier:
     return tier
 
 
-def exchange_time(machine: Machine, nbytes: float, rings: int,
-                  chunk_bytes: int) -> float:
+def exchange_time(machine: Machine, nbytes: float, rings: int, chunk_bytes: int) -> float:
     """The exchange (recursive doubling) over the machine's ranks."""
     total, stride = 0.0, 1
     for g in exchange_tiers(machine.world_size):
@@ -170,17 +196,26 @@ def exchange_time(machine: Machine, nbytes: float, rings: int,
         if g == 2:
             # One step that sends and reduces the whole buffer: a phase of
             # a 2-rank ring over a shard of 2n, whose segment is n per ring.
-            total += phase_time(2, 2 * nbytes, 1, 1, rings, chunk_bytes, tier,
-                                streams, machine.gamma_s_per_byte)
+            total += phase_time(
+                2, 2 * nbytes, 1, 1, rings, chunk_bytes, tier, streams, machine.gamma_s_per_byte
+            )
         elif g > 1:
-            total += phase_time(g, nbytes, 2 * (g - 1), g - 1, rings, chunk_bytes,
-                                tier, streams, machine.gamma_s_per_byte)
+            total += phase_time(
+                g,
+                nbytes,
+                2 * (g - 1),
+                g - 1,
+                rings,
+                chunk_bytes,
+                tier,
+                streams,
+                machine.gamma_s_per_byte,
+            )
         stride *= g
     return total
 
 
-def emulated_machine(links: Sequence[tuple[int, float, float]],
-                     world: int) -> Machine | None:
+def emulated_machine(links: Sequence[tuple[int, float, float]], world: int) -> Machine | None:
     """The machine that cpu_link emulates for an operation of `world` ranks:
     links as config.parse_links gives them, (size, bytes/s, latency s) per
     tier, tightest first, the last of size 0 (the rest of the ranks). A

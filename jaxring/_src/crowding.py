@@ -25,7 +25,7 @@ import math
 import os
 import re
 import socket
-from typing import Iterable
+from collections.abc import Iterable
 
 CROWDED_BELOW = 2.0
 # Linux's own limit on CPU numbers (NR_CPUS) is at most 8192: a record that
@@ -87,8 +87,7 @@ def local_record(local_ranks: int) -> dict:
         cpus = os.sched_getaffinity(0)
     except (AttributeError, OSError):
         cpus = range(os.cpu_count() or 1)
-    return {"machine": machine_identity(), "cpus": cpu_ranges(cpus),
-            "ranks": int(local_ranks)}
+    return {"machine": machine_identity(), "cpus": cpu_ranges(cpus), "ranks": int(local_ranks)}
 
 
 def cores_per_rank(records: Iterable[dict]) -> float:
@@ -101,8 +100,13 @@ def cores_per_rank(records: Iterable[dict]) -> float:
         machine = record.get("machine")
         mine = parse_cpu_ranges(record.get("cpus"))
         n = record.get("ranks")
-        if (not isinstance(machine, str) or mine is None
-                or not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        if (
+            not isinstance(machine, str)
+            or mine is None
+            or not isinstance(n, int)
+            or isinstance(n, bool)
+            or n < 1
+        ):
             return math.inf
         cpus.setdefault(machine, set()).update(mine)
         ranks[machine] = ranks.get(machine, 0) + n

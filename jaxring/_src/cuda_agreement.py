@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 from jaxring._src import cuda_backend, errors
 
@@ -40,14 +40,16 @@ def _timed_out(exc: BaseException) -> bool:
     return str(exc).startswith(_DEADLINE)
 
 
-def check_same_call(slot_id: int, description: str, owner: int,
-                    processes: Iterable[int], timeout_s: float) -> None:
+def check_same_call(
+    slot_id: int, description: str, owner: int, processes: Iterable[int], timeout_s: float
+) -> None:
     """Publishes (in process `owner`) or checks (in the other `processes`)
     the description of the call at slot `slot_id`. Raises MismatchError if
     the owner lowered another call there, CollectiveTimeoutError if it did
     not lower one within timeout_s, JaxringError if the key-value store
     failed."""
     from jaxring._src import jax_compat
+
     processes = set(processes)
     if len(processes) < 2:
         return
@@ -55,7 +57,7 @@ def check_same_call(slot_id: int, description: str, owner: int,
     if me not in processes:
         return
     client = cuda_backend.job_client()
-    slot = slot_id & (2 ** 64 - 1)
+    slot = slot_id & (2**64 - 1)
     with _lock:
         n = _lowered[slot]
         _lowered[slot] += 1
@@ -73,16 +75,20 @@ def check_same_call(slot_id: int, description: str, owner: int,
                 f"jaxring.allreduce: the job's key-value store failed while this "
                 f"process ({me}) waited for process {owner}'s description of "
                 f"the allreduce at this place of the program: {e}",
-                peer_process=owner) from e
+                peer_process=owner,
+            ) from e
         raise errors.CollectiveTimeoutError(
             f"jaxring.allreduce: process {owner} did not lower the allreduce at "
             f"this place of the program within {timeout_s} s (do all processes "
             f"run the same program?); this process ({me}) lowers it as "
-            f"{description}: {e}", peer_process=owner) from e
+            f"{description}: {e}",
+            peer_process=owner,
+        ) from e
     if theirs != description:
         raise errors.MismatchError(
             f"jaxring.allreduce: the processes lower different programs: "
             f"process {owner} lowers this allreduce as {theirs}, this process "
             f"({me}) as {description}. Every process must run the same "
             f"program with the same shapes, dtypes, ops and settings.",
-            peer_process=owner)
+            peer_process=owner,
+        )

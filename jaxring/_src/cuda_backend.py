@@ -18,7 +18,7 @@ import atexit
 import base64
 import hashlib
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,8 +40,9 @@ def _module():
 
 
 def status() -> str:
-    """"built", or why the CUDA backend is not available."""
+    """ "built", or why the CUDA backend is not available."""
     from jaxring import _build_config
+
     if _build_config.CUDA_STATUS != "built":
         return _build_config.CUDA_STATUS
     try:
@@ -58,7 +59,8 @@ def require(what: str):
         raise NotImplementedError(
             f"{what} on GPU needs jaxring's CUDA backend, which is "
             f"{status()}. Rebuild jaxring where nvcc and NCCL are found "
-            "(see docs/gpu.md), or use lax.psum on GPUs.")
+            "(see docs/gpu.md), or use lax.psum on GPUs."
+        )
     return module
 
 
@@ -71,6 +73,7 @@ def register() -> None:
         import jax
 
         from jaxring._src import runtime
+
         module = require("jaxring.allreduce")
         runtime.register_targets(module.registrations(), platform="CUDA")
         module.set_process_index(jax.process_index())
@@ -112,17 +115,20 @@ def job_client():
     """jax.distributed's key-value client, for a ring whose GPUs belong to
     several processes (a RuntimeError if this process has none)."""
     from jaxring._src import jax_compat
+
     client = jax_compat.distributed_client()
     if client is None:
         raise RuntimeError(
             "jaxring.allreduce: the ring's GPUs belong to several processes but "
             "jax.distributed is not initialized in this one; call "
-            "jax.distributed.initialize() first.")
+            "jax.distributed.initialize() first."
+        )
     return client
 
 
 def _exchange(module, device_ids, ring, owner: int, timeout_s: float) -> bytes:
     from jaxring._src import jax_compat
+
     client = job_client()
     name = _published_key(device_ids, ring)
     if jax_compat.distributed_state()[0] == owner:
@@ -135,12 +141,12 @@ def _exchange(module, device_ids, ring, owner: int, timeout_s: float) -> bytes:
         raise RuntimeError(
             f"jaxring: process {owner} did not publish the NCCL id of ring "
             f"{ring} within {timeout_s} s (is it running the same program?): "
-            f"{e}") from e
+            f"{e}"
+        ) from e
     return base64.b64decode(text)
 
 
-def unique_ids(groups: Sequence[Sequence], rings: int,
-               timeout_s: float) -> np.ndarray:
+def unique_ids(groups: Sequence[Sequence], rings: int, timeout_s: float) -> np.ndarray:
     """The nccl_ids attribute: one id per (group, ring), group-major."""
     words = []
     for devices in groups:
@@ -159,5 +165,11 @@ def rank_devices(groups: Sequence[Sequence]) -> np.ndarray:
     A device of another process has no ordinal this process can read (its
     local_hardware_id is None); -1 stands for it. The handler only looks
     for its own (process, ordinal), which is always readable."""
-    return np.asarray([-1 if d.local_hardware_id is None else d.local_hardware_id
-                       for devices in groups for d in devices], np.int64)
+    return np.asarray(
+        [
+            -1 if d.local_hardware_id is None else d.local_hardware_id
+            for devices in groups
+            for d in devices
+        ],
+        np.int64,
+    )

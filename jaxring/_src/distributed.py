@@ -78,7 +78,8 @@ def secret_from_env(environ=os.environ) -> bytes | None:
             f"number of them (at least 128 bits); it holds "
             f"{_secret_faults(text)}. Set it to the output of "
             f"`python -c 'import secrets; print(secrets.token_hex(32))'`, the "
-            f"same in every process, or unset it")
+            f"same in every process, or unset it"
+        )
     return bytes.fromhex(text)
 
 
@@ -94,9 +95,9 @@ def _secret_faults(text: str) -> str:
     bad = [i for i, c in enumerate(text, 1) if c not in string.hexdigits]
     if bad:
         where = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-        out += (f", of which {len(bad)} (at position {where}) "
-                + ("is not a hexadecimal digit" if len(bad) == 1
-                   else "are not hexadecimal digits"))
+        out += f", of which {len(bad)} (at position {where}) " + (
+            "is not a hexadecimal digit" if len(bad) == 1 else "are not hexadecimal digits"
+        )
     return out
 
 
@@ -108,8 +109,7 @@ def new_secret_hex() -> str:
 def secret_fingerprint(secret: bytes, job_id: bytes) -> str:
     """Says whether two processes hold the same secret without saying what
     it is (an HMAC under the secret itself)."""
-    return hmac.new(secret, b"jaxring secret fingerprint" + job_id,
-                    hashlib.sha256).hexdigest()[:32]
+    return hmac.new(secret, b"jaxring secret fingerprint" + job_id, hashlib.sha256).hexdigest()[:32]
 
 
 def device_assignment(axis_ctx) -> tuple | None:
@@ -126,8 +126,9 @@ def device_assignment(axis_ctx) -> tuple | None:
     return tuple(np.asarray(mesh_devices).flat)
 
 
-def process_table(devices, rank_table: np.ndarray, group_table: np.ndarray,
-                  world: int) -> np.ndarray:
+def process_table(
+    devices, rank_table: np.ndarray, group_table: np.ndarray, world: int
+) -> np.ndarray:
     """process_of[group * world + rank] for every (group, rank) of the rings.
 
     rank_table and group_table map a partition id to its rank and group.
@@ -135,8 +136,7 @@ def process_table(devices, rank_table: np.ndarray, group_table: np.ndarray,
     groups = int(group_table.max()) + 1 if len(group_table) else 1
     table = np.zeros(groups * world, np.int64)
     for pid, dev in enumerate(devices):
-        table[int(group_table[pid]) * world + int(rank_table[pid])] = \
-            dev.process_index
+        table[int(group_table[pid]) * world + int(rank_table[pid])] = dev.process_index
     return table
 
 
@@ -172,7 +172,8 @@ def transport_choice() -> str:
         raise ValueError(
             f"jaxring: {TRANSPORT_ENV}={os.environ[TRANSPORT_ENV]!r} "
             "is not one of auto, tcp (auto: shared memory between processes "
-            "on one host, TCP between hosts; tcp: TCP everywhere)")
+            "on one host, TCP between hosts; tcp: TCP everywhere)"
+        )
     return choice
 
 
@@ -189,7 +190,8 @@ def socket_buffer_choice() -> int:
         raise ValueError(
             f"jaxring: {SOCKET_BUFFER_ENV}={raw!r} is not a whole number of "
             f"bytes from {low} to {high} (unset it to leave the buffers to "
-            f"the kernel)")
+            f"the kernel)"
+        )
     return value
 
 
@@ -233,18 +235,21 @@ def _job_secret_and_id(client, me: int, timeout_ms: int) -> tuple[bytes, bytes, 
             raise RuntimeError(
                 f"jaxring: process 0 did not publish the TCP transport's job "
                 f"record within {timeout_ms / 1000} s (is it running the same "
-                f"program?): {e}") from e
+                f"program?): {e}"
+            ) from e
     job_id = bytes.fromhex(record["job_id"])
     if env_secret is not None:
         if "secret" in record:
             raise RuntimeError(
                 f"jaxring: {SECRET_ENV} is set in this process ({me}) but not "
-                f"in process 0; set it in every process of the job or in none")
+                f"in process 0; set it in every process of the job or in none"
+            )
         return env_secret, job_id, "environment"
     if "secret" not in record:
         raise RuntimeError(
             f"jaxring: process 0 has {SECRET_ENV} set but this process ({me}) "
-            f"does not; set it in every process of the job or in none")
+            f"does not; set it in every process of the job or in none"
+        )
     return bytes.fromhex(record["secret"]), job_id, "key-value store"
 
 
@@ -261,6 +266,7 @@ def ensure_tcp_transport(timeout_s: float, check_settings: bool = True) -> None:
     first failure instead."""
     global _setup_failure
     from jaxring._src import jax_compat
+
     with _lock:
         if _ready:
             return
@@ -269,12 +275,14 @@ def ensure_tcp_transport(timeout_s: float, check_settings: bool = True) -> None:
                 "jaxring.allreduce: the ring's devices belong to several "
                 "processes but jax.distributed is not initialized in this one; "
                 "call jax.distributed.initialize() first (or start the job "
-                "with `python -m jaxring.launch`).")
+                "with `python -m jaxring.launch`)."
+            )
         if _setup_failure is not None:
             raise RuntimeError(
                 "jaxring: the TCP transport's set-up failed earlier in this "
                 "process and is not tried again (restart the job); the first "
-                f"failure: {_setup_failure}")
+                f"failure: {_setup_failure}"
+            )
         try:
             _set_up_tcp_transport(timeout_s, check_settings)
         except Exception as e:
@@ -308,27 +316,37 @@ def _set_up_tcp_transport(timeout_s: float, check_settings: bool) -> None:
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
     mine = secret_fingerprint(secret, job_id)
     my_settings = settings_agreement.record() if check_settings else None
-    client.key_value_set(_ADDRESS_KEY.format(me), json.dumps(
-        {"address": address, "secret_fingerprint": mine, "host": my_host,
-         "shm": use_shm, "settings": my_settings,
-         **crowding.local_record(jax.local_device_count())}))
+    client.key_value_set(
+        _ADDRESS_KEY.format(me),
+        json.dumps(
+            {
+                "address": address,
+                "secret_fingerprint": mine,
+                "host": my_host,
+                "shm": use_shm,
+                "settings": my_settings,
+                **crowding.local_record(jax.local_device_count()),
+            }
+        ),
+    )
     addresses = []
     same_host = []
     records = []
     for q in range(n):
         try:
-            record = json.loads(client.blocking_key_value_get(
-                _ADDRESS_KEY.format(q), timeout_ms))
+            record = json.loads(client.blocking_key_value_get(_ADDRESS_KEY.format(q), timeout_ms))
         except Exception as e:  # the client raises its own error types
             raise RuntimeError(
                 f"jaxring: process {q} did not publish its TCP address "
                 f"within {timeout_s} s (is it running the same program?): "
-                f"{e}") from e
+                f"{e}"
+            ) from e
         if record["secret_fingerprint"] != mine:
             raise RuntimeError(
                 f"jaxring: process {q} holds another {SECRET_ENV} than "
                 f"this process ({me}); every process of a job needs the "
-                f"same one")
+                f"same one"
+            )
         addresses.append(record["address"])
         records.append(record)
         if q != me and record.get("host") == my_host:
@@ -336,15 +354,25 @@ def _set_up_tcp_transport(timeout_s: float, check_settings: bool) -> None:
     # Where direct may run across the processes (one host, no process that
     # keeps to TCP: the segment's own set-up below decides alike), they must
     # all choose it or none. Every process compares, so all raise or none.
-    if (my_settings is not None and len(same_host) == n - 1 and
-            all(records[q].get("shm") for q in range(n))):
+    if (
+        my_settings is not None
+        and len(same_host) == n - 1
+        and all(records[q].get("shm") for q in range(n))
+    ):
         for q in same_host:
             if records[q].get("settings") is not None:
                 settings_agreement.check(my_settings, records[q]["settings"], me, q)
     _jaxring.tcp_set_peers(addresses, same_host)
-    host_segment.set_up(client, me, n, jax.device_count(), job_id,
-                        one_host=len(same_host) == n - 1, use_shm=use_shm,
-                        timeout_ms=timeout_ms)
+    host_segment.set_up(
+        client,
+        me,
+        n,
+        jax.device_count(),
+        job_id,
+        one_host=len(same_host) == n - 1,
+        use_shm=use_shm,
+        timeout_ms=timeout_ms,
+    )
     _secret_source = source
     _cores_per_rank = crowding.cores_per_rank(records)
     for q, a in enumerate(addresses):
@@ -395,6 +423,7 @@ def transport_info() -> dict:
         False
     """
     from jaxring import _jaxring
+
     raw = _jaxring.tcp_transport_info()
     host = raw["host"]
     with _lock:
@@ -402,8 +431,7 @@ def transport_info() -> dict:
         cores = _cores_per_rank
     address = None
     if raw["listening"]:
-        address = (f"[{host}]:{raw['port']}" if ":" in host
-                   else f"{host}:{raw['port']}")
+        address = f"[{host}]:{raw['port']}" if ":" in host else f"{host}:{raw['port']}"
     return {
         "listening": raw["listening"],
         "address": address,
@@ -424,10 +452,11 @@ def transport_info() -> dict:
         "shm_inbound": sorted(tuple(x) for x in raw["shm_inbound"]),
         "shm_outbound": sorted(tuple(x) for x in raw["shm_outbound"]),
         "shm_unavailable": raw["shm_unavailable"] or None,
-        "data_frames": {"device_thread": raw["data_frames_by_device_thread"],
-                        "sender_thread": raw["data_frames_by_sender_thread"],
-                        "finished_by_sender_thread":
-                            raw["data_frames_finished_by_sender_thread"]},
+        "data_frames": {
+            "device_thread": raw["data_frames_by_device_thread"],
+            "sender_thread": raw["data_frames_by_sender_thread"],
+            "finished_by_sender_thread": raw["data_frames_finished_by_sender_thread"],
+        },
         "socket_buffer": (raw["socket_buffer"] or None) if raw["listening"] else None,
         "cores_per_rank": cores if raw["listening"] and cores != math.inf else None,
         "host_direct": _host_direct_info(),
@@ -437,9 +466,14 @@ def transport_info() -> dict:
 def _host_direct_info() -> dict:
     """transport_info()["host_direct"]."""
     from jaxring import _jaxring
+
     raw = _jaxring.host_segment_info()
-    return {"available": raw["available"], "unavailable": host_segment.unavailable(),
-            "chunk_bytes": raw["chunk_bytes"] or None, "pending_ops": raw["pending_ops"]}
+    return {
+        "available": raw["available"],
+        "unavailable": host_segment.unavailable(),
+        "chunk_bytes": raw["chunk_bytes"] or None,
+        "pending_ops": raw["pending_ops"],
+    }
 
 
 def default_rings_across_processes(configured: int) -> int:

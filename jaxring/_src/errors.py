@@ -28,8 +28,7 @@ class JaxringError(RuntimeError):
         or else the one that reported the failure; None if none is known.
     """
 
-    def __init__(self, message: str, operation: str | None = None,
-                 peer_process: int | None = None):
+    def __init__(self, message: str, operation: str | None = None, peer_process: int | None = None):
         super().__init__(message)
         self.operation = operation
         self.peer_process = peer_process
@@ -51,7 +50,8 @@ class MismatchError(JaxringError):
 
 _TAG = re.compile(r"\[jaxring kind=([a-z_]+) peer=(-1|\d+)\] ")
 _OPERATION = re.compile(
-    r"jaxring allreduce(?: done| start)? \((op -?\d+(?:, group -?\d+)?(?:, run -?\d+)?)")
+    r"jaxring allreduce(?: done| start)? \((op -?\d+(?:, group -?\d+)?(?:, run -?\d+)?)"
+)
 
 # The class for each kind a tag can name (xla_ffi/failure.h).
 _CLASSES = {
@@ -82,8 +82,8 @@ def translate(exc: BaseException) -> JaxringError | None:
     op = _OPERATION.search(message, tag.end())
     peer = int(tag.group(2))
     return _CLASSES.get(tag.group(1), JaxringError)(
-        message, operation=op.group(1) if op else None,
-        peer_process=peer if peer >= 0 else None)
+        message, operation=op.group(1) if op else None, peer_process=peer if peer >= 0 else None
+    )
 
 
 class translate_errors(contextlib.ContextDecorator):

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -78,8 +78,9 @@ def sharing_mode(nccl: tuple | None) -> str:
     return "a host id per rank over loopback sockets (NCCL_HOSTID, NCCL < 2.30)"
 
 
-def launch(worker: str, processes: int, mode: str, timeout: float = 240,
-           log_dir: str | None = None) -> list[tuple[int, str]]:
+def launch(
+    worker: str, processes: int, mode: str, timeout: float = 240, log_dir: str | None = None
+) -> list[tuple[int, str]]:
     """Runs a job of `processes` copies of the script `worker` (whose main
     is serve()) in `mode`; (return code, output) each.
 
@@ -93,19 +94,30 @@ def launch(worker: str, processes: int, mode: str, timeout: float = 240,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log_dir = log_dir or os.environ.get("JAXRING_GPU_LOGS") or tempfile.mkdtemp(
-        prefix="jaxring-gpu-")
+    log_dir = (
+        log_dir or os.environ.get("JAXRING_GPU_LOGS") or tempfile.mkdtemp(prefix="jaxring-gpu-")
+    )
     os.makedirs(log_dir, exist_ok=True)
     nccl = installed_nccl_version() if not mode.startswith("selftest") else None
-    paths = [os.path.join(log_dir, f"{mode}-{processes}-rank{p}.log")
-             for p in range(processes)]
+    paths = [os.path.join(log_dir, f"{mode}-{processes}-rank{p}.log") for p in range(processes)]
     procs = []
     for p, path in enumerate(paths):
         with open(path, "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(worker), str(p), str(processes),
-                 str(port), mode],
-                stdout=log, stderr=subprocess.STDOUT, env=gpu_env(processes, p, nccl)))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        os.path.abspath(worker),
+                        str(p),
+                        str(processes),
+                        str(port),
+                        mode,
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=gpu_env(processes, p, nccl),
+                )
+            )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.1)
@@ -134,11 +146,14 @@ class Job:
 
     def __init__(self, pid: int, nprocs: int, port: int):
         import jax
+
         jax.config.update("jax_enable_x64", True)
         # A peer that never starts fails set-up in 30 s, not the default 300.
-        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nprocs,
-                                   process_id=pid, initialization_timeout=30)
+        jax.distributed.initialize(
+            f"127.0.0.1:{port}", num_processes=nprocs, process_id=pid, initialization_timeout=30
+        )
         from jax.sharding import NamedSharding, PartitionSpec as P
+
         self.jax, self.P = jax, P
         self.pid, self.nprocs = pid, nprocs
         self.mesh = jax.make_mesh((nprocs,), ("i",))
@@ -147,13 +162,21 @@ class Job:
     def global_array(self, local: np.ndarray):
         shard = self.jax.device_put(local, self.jax.local_devices()[0])
         return self.jax.make_array_from_single_device_arrays(
-            (self.nprocs * local.shape[0],), self.sharding, [shard])
+            (self.nprocs * local.shape[0],), self.sharding, [shard]
+        )
 
     def allreduce_fn(self, **kw):
         import jaxring
-        return self.jax.jit(self.jax.shard_map(
-            lambda v: jaxring.allreduce(v, "i", **kw), mesh=self.mesh,
-            in_specs=self.P("i"), out_specs=self.P("i"), check_vma=False))
+
+        return self.jax.jit(
+            self.jax.shard_map(
+                lambda v: jaxring.allreduce(v, "i", **kw),
+                mesh=self.mesh,
+                in_specs=self.P("i"),
+                out_specs=self.P("i"),
+                check_vma=False,
+            )
+        )
 
     @staticmethod
     def local_result(out) -> np.ndarray:
@@ -172,8 +195,7 @@ class Job:
         else:
             for p in range(1, self.nprocs):
                 if self.wait_for(f"done/{p}", wait_s) is None:
-                    print(f"process {p} did not say it was done within {wait_s} s",
-                          flush=True)
+                    print(f"process {p} did not say it was done within {wait_s} s", flush=True)
         sys.stdout.flush()
         os._exit(rc)
 
@@ -182,14 +204,17 @@ class Job:
 
     def publish(self, key: str, value: str) -> None:
         from jaxring._src import jax_compat
+
         jax_compat.distributed_client().key_value_set(f"jaxring_gpu_worker/{key}", value)
 
     def wait_for(self, key: str, wait_s: float) -> str | None:
         """The value another rank published under `key`, or None after wait_s."""
         from jaxring._src import jax_compat
+
         try:
             return jax_compat.distributed_client().blocking_key_value_get(
-                f"jaxring_gpu_worker/{key}", int(wait_s * 1000))
+                f"jaxring_gpu_worker/{key}", int(wait_s * 1000)
+            )
         except Exception:  # the client's own error types; a timeout among them
             return None
 
@@ -214,6 +239,7 @@ def median_seconds(job: Job, fns: dict, args: tuple, rounds: int, iters: int) ->
 
 def mlp_step(job: Job, overlapped: bool, bucket_mb: float = 1.0):
     import jax.numpy as jnp
+
     import jaxring
 
     def step(ws, x):
@@ -221,7 +247,8 @@ def mlp_step(job: Job, overlapped: bool, bucket_mb: float = 1.0):
             h = x
             for w in ws:
                 h = jnp.tanh(h @ w)
-            return jnp.mean(h ** 2)
+            return jnp.mean(h**2)
+
         grads = jax.grad(loss)(ws)
         if overlapped:
             grads = job.jax.lax.pmean(grads, "i")
@@ -231,20 +258,27 @@ def mlp_step(job: Job, overlapped: bool, bucket_mb: float = 1.0):
 
     jax = job.jax
     if overlapped:
-        step = jaxring.overlap(axis_name="i", bucket_mb=bucket_mb,
-                               first_bucket_mb=bucket_mb / 4)(step)
-    return jax.jit(jax.shard_map(step, mesh=job.mesh, in_specs=(job.P(), job.P("i")),
-                                 out_specs=job.P(), check_vma=False))
+        step = jaxring.overlap(axis_name="i", bucket_mb=bucket_mb, first_bucket_mb=bucket_mb / 4)(
+            step
+        )
+    return jax.jit(
+        jax.shard_map(
+            step, mesh=job.mesh, in_specs=(job.P(), job.P("i")), out_specs=job.P(), check_vma=False
+        )
+    )
 
 
 def mlp_inputs(job: Job, width: int, layers: int, batch: int):
     rng = np.random.default_rng(0)
-    ws = [(rng.normal(0, 1 / np.sqrt(width), (width, width))).astype(np.float32)
-          for _ in range(layers)]
+    ws = [
+        (rng.normal(0, 1 / np.sqrt(width), (width, width))).astype(np.float32)
+        for _ in range(layers)
+    ]
     x = np.random.default_rng(1 + job.pid).normal(0, 1, (batch, width)).astype(np.float32)
     shard = job.jax.device_put(x, job.jax.local_devices()[0])
     xs = job.jax.make_array_from_single_device_arrays(
-        (job.nprocs * batch, width), job.sharding, [shard])
+        (job.nprocs * batch, width), job.sharding, [shard]
+    )
     return ws, xs
 
 
@@ -261,14 +295,12 @@ def _selftest(pid: int, mode: str) -> int:
     return 0
 
 
-def serve(modes: dict[str, Callable[[Job], int]],
-          xla_flags: dict[str, str] | None = None) -> None:
+def serve(modes: dict[str, Callable[[Job], int]], xla_flags: dict[str, str] | None = None) -> None:
     """A worker's main: `python WORKER PROCESS NUM_PROCESSES PORT MODE`
     runs modes[MODE] (or a selftest mode) as process PROCESS, prints "OK"
     last on success, and leaves with its exit code. xla_flags: XLA_FLAGS
     for some modes, set before JAX starts."""
-    pid, nprocs, port, mode = (int(sys.argv[1]), int(sys.argv[2]),
-                               int(sys.argv[3]), sys.argv[4])
+    pid, nprocs, port, mode = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     if mode.startswith("selftest"):
         rc = _selftest(pid, mode)
         print("OK" if rc == 0 else f"failed: {rc}", flush=True)

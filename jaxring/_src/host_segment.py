@@ -32,8 +32,16 @@ _missing: str | None = "the transport between processes is not set up yet"
 TCP_ONLY = "JAXRING_TRANSPORT=tcp keeps every byte between processes on sockets"
 
 
-def set_up(client, me: int, processes: int, ranks: int, job_id: bytes,
-           one_host: bool, use_shm: bool, timeout_ms: int) -> None:
+def set_up(
+    client,
+    me: int,
+    processes: int,
+    ranks: int,
+    job_id: bytes,
+    one_host: bool,
+    use_shm: bool,
+    timeout_ms: int,
+) -> None:
     """Makes the host segment available to this process, or records why
     not. Every process of the job calls it, with the same one_host (it
     comes from records every process read); use_shm is this process's own
@@ -43,6 +51,7 @@ def set_up(client, me: int, processes: int, ranks: int, job_id: bytes,
     ring would wait on it until the timeout."""
     global _missing
     from jaxring import _jaxring
+
     if not one_host:
         why = "the job's processes run on more than one host"
     else:
@@ -62,13 +71,13 @@ def _agree(client, me, processes, ranks, job_id, use_shm, timeout_ms) -> str:
     """Creates (process 0) or maps the segment, then learns whether every
     process has it. Returns "" when all do, else why not."""
     from jaxring import _jaxring
+
     mine = "" if use_shm else TCP_ONLY
     if me == 0:
         record = {"error": mine}
         if use_shm:
             try:
-                record = {"name": _jaxring.host_segment_attach(job_id, me, processes,
-                                                               ranks, "")}
+                record = {"name": _jaxring.host_segment_attach(job_id, me, processes, ranks, "")}
             except RuntimeError as e:
                 mine = str(e)
                 record = {"error": mine}
@@ -97,7 +106,8 @@ def _agree(client, me, processes, ranks, job_id, use_shm, timeout_ms) -> str:
         raise RuntimeError(
             "jaxring: process 0 did not say whether the job's processes share "
             f"the host segment within {2 * timeout_ms / 1000:g} s (is it "
-            f"running the same program?): {e}") from e
+            f"running the same program?): {e}"
+        ) from e
     return "" if decision == "ok" else decision
 
 
@@ -106,6 +116,7 @@ def _decide(client, processes: int, mine: str, timeout_ms: int) -> str:
     process has the segment) or why not. It waits for the statuses under
     one deadline, so that it decides within timeout_ms of offering."""
     from jaxring import _jaxring
+
     deadline = time.monotonic() + timeout_ms / 1000
     for q in range(1, processes):
         left_ms = max(1, int((deadline - time.monotonic()) * 1000))
@@ -128,6 +139,7 @@ def remove_stale() -> list[str]:
     crash): only those whose creator ran in this pid namespace and is gone.
     Returns their names."""
     from jaxring import _jaxring
+
     return _jaxring.shm_remove_stale_segments()
 
 

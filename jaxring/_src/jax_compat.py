@@ -16,17 +16,21 @@ from __future__ import annotations
 import warnings
 
 import jax
-from jax.extend import core as _extend_core
-from jax.extend import source_info_util  # noqa: F401  (re-exported)
+
+# Private modules: each name taken from them below says why.
+from jax._src import (
+    config as _config,
+    core as _core,
+    distributed as _distributed,
+    xla_bridge as _xla_bridge,
+)
+from jax.extend import (
+    core as _extend_core,
+    source_info_util,  # noqa: F401  (re-exported)
+)
 from jax.interpreters import ad, batching, mlir  # noqa: F401  (re-exported)
 from jaxlib.mlir import ir  # noqa: F401  (re-exported)
 from jaxlib.mlir.dialects import stablehlo as hlo  # noqa: F401  (re-exported)
-
-# Private modules: each name taken from them below says why.
-from jax._src import config as _config
-from jax._src import core as _core
-from jax._src import distributed as _distributed
-from jax._src import xla_bridge as _xla_bridge
 
 # The releases jaxring is tested on, as (lowest, first untested): pyproject.toml
 # declares the same range for pip.
@@ -121,6 +125,7 @@ def closed_parts(closed) -> tuple:
 
 # ---- private, each checked on jax 0.10.2, 0.11.2, 0.12.0.1 and 0.12.1 -------
 
+
 def define_high_rule(primitive, to_low) -> None:
     """Give primitive the rule JAX needs where its operand has a *high* type.
 
@@ -131,8 +136,7 @@ def define_high_rule(primitive, to_low) -> None:
     high operand, so the rule is unused there. ``Primitive.is_high`` and
     ``to_lojax`` exist, with these signatures, on all four; neither is
     documented."""
-    primitive.is_high = lambda *avals, **params: any(
-        getattr(a, "is_high", False) for a in avals)
+    primitive.is_high = lambda *avals, **params: any(getattr(a, "is_high", False) for a in avals)
     primitive.to_lojax = to_low
 
 
@@ -209,10 +213,13 @@ _warned = False
 def untested_versions() -> list[str]:
     """The running jax and jaxlib that lie outside SUPPORTED_JAX, as text."""
     import jaxlib
+
     lo, hi = SUPPORTED_JAX
-    return [f"{name} {v}" for name, v in (("jax", jax.__version__),
-                                          ("jaxlib", jaxlib.__version__))
-            if not lo <= _version_tuple(v) < hi]
+    return [
+        f"{name} {v}"
+        for name, v in (("jax", jax.__version__), ("jaxlib", jaxlib.__version__))
+        if not lo <= _version_tuple(v) < hi
+    ]
 
 
 def in_tested_range() -> bool:
@@ -231,4 +238,6 @@ def warn_if_untested() -> None:
             f"jaxring is tested with {SUPPORTED_JAX_TEXT}; this process runs "
             f"{', '.join(outside)}. It may work, but nothing has checked it: "
             "install a tested version, or report what fails.",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning,
+            stacklevel=3,
+        )

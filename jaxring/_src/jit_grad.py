@@ -31,7 +31,8 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,19 +43,25 @@ from jaxring._src.overlap import overlap
 
 # Every keyword of jaxring.overlap but the function and the axis, which
 # value_and_grad sets itself.
-OVERLAP_OPTIONS = tuple(name for name in inspect.signature(overlap).parameters
-                        if name not in ("fn", "axis_name"))
+OVERLAP_OPTIONS = tuple(
+    name for name in inspect.signature(overlap).parameters if name not in ("fn", "axis_name")
+)
 
 
 def _axes_of(axis_name) -> tuple:
     if isinstance(axis_name, str):
         return (axis_name,)
-    if (isinstance(axis_name, tuple) and axis_name
-            and all(isinstance(a, str) for a in axis_name)
-            and len(set(axis_name)) == len(axis_name)):
+    if (
+        isinstance(axis_name, tuple)
+        and axis_name
+        and all(isinstance(a, str) for a in axis_name)
+        and len(set(axis_name)) == len(axis_name)
+    ):
         return axis_name
-    raise TypeError("jaxring.value_and_grad: axis_name must be a mesh axis name "
-                    f"or a tuple of distinct names, got {axis_name!r}")
+    raise TypeError(
+        "jaxring.value_and_grad: axis_name must be a mesh axis name "
+        f"or a tuple of distinct names, got {axis_name!r}"
+    )
 
 
 def _spec_axes(spec) -> set:
@@ -97,8 +104,9 @@ def _placed(x, mesh: Mesh, spec: P, explicit: frozenset):
     return jax.sharding.reshard(x, NamedSharding(mesh, P(*kept)))
 
 
-def value_and_grad(loss_fn: Callable, *, mesh: Mesh, axis_name, has_aux: bool = False,
-                   **overlap_options: Any) -> Callable:
+def value_and_grad(
+    loss_fn: Callable, *, mesh: Mesh, axis_name, has_aux: bool = False, **overlap_options: Any
+) -> Callable:
     """``jax.value_and_grad`` whose gradient average overlaps the backward pass.
 
     For a plain ``jax.jit`` step (parameters replicated, batch split over a
@@ -150,26 +158,34 @@ def value_and_grad(loss_fn: Callable, *, mesh: Mesh, axis_name, has_aux: bool = 
     gathered by XLA before the step, at the cost of a transfer.
     """
     if not callable(loss_fn):
-        raise TypeError(f"jaxring.value_and_grad takes the loss function first, got "
-                        f"{loss_fn!r}")
+        raise TypeError(f"jaxring.value_and_grad takes the loss function first, got {loss_fn!r}")
     if not isinstance(mesh, Mesh):
-        raise TypeError("jaxring.value_and_grad: mesh must be a jax.sharding.Mesh "
-                        f"(e.g. jax.make_mesh((8,), ('batch',))), got {type(mesh).__name__}")
+        raise TypeError(
+            "jaxring.value_and_grad: mesh must be a jax.sharding.Mesh "
+            f"(e.g. jax.make_mesh((8,), ('batch',))), got {type(mesh).__name__}"
+        )
     axes = _axes_of(axis_name)
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
-        raise ValueError(f"jaxring.value_and_grad: axis_name {axis_name!r} is not an "
-                         f"axis of the mesh, whose axes are {tuple(mesh.axis_names)}; "
-                         "name the mesh axis the batch is split over")
+        raise ValueError(
+            f"jaxring.value_and_grad: axis_name {axis_name!r} is not an "
+            f"axis of the mesh, whose axes are {tuple(mesh.axis_names)}; "
+            "name the mesh axis the batch is split over"
+        )
     unknown = sorted(set(overlap_options) - set(OVERLAP_OPTIONS))
     if unknown:
-        raise TypeError(f"jaxring.value_and_grad got unexpected keyword argument(s) "
-                        f"{', '.join(unknown)}; the options it passes on to "
-                        f"jaxring.overlap are {', '.join(OVERLAP_OPTIONS)}")
+        raise TypeError(
+            f"jaxring.value_and_grad got unexpected keyword argument(s) "
+            f"{', '.join(unknown)}; the options it passes on to "
+            f"jaxring.overlap are {', '.join(OVERLAP_OPTIONS)}"
+        )
     n = math.prod(mesh.shape[a] for a in axes)
     batch_spec = P(axis_name)
-    explicit = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-                         if kind == jax.sharding.AxisType.Explicit)
+    explicit = frozenset(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types)
+        if kind == jax.sharding.AxisType.Explicit
+    )
 
     def local(params, *batch):
         if has_aux:
@@ -188,9 +204,13 @@ def value_and_grad(loss_fn: Callable, *, mesh: Mesh, axis_name, has_aux: bool = 
     def mapped(params, *batch):
         params = jax.tree.map(lambda x: _placed(x, mesh, P(), explicit), params)
         batch = jax.tree.map(lambda x: _placed(x, mesh, batch_spec, explicit), batch)
-        return jax.shard_map(overlapped, mesh=mesh,
-                             in_specs=(P(),) + (batch_spec,) * len(batch),
-                             out_specs=out_specs, check_vma=False)(params, *batch)
+        return jax.shard_map(
+            overlapped,
+            mesh=mesh,
+            in_specs=(P(),) + (batch_spec,) * len(batch),
+            out_specs=out_specs,
+            check_vma=False,
+        )(params, *batch)
 
     # One jit per batch arity: outside jit, a second call reuses the first's
     # compilation; inside, it is inlined.
@@ -199,28 +219,35 @@ def value_and_grad(loss_fn: Callable, *, mesh: Mesh, axis_name, has_aux: bool = 
     @functools.wraps(loss_fn)
     def value_and_grad_fn(params, *batch, **kwargs):
         if kwargs:
-            raise TypeError("jaxring.value_and_grad: the function it returns takes "
-                            f"(params, *batch_args) only, got keyword(s) "
-                            f"{', '.join(sorted(kwargs))}; pass batch arrays "
-                            "positionally, and close over anything else")
+            raise TypeError(
+                "jaxring.value_and_grad: the function it returns takes "
+                f"(params, *batch_args) only, got keyword(s) "
+                f"{', '.join(sorted(kwargs))}; pass batch arrays "
+                "positionally, and close over anything else"
+            )
         if not batch:
-            raise ValueError("jaxring.value_and_grad needs at least one batch argument "
-                             "after params, split over the axis: call it as "
-                             "f(params, *batch_args) (for a loss of params alone use "
-                             "jax.value_and_grad)")
+            raise ValueError(
+                "jaxring.value_and_grad needs at least one batch argument "
+                "after params, split over the axis: call it as "
+                "f(params, *batch_args) (for a loss of params alone use "
+                "jax.value_and_grad)"
+            )
         bound = [a for a in axes if compat.axis_is_bound(a)]
         if bound:
-            raise ValueError(f"jaxring.value_and_grad was called inside a shard_map or "
-                             f"pmap that already maps {bound[0]!r}; there, take "
-                             "jax.value_and_grad and lax.pmean of the gradients under "
-                             "@jaxring.overlap instead")
+            raise ValueError(
+                f"jaxring.value_and_grad was called inside a shard_map or "
+                f"pmap that already maps {bound[0]!r}; there, take "
+                "jax.value_and_grad and lax.pmean of the gradients under "
+                "@jaxring.overlap instead"
+            )
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
             if _known_sharding_axes(leaf) & set(axes):
                 raise ValueError(
                     f"jaxring.value_and_grad: params{jax.tree_util.keystr(path)} is split "
                     f"over {axis_name!r}, the batch axis; params must be "
                     "replicated over it: place them with NamedSharding(mesh, P()) "
-                    "(jax.device_put), and only the batch with P(axis_name)")
+                    "(jax.device_put), and only the batch with P(axis_name)"
+                )
         for i, arg in enumerate(batch, start=1):
             for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
                 shape = jnp.shape(leaf)
@@ -230,7 +257,8 @@ def value_and_grad(loss_fn: Callable, *, mesh: Mesh, axis_name, has_aux: bool = 
                         f"{jax.tree_util.keystr(path)} has shape "
                         f"{tuple(shape)}; every batch array needs a leading "
                         f"dimension divisible by the size of {axis_name!r} ({n}): "
-                        "pad or drop examples so that the batch splits evenly")
+                        "pad or drop examples so that the batch splits evenly"
+                    )
         if len(batch) not in compiled:
             compiled[len(batch)] = jax.jit(mapped)
         return compiled[len(batch)](params, *batch)

@@ -40,8 +40,7 @@ def is_loopback(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _keep_the_launchers_job(coordinator: str, num_processes: int,
-                            process_id: int) -> None:
+def _keep_the_launchers_job(coordinator: str, num_processes: int, process_id: int) -> None:
     """Makes the script's own ``jax.distributed.initialize`` accept the job
     set up here. JAX reads the coordinator from JAX_COORDINATOR_ADDRESS but
     has no variable for the process count or id (only SLURM's, Open MPI's
@@ -50,16 +49,32 @@ def _keep_the_launchers_job(coordinator: str, num_processes: int,
     job says why it cannot have it."""
     import jax
 
-    job = dict(coordinator_address=coordinator, num_processes=num_processes,
-               process_id=process_id, local_device_ids=None)
+    job = dict(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=None,
+    )
 
-    def initialize(coordinator_address=None, num_processes=None,
-                   process_id=None, local_device_ids=None, *args, **kwargs):
-        asked = dict(coordinator_address=coordinator_address,
-                     num_processes=num_processes, process_id=process_id,
-                     local_device_ids=local_device_ids)
-        other = [f"{name}={value!r}" for name, value in asked.items()
-                 if value is not None and value != job[name]]
+    def initialize(
+        coordinator_address=None,
+        num_processes=None,
+        process_id=None,
+        local_device_ids=None,
+        *args,
+        **kwargs,
+    ):
+        asked = dict(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            local_device_ids=local_device_ids,
+        )
+        other = [
+            f"{name}={value!r}"
+            for name, value in asked.items()
+            if value is not None and value != job[name]
+        ]
         if other:
             raise RuntimeError(
                 f"jax.distributed.initialize({', '.join(other)}): "
@@ -68,7 +83,8 @@ def _keep_the_launchers_job(coordinator: str, num_processes: int,
                 f"{job['num_processes']} with the coordinator at "
                 f"{job['coordinator_address']}. Under the launcher, call "
                 "jax.distributed.initialize() without arguments or not at "
-                "all; or start the script without the launcher.")
+                "all; or start the script without the launcher."
+            )
 
     initialize.__doc__ = jax.distributed.initialize.__doc__
     jax.distributed.initialize = initialize
@@ -76,8 +92,7 @@ def _keep_the_launchers_job(coordinator: str, num_processes: int,
 
 def main() -> None:
     if len(sys.argv) < 2 or (sys.argv[1] == "-m" and len(sys.argv) < 3):
-        raise SystemExit("usage: python -m jaxring._src.launched "
-                         "(script.py | -m module) [args]")
+        raise SystemExit("usage: python -m jaxring._src.launched (script.py | -m module) [args]")
     module = sys.argv[2] if sys.argv[1] == "-m" else None
     script = None if module else sys.argv[1]
     args = sys.argv[3:] if module else sys.argv[2:]
@@ -96,7 +111,8 @@ def main() -> None:
         process_id=process_id,
         # JAX's coordinator listens on every address unless told otherwise,
         # and has no authentication: a job on one host keeps it on loopback.
-        coordinator_bind_address=coordinator if is_loopback(coordinator) else None)
+        coordinator_bind_address=coordinator if is_loopback(coordinator) else None,
+    )
     _keep_the_launchers_job(coordinator, num_processes, process_id)
     sys.argv = [script or module, *args]
     # What python would have put first on sys.path for the script or module.
@@ -119,8 +135,10 @@ def main() -> None:
                 runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
-            _exit_now(e.code if isinstance(e.code, int) else 1,
-                      None if isinstance(e.code, int) else str(e.code))
+            _exit_now(
+                e.code if isinstance(e.code, int) else 1,
+                None if isinstance(e.code, int) else str(e.code),
+            )
         raise
     except BaseException:
         _exit_now(1, traceback.format_exc())

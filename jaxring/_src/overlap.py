@@ -40,20 +40,31 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxring._src import allreduce as _ar
-from jaxring._src import jax_compat as compat
-from jaxring._src import (bucketing, reduced_twice, runtime, step_order,
-                         wire_format)
+from jaxring._src import (
+    allreduce as _ar,
+    bucketing,
+    jax_compat as compat,
+    reduced_twice,
+    runtime,
+    step_order,
+    wire_format,
+)
 from jaxring._src.config import config, validate
+from jaxring._src.jax_compat import source_info_util
 from jaxring._src.overlap_emit import Emitter
 from jaxring._src.overlap_report import (
-    MiB, OverlapReport, Reduction, build_report, label_reductions)
-from jaxring._src.jax_compat import source_info_util
+    MiB,
+    OverlapReport,
+    Reduction,
+    build_report,
+    label_reductions,
+)
 from jaxring._src.step_trace import retrace_in_order, trace_step, uses, where
 
 # Primitives whose top-level equations overlap rewrites (when their axes match).
@@ -84,6 +95,7 @@ class OverlapOptions:
 
 
 # ---- finding the reductions -------------------------------------------------
+
 
 def _axes_of(eqn) -> tuple | None:
     """The axes an eqn sums over if it is a sum-allreduce, else None."""
@@ -124,35 +136,44 @@ def _find_reductions(jaxpr, want, wire=None) -> tuple[list[Reduction], list[str]
     for i, eqn in enumerate(jaxpr.eqns):
         axes = _axes_of(eqn)
         if axes is None:
-            if any(_nested_reductions(sub, want)
-                   for sub in compat.jaxprs_in_params(eqn.params)):
+            if any(_nested_reductions(sub, want) for sub in compat.jaxprs_in_params(eqn.params)):
                 left.append(
                     f"a psum over {_axes_text(want)} inside "
                     f"`{eqn.primitive.name}` ({where(eqn)}): overlap rewrites "
                     "only reductions at the top level of the step, so it runs "
-                    "where it is, without overlap")
+                    "where it is, without overlap"
+                )
             continue
         if not _matches(axes, want):
             if want is not None and set(axes) & set(want):
-                left.append(f"{eqn.primitive.name} over {axes} ({where(eqn)}): "
-                            f"overlap(axis_name={want!r}) rewrites reductions over "
-                            "exactly those axes")
+                left.append(
+                    f"{eqn.primitive.name} over {axes} ({where(eqn)}): "
+                    f"overlap(axis_name={want!r}) rewrites reductions over "
+                    "exactly those axes"
+                )
             continue
         if eqn.params.get("unreduced") or any(
-                _typed_unreduced(v.aval) for v in eqn.invars
-                if not isinstance(v, compat.Literal)):
+            _typed_unreduced(v.aval) for v in eqn.invars if not isinstance(v, compat.Literal)
+        ):
             # Over the summed axes or others: a bucket is one buffer of one
             # type, and a split-phase start takes varying values only.
-            left.append(f"a sum of a value typed unreduced ({where(eqn)}): "
-                        "jaxring.overlap's buckets do not carry unreduced values")
+            left.append(
+                f"a sum of a value typed unreduced ({where(eqn)}): "
+                "jaxring.overlap's buckets do not carry unreduced values"
+            )
             continue
-        bad = [v for v in eqn.invars
-               if isinstance(v, compat.Literal)
-               or _lanes_of(np.dtype(v.aval.dtype)) not in _ar.SUPPORTED_DTYPES]
+        bad = [
+            v
+            for v in eqn.invars
+            if isinstance(v, compat.Literal)
+            or _lanes_of(np.dtype(v.aval.dtype)) not in _ar.SUPPORTED_DTYPES
+        ]
         if bad:
-            left.append(f"{eqn.primitive.name} of "
-                        f"{', '.join(str(v.aval) for v in bad)} ({where(eqn)}): "
-                        "jaxring.overlap does not bucket constants or this dtype")
+            left.append(
+                f"{eqn.primitive.name} of "
+                f"{', '.join(str(v.aval) for v in bad)} ({where(eqn)}): "
+                "jaxring.overlap does not bucket constants or this dtype"
+            )
             continue
         groups = eqn.params.get("axis_index_groups", eqn.params.get("groups"))
         for j, v in enumerate(eqn.invars):
@@ -160,13 +181,19 @@ def _find_reductions(jaxpr, want, wire=None) -> tuple[list[Reduction], list[str]
             lanes = dtype.kind == "c"
             carried = _lanes_of(dtype)
             travels = wire_format.travels_as(carried, wire)
-            found.append(Reduction(i, j, axes,
-                                   tuple(v.aval.shape) + ((2,) if lanes else ()),
-                                   travels, label="",
-                                   groups=None if groups is None
-                                   else tuple(map(tuple, groups)),
-                                   complex_lanes=lanes,
-                                   carried=None if travels == carried else carried))
+            found.append(
+                Reduction(
+                    i,
+                    j,
+                    axes,
+                    tuple(v.aval.shape) + ((2,) if lanes else ()),
+                    travels,
+                    label="",
+                    groups=None if groups is None else tuple(map(tuple, groups)),
+                    complex_lanes=lanes,
+                    carried=None if travels == carried else carried,
+                )
+            )
     return found, left
 
 
@@ -206,8 +233,8 @@ def _split_urgent(jaxpr, reductions):
     gradients of a backward pass)."""
     eqns = sorted({r.eqn for r in reductions})
     bit = {e: 1 << k for k, e in enumerate(eqns)}
-    depends: dict = {}   # var -> bits of the reductions its value depends on
-    feeds = 0            # bits of the reductions some reduction's input depends on
+    depends: dict = {}  # var -> bits of the reductions its value depends on
+    feeds = 0  # bits of the reductions some reduction's input depends on
     for i, eqn in enumerate(jaxpr.eqns):
         dep = 0
         for v in eqn.invars:
@@ -235,13 +262,13 @@ def _split_urgent(jaxpr, reductions):
 def _urgent_text(jaxpr, urgent: set) -> list[str]:
     if not urgent:
         return []
-    sources = sorted({source_info_util.summarize(jaxpr.eqns[i].source_info)
-                      for i in urgent})
-    shown = ", ".join(sources[:3]) + (f" and {len(sources) - 3} more" if len(sources) > 3
-                                      else "")
-    return [f"{len(urgent)} reduction(s) waited for at once, whose results "
-            f"later reduced values depend on (at {shown}): run where they are, "
-            "as written, outside the buckets"]
+    sources = sorted({source_info_util.summarize(jaxpr.eqns[i].source_info) for i in urgent})
+    shown = ", ".join(sources[:3]) + (f" and {len(sources) - 3} more" if len(sources) > 3 else "")
+    return [
+        f"{len(urgent)} reduction(s) waited for at once, whose results "
+        f"later reduced values depend on (at {shown}): run where they are, "
+        "as written, outside the buckets"
+    ]
 
 
 def _plan(jaxpr, reductions, opts):
@@ -261,19 +288,25 @@ def _plan(jaxpr, reductions, opts):
         else:
             ready = producer + 1
         needed = first_use.get(var_out, n)
-        whole = bucketing.Item(key=(r.eqn, r.operand), dtype=r.dtype,
-                               nbytes=math.prod(r.shape) * r.dtype.itemsize,
-                               ready=ready, needed=needed)
-        items += bucketing.split_item(whole, r.dtype.itemsize,
-                                      int(opts.partition_mb * MiB))
-    inflight = (None if opts.max_inflight_mb is None
-                else int(opts.max_inflight_mb * MiB))
+        whole = bucketing.Item(
+            key=(r.eqn, r.operand),
+            dtype=r.dtype,
+            nbytes=math.prod(r.shape) * r.dtype.itemsize,
+            ready=ready,
+            needed=needed,
+        )
+        items += bucketing.split_item(whole, r.dtype.itemsize, int(opts.partition_mb * MiB))
+    inflight = None if opts.max_inflight_mb is None else int(opts.max_inflight_mb * MiB)
     return bucketing.plan_buckets(
-        items, first_bucket_bytes=int(opts.first_bucket_mb * MiB),
-        bucket_bytes=int(opts.bucket_mb * MiB), max_inflight_bytes=inflight)
+        items,
+        first_bucket_bytes=int(opts.first_bucket_mb * MiB),
+        bucket_bytes=int(opts.bucket_mb * MiB),
+        max_inflight_bytes=inflight,
+    )
 
 
 # ---- the decorator ----------------------------------------------------------
+
 
 def _rewrite(fn, opts: OverlapOptions, args, kwargs, *, report: bool):
     runtime.register_ffi_targets()
@@ -295,11 +328,12 @@ def _rewrite(fn, opts: OverlapOptions, args, kwargs, *, report: bool):
     reductions = label_reductions(jaxpr, reductions, args, kwargs)
     reductions, urgent = _split_urgent(jaxpr, reductions)
     if not reductions and not urgent:
-        left = left + [f"no psum over {_axes_text(want)} at the top level of "
-                       f"{getattr(fn, '__name__', 'the step')}: nothing to overlap"]
+        left = left + [
+            f"no psum over {_axes_text(want)} at the top level of "
+            f"{getattr(fn, '__name__', 'the step')}: nothing to overlap"
+        ]
     plan = _plan(jaxpr, reductions, opts)
-    rep = build_report(jaxpr, plan, reductions, left, made_local,
-                       _urgent_text(jaxpr, urgent))
+    rep = build_report(jaxpr, plan, reductions, left, made_local, _urgent_text(jaxpr, urgent))
     for why in made_local + left:
         warnings.warn(f"jaxring.overlap: {why}", OverlapWarning, stacklevel=4)
     if report:
@@ -314,43 +348,64 @@ def _reduced_twice_texts(jaxpr, twice, args, kwargs) -> list[str]:
     as_reductions = []
     for r in twice:
         aval = jaxpr.eqns[r.eqn].invars[r.operand].aval
-        as_reductions.append(Reduction(r.eqn, r.operand, r.axes, tuple(aval.shape),
-                                       np.dtype(aval.dtype), label=""))
+        as_reductions.append(
+            Reduction(r.eqn, r.operand, r.axes, tuple(aval.shape), np.dtype(aval.dtype), label="")
+        )
     by_call: dict[tuple, list[str]] = {}
     for r in label_reductions(jaxpr, as_reductions, args, kwargs):
         source = source_info_util.summarize(jaxpr.eqns[r.eqn].source_info)
         by_call.setdefault((source, r.axes), []).append(r.label)
-    return [reduced_twice.warning_text(
-                labels, source, axes, math.prod(compat.axis_size(a) for a in axes))
-            for (source, axes), labels in by_call.items()]
+    return [
+        reduced_twice.warning_text(
+            labels, source, axes, math.prod(compat.axis_size(a) for a in axes)
+        )
+        for (source, axes), labels in by_call.items()
+    ]
 
 
-def _options(axis_name, bucket_mb, first_bucket_mb, partition_mb,
-             max_inflight_mb, rings, chunk_bytes, timeout_s,
-             wire_dtype=None) -> OverlapOptions:
+def _options(
+    axis_name,
+    bucket_mb,
+    first_bucket_mb,
+    partition_mb,
+    max_inflight_mb,
+    rings,
+    chunk_bytes,
+    timeout_s,
+    wire_dtype=None,
+) -> OverlapOptions:
     where = "jaxring.overlap"
-    for name, v in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb),
-                    ("partition_mb", partition_mb)):
+    for name, v in (
+        ("bucket_mb", bucket_mb),
+        ("first_bucket_mb", first_bucket_mb),
+        ("partition_mb", partition_mb),
+    ):
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
             raise ValueError(f"{where}: {name} must be a positive number, got {v!r}")
     if max_inflight_mb is not None and (
-            not isinstance(max_inflight_mb, (int, float)) or not max_inflight_mb > 0):
-        raise ValueError(f"{where}: max_inflight_mb must be a positive number "
-                         f"or None, got {max_inflight_mb!r}")
+        not isinstance(max_inflight_mb, (int, float)) or not max_inflight_mb > 0
+    ):
+        raise ValueError(
+            f"{where}: max_inflight_mb must be a positive number or None, got {max_inflight_mb!r}"
+        )
     if axis_name is not None:
         _ar._axes_tuple(axis_name)
     return OverlapOptions(
-        axis_name=axis_name, bucket_mb=float(bucket_mb),
-        first_bucket_mb=float(first_bucket_mb), partition_mb=float(partition_mb),
+        axis_name=axis_name,
+        bucket_mb=float(bucket_mb),
+        first_bucket_mb=float(first_bucket_mb),
+        partition_mb=float(partition_mb),
         max_inflight_mb=None if max_inflight_mb is None else float(max_inflight_mb),
         rings=validate("rings", config.rings if rings is None else rings, where),
-        chunk_bytes=validate("chunk_bytes",
-                             config.chunk_bytes if chunk_bytes is None else chunk_bytes,
-                             where),
-        timeout_s=validate("timeout_s",
-                           config.timeout_s if timeout_s is None else timeout_s, where),
+        chunk_bytes=validate(
+            "chunk_bytes", config.chunk_bytes if chunk_bytes is None else chunk_bytes, where
+        ),
+        timeout_s=validate(
+            "timeout_s", config.timeout_s if timeout_s is None else timeout_s, where
+        ),
         wire_dtype=wire_format.wire_dtype_of(wire_dtype, where),
-        rings_from_default=rings is None and not config.is_explicit("rings"))
+        rings_from_default=rings is None and not config.is_explicit("rings"),
+    )
 
 
 DEFAULT_BUCKET_MB = 1.0
@@ -363,14 +418,20 @@ DEFAULT_MAX_INFLIGHT_MB = 256.0
 DEFAULT_PARTITION_MB = 64.0
 
 
-def overlap(fn: Callable | None = None, *, axis_name=None,
-            bucket_mb: float = DEFAULT_BUCKET_MB,
-            first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
-            partition_mb: float | None = None,
-            max_inflight_mb: float | None = DEFAULT_MAX_INFLIGHT_MB,
-            rings: int | None = None, chunk_bytes: int | None = None,
-            timeout_s: float | None = None, report: bool = False,
-            wire_dtype: Any = None):
+def overlap(
+    fn: Callable | None = None,
+    *,
+    axis_name=None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB,
+    partition_mb: float | None = None,
+    max_inflight_mb: float | None = DEFAULT_MAX_INFLIGHT_MB,
+    rings: int | None = None,
+    chunk_bytes: int | None = None,
+    timeout_s: float | None = None,
+    report: bool = False,
+    wire_dtype: Any = None,
+):
     """Overlaps a step's psums with the computation that follows them.
 
     Use inside ``jax.shard_map`` or ``jax.pmap``, on a function written with
@@ -407,22 +468,37 @@ def overlap(fn: Callable | None = None, *, axis_name=None,
         with :func:`jaxring.allreduce`'s ``wire_dtype``.
     """
     if report not in (False, True, "full"):
-        raise ValueError(f"jaxring.overlap: report must be False, True or "
-                         f"'full', got {report!r}")
+        raise ValueError(f"jaxring.overlap: report must be False, True or 'full', got {report!r}")
     if fn is None:
         return functools.partial(
-            overlap, axis_name=axis_name, bucket_mb=bucket_mb,
-            first_bucket_mb=first_bucket_mb, partition_mb=partition_mb,
-            max_inflight_mb=max_inflight_mb, rings=rings,
-            chunk_bytes=chunk_bytes, timeout_s=timeout_s, report=report,
-            wire_dtype=wire_dtype)
+            overlap,
+            axis_name=axis_name,
+            bucket_mb=bucket_mb,
+            first_bucket_mb=first_bucket_mb,
+            partition_mb=partition_mb,
+            max_inflight_mb=max_inflight_mb,
+            rings=rings,
+            chunk_bytes=chunk_bytes,
+            timeout_s=timeout_s,
+            report=report,
+            wire_dtype=wire_dtype,
+        )
     if not callable(fn):
-        raise TypeError(f"jaxring.overlap decorates a function, got {fn!r}; "
-                        "did you mean overlap(axis_name=...)?")
-    opts = _options(axis_name, bucket_mb, first_bucket_mb,
-                    (max(bucket_mb, DEFAULT_PARTITION_MB) if partition_mb is None
-                     else partition_mb),
-                    max_inflight_mb, rings, chunk_bytes, timeout_s, wire_dtype)
+        raise TypeError(
+            f"jaxring.overlap decorates a function, got {fn!r}; "
+            "did you mean overlap(axis_name=...)?"
+        )
+    opts = _options(
+        axis_name,
+        bucket_mb,
+        first_bucket_mb,
+        (max(bucket_mb, DEFAULT_PARTITION_MB) if partition_mb is None else partition_mb),
+        max_inflight_mb,
+        rings,
+        chunk_bytes,
+        timeout_s,
+        wire_dtype,
+    )
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -442,13 +518,11 @@ def explain(step: Callable, *args, **kwargs) -> OverlapReport:
     """
     opts = getattr(step, "jaxring_overlap_options", None)
     if opts is None:
-        raise TypeError("jaxring.explain takes a function decorated with "
-                        "jaxring.overlap")
+        raise TypeError("jaxring.explain takes a function decorated with jaxring.overlap")
     holder = {}
 
     def traced(*a, **k):
-        out, holder["report"] = _rewrite(step.jaxring_wrapped, opts, a, k,
-                                         report=False)
+        out, holder["report"] = _rewrite(step.jaxring_wrapped, opts, a, k, report=False)
         return out
 
     jax.make_jaxpr(traced)(*args, **kwargs)

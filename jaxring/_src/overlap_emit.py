@@ -12,16 +12,15 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxring._src import jax_compat as compat
-from jaxring._src import split_phase
+from jaxring._src import jax_compat as compat, split_phase
 from jaxring._src.jax_compat import source_info_util
 from jaxring._src.step_trace import bind_eqn, read_atom, uses
+
 
 def _vector_aval(aval, count: int):
     """aval reshaped to a vector of count elements, keeping its varying axes."""
     mesh = aval.sharding.mesh
-    return aval.update(shape=(count,),
-                       sharding=NamedSharding(mesh, PartitionSpec(None)))
+    return aval.update(shape=(count,), sharding=NamedSharding(mesh, PartitionSpec(None)))
 
 
 class Emitter:
@@ -50,8 +49,8 @@ class Emitter:
             v = jaxpr.eqns[r.eqn].invars[r.operand]
             parts = self.parts_total[(r.eqn, r.operand)]
             self.unstarted_uses[v] = self.unstarted_uses.get(v, 0) + parts
-        self.started: dict[int, list] = {}   # bucket -> [(handle, items, avals)]
-        self.results: dict[int, list] = {}   # bucket -> done outputs (for the window)
+        self.started: dict[int, list] = {}  # bucket -> [(handle, items, avals)]
+        self.results: dict[int, list] = {}  # bucket -> done outputs (for the window)
 
     def run(self):
         n = len(self.jaxpr.eqns)
@@ -73,8 +72,11 @@ class Emitter:
         so that dones do not take them as dependencies."""
         eqn = self.jaxpr.eqns[s]
         for v in list(eqn.invars) + list(eqn.outvars):
-            if (isinstance(v, compat.Var) and self.last_use.get(v, -1) <= s
-                    and not self._pending_operand(v)):
+            if (
+                isinstance(v, compat.Var)
+                and self.last_use.get(v, -1) <= s
+                and not self._pending_operand(v)
+            ):
                 self.env.pop(v, None)
 
     def _pending_operand(self, v) -> bool:
@@ -90,8 +92,11 @@ class Emitter:
         is mapped and zeroed afresh every step (measured on a ResNet-18
         step: 52.6 MiB per device with all of them, 14.2 MiB with one)."""
         since = bucket.start_slot
-        latest = [(self.produced_at[v], i, v) for i, v in enumerate(self.env)
-                  if self.produced_at.get(v, -1) >= since]
+        latest = [
+            (self.produced_at[v], i, v)
+            for i, v in enumerate(self.env)
+            if self.produced_at.get(v, -1) >= since
+        ]
         return [self.env[max(latest)[2]]] if latest else []
 
     def _actions(self, s):
@@ -104,8 +109,7 @@ class Emitter:
             stack = source_info_util.current_name_stack()
             if 0 <= near < n:
                 stack = stack + self.jaxpr.eqns[near].source_info.name_stack
-            with source_info_util.user_context(
-                    None, name_stack=stack.extend(f"jaxring_bucket{b}")):
+            with source_info_util.user_context(None, name_stack=stack.extend(f"jaxring_bucket{b}")):
                 if kind == "start":
                     self._start(b)
                 else:
@@ -118,8 +122,11 @@ class Emitter:
         r = self.red[it.key]
         if r.complex_lanes:
             x = jax.numpy.stack([jax.numpy.real(x), jax.numpy.imag(x)], axis=-1)
-            aval = aval.update(shape=r.shape, dtype=r.dtype, sharding=NamedSharding(
-                aval.sharding.mesh, PartitionSpec(*[None] * len(r.shape))))
+            aval = aval.update(
+                shape=r.shape,
+                dtype=r.dtype,
+                sharding=NamedSharding(aval.sharding.mesh, PartitionSpec(*[None] * len(r.shape))),
+            )
         if r.carried is not None:
             # Rounded once here; the ring adds in float32 (wire_format).
             x = x.astype(r.dtype)
@@ -127,8 +134,10 @@ class Emitter:
         if it.count == math.prod(r.shape):
             return x, aval
         flat = jax.numpy.ravel(x)
-        return (jax.lax.slice(flat, (it.offset,), (it.offset + it.count,)),
-                _vector_aval(aval, it.count))
+        return (
+            jax.lax.slice(flat, (it.offset,), (it.offset + it.count,)),
+            _vector_aval(aval, it.count),
+        )
 
     def _start(self, b):
         bucket = self.plan.buckets[b]
@@ -143,11 +152,17 @@ class Emitter:
         for (axes, index_groups, _), items in groups.items():
             operands, avals = zip(*(self._operand(it) for it in items))
             handle = split_phase.start(
-                list(operands), deps=waited, axes=axes, groups=index_groups,
+                list(operands),
+                deps=waited,
+                axes=axes,
+                groups=index_groups,
                 op="sum",
-                label=f"bucket {b}", rings=self.opts.rings,
+                label=f"bucket {b}",
+                rings=self.opts.rings,
                 rings_from_default=self.opts.rings_from_default,
-                chunk_bytes=self.opts.chunk_bytes, timeout_s=self.opts.timeout_s)
+                chunk_bytes=self.opts.chunk_bytes,
+                timeout_s=self.opts.timeout_s,
+            )
             started.append((handle, items, avals))
         for it in bucket.items:
             v = self.jaxpr.eqns[it.key[0]].invars[it.key[1]]

@@ -18,13 +18,14 @@ MiB = 1 << 20
 @dataclasses.dataclass(frozen=True)
 class Reduction:
     """One operand of one rewritten psum equation."""
+
     eqn: int
     operand: int
     axes: tuple
     shape: tuple
     dtype: np.dtype
     label: str
-    groups: tuple | None = None   # its axis_index_groups
+    groups: tuple | None = None  # its axis_index_groups
     # A complex operand travels as float lanes (real, imaginary): shape and
     # dtype are then those of the lanes, shape + (2,) of the float type.
     complex_lanes: bool = False
@@ -50,6 +51,7 @@ class BucketReport:
 @dataclasses.dataclass
 class OverlapReport:
     """The buckets jaxring.overlap chose for one trace of a step."""
+
     buckets: list[BucketReport]
     left_alone: list[str]
     # Reductions of values already reduced (under check_vma), computed
@@ -64,8 +66,10 @@ class OverlapReport:
         bucketed (a step of a large model has hundreds of values)."""
         sizes = [b.nbytes / MiB for b in self.buckets]
         values = sum(len(b.leaves) for b in self.buckets)
-        head = (f"jaxring.overlap: {len(self.buckets)} bucket(s), "
-                f"{sum(sizes):.2f} MiB in all, {values} value(s)")
+        head = (
+            f"jaxring.overlap: {len(self.buckets)} bucket(s), "
+            f"{sum(sizes):.2f} MiB in all, {values} value(s)"
+        )
         if sizes:
             head += f", {min(sizes):.3f}-{max(sizes):.3f} MiB per bucket"
         return "\n".join([head] + self._not_bucketed())
@@ -73,11 +77,12 @@ class OverlapReport:
     def listing(self) -> str:
         """Every bucket: its size, where it is issued and waited for (with
         the source lines), and its values by pytree path."""
-        lines = [f"jaxring.overlap: {len(self.buckets)} bucket(s), "
-                 f"{sum(b.nbytes for b in self.buckets) / MiB:.2f} MiB in all"]
+        lines = [
+            f"jaxring.overlap: {len(self.buckets)} bucket(s), "
+            f"{sum(b.nbytes for b in self.buckets) / MiB:.2f} MiB in all"
+        ]
         for b in self.buckets:
-            lines.append(f"  bucket {b.index}: {b.nbytes / MiB:.3f} MiB, "
-                         f"{len(b.leaves)} value(s)")
+            lines.append(f"  bucket {b.index}: {b.nbytes / MiB:.3f} MiB, {len(b.leaves)} value(s)")
             lines.append(f"    issued after  {b.issued_after}")
             lines.append(f"    waited before {b.waited_before}")
             for leaf in b.leaves:
@@ -85,9 +90,11 @@ class OverlapReport:
         return "\n".join(lines + self._not_bucketed())
 
     def _not_bucketed(self) -> list[str]:
-        return ([f"  computed locally: {why}" for why in self.computed_locally]
-                + [f"  not bucketed: {why}" for why in self.run_at_once]
-                + [f"  left as is: {why}" for why in self.left_alone])
+        return (
+            [f"  computed locally: {why}" for why in self.computed_locally]
+            + [f"  not bucketed: {why}" for why in self.run_at_once]
+            + [f"  left as is: {why}" for why in self.left_alone]
+        )
 
 
 def label_reductions(jaxpr, reductions, args, kwargs) -> list[Reduction]:
@@ -103,8 +110,9 @@ def label_reductions(jaxpr, reductions, args, kwargs) -> list[Reduction]:
         if not with_path:
             return
         paths = [prefix + jax.tree_util.keystr(p) for p, _ in with_path]
-        sigs = [(tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__)))
-                for _, x in with_path]
+        sigs = [
+            (tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for _, x in with_path
+        ]
         subtrees.append((paths, sigs))
         for key, child in _children_with_keys(tree):
             walk(prefix + key, child)
@@ -138,9 +146,8 @@ def label_reductions(jaxpr, reductions, args, kwargs) -> list[Reduction]:
 
 def _children_with_keys(tree):
     try:
-        children, _ = jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda t: t is not tree)
-    except Exception:  # noqa: BLE001 (a leaf with odd flattening)
+        children, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda t: t is not tree)
+    except Exception:
         return []
     return [(jax.tree_util.keystr(p), c) for p, c in children if c is not tree]
 
@@ -158,19 +165,28 @@ def slot_text(jaxpr, slot: int, after: bool) -> str:
     return f"eqn {slot}/{n}: {eqn.primitive.name} in {where(eqn)}"
 
 
-def build_report(jaxpr, plan, reductions, left, computed_locally=(),
-                 run_at_once=()) -> OverlapReport:
+def build_report(
+    jaxpr, plan, reductions, left, computed_locally=(), run_at_once=()
+) -> OverlapReport:
     by_key = {(r.eqn, r.operand): r for r in reductions}
     buckets = []
     for b in plan.buckets:
         leaves = []
         for it in b.items:
             r = by_key[it.key]
-            part = (f" [elements {it.offset}:{it.offset + it.count}]"
-                    if it.count != math.prod(r.shape) else "")
+            part = (
+                f" [elements {it.offset}:{it.offset + it.count}]"
+                if it.count != math.prod(r.shape)
+                else ""
+            )
             leaves.append(f"{r.label}: {r.dtype}{list(r.shape)}{part}")
-        buckets.append(BucketReport(
-            b.index, b.nbytes, leaves,
-            issued_after=slot_text(jaxpr, b.start_slot, after=True),
-            waited_before=slot_text(jaxpr, b.done_slot, after=False)))
+        buckets.append(
+            BucketReport(
+                b.index,
+                b.nbytes,
+                leaves,
+                issued_after=slot_text(jaxpr, b.start_slot, after=True),
+                waited_before=slot_text(jaxpr, b.done_slot, after=False),
+            )
+        )
     return OverlapReport(buckets, list(left), list(computed_locally), list(run_at_once))

@@ -33,6 +33,7 @@ _SUM_NAMES = ("psum", "psum_invariant")
 @dataclasses.dataclass(frozen=True)
 class ReducedTwice:
     """One operand of a sum whose value was already reduced over its axes."""
+
     eqn: int
     operand: int
     axes: tuple
@@ -97,15 +98,13 @@ def made_local(closed, found: list[ReducedTwice], dyn_vals):
 
 
 def _with_invars(eqn, kept: list[int]):
-    return eqn.replace(invars=[eqn.invars[k] for k in kept],
-                       outvars=[eqn.outvars[k] for k in kept])
+    return eqn.replace(invars=[eqn.invars[k] for k in kept], outvars=[eqn.outvars[k] for k in kept])
 
 
 def warning_text(labels: list[str], source: str, axes: tuple, n: int) -> str:
     """What jaxring.overlap tells the user about the reductions of one call
     (one source line) whose values were already reduced."""
-    shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more"
-                                     if len(labels) > 4 else "")
+    shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
     axes_text = repr(axes[0]) if len(axes) == 1 else repr(axes)
     return (
         f"the psum/pmean at {source} reduces over {axes_text} values that are "
@@ -118,4 +117,5 @@ def warning_text(labels: list[str], source: str, axes: tuple, n: int) -> str:
         "shard_map and keep the pmean of the local gradients, or keep "
         "check_vma=True, average the loss with lax.pmean inside the loss "
         "function and drop the pmean of the gradients (docs/overlap.md, "
-        "\"Gradients under check_vma\").")
+        '"Gradients under check_vma").'
+    )

@@ -30,8 +30,7 @@ _pool_set_by_jaxring = False
 
 
 def _requested_cpu_devices() -> int:
-    m = re.search(r"--xla_force_host_platform_device_count=(\d+)",
-                  os.environ.get("XLA_FLAGS", ""))
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
     n = int(m.group(1)) if m else 1
     n = max(n, int(os.environ.get("JAX_NUM_CPU_DEVICES", "1") or 1))
     return n
@@ -39,8 +38,7 @@ def _requested_cpu_devices() -> int:
 
 def cpu_threads_for(devices: int) -> int:
     """Pool size jaxring asks for with `devices` virtual CPU devices."""
-    return max(_MIN_CPU_THREADS, os.cpu_count() or 1,
-               _THREADS_PER_DEVICE * devices)
+    return max(_MIN_CPU_THREADS, os.cpu_count() or 1, _THREADS_PER_DEVICE * devices)
 
 
 def _thread_count(text: str) -> int:
@@ -49,8 +47,9 @@ def _thread_count(text: str) -> int:
     except ValueError:
         threads = 0
     if not 1 <= threads <= _MAX_CPU_THREADS:
-        raise ValueError(f"JAXRING_CPU_THREADS={text!r}: expected a thread "
-                         f"count from 1 to {_MAX_CPU_THREADS}")
+        raise ValueError(
+            f"JAXRING_CPU_THREADS={text!r}: expected a thread count from 1 to {_MAX_CPU_THREADS}"
+        )
     return threads
 
 
@@ -69,7 +68,8 @@ def check_huge_pages_setting() -> None:
         raise ValueError(
             f"{HUGE_PAGES_ENV}={raw!r}: expected 1 (ask for transparent huge "
             "pages on CPU results of 4 MiB or more) or 0 (do not); unset, it "
-            "is 1, or 0 where MALLOC_MMAP_THRESHOLD_ is set")
+            "is 1, or 0 where MALLOC_MMAP_THRESHOLD_ is set"
+        )
 
 
 def size_cpu_pool(devices: int | None = None) -> None:
@@ -86,13 +86,16 @@ def size_cpu_pool(devices: int | None = None) -> None:
         devices = _requested_cpu_devices()
     threads = _thread_count(explicit) if explicit else cpu_threads_for(devices)
     from jaxring._src import jax_compat
+
     if jax_compat.backends_are_initialized():
         warnings.warn(
             "jaxring was imported after JAX started its CPU backend, so it "
             "could not size the CPU thread pool; back-to-back dispatch of "
             "collectives on many virtual devices may hang. Import jaxring "
             f"before using JAX, or set PJRT_NPROC={threads} yourself.",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return
     os.environ["PJRT_NPROC"] = str(threads)
     _pool_set_by_jaxring = True
@@ -111,10 +114,12 @@ def use_cpu_devices(n: int) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"jaxring.use_cpu_devices: n must be a positive int, got {n!r}")
     from jaxring._src import jax_compat
+
     if jax_compat.backends_are_initialized():
         # JAX starts every backend at once, so asking for the CPU devices now
         # starts nothing; XLA_FLAGS would only be read by the next process.
         import jax
+
         try:
             running = jax.local_device_count("cpu")
         except RuntimeError:  # JAX_PLATFORMS left the CPU backend out
@@ -126,9 +131,11 @@ def use_cpu_devices(n: int) -> None:
             f"backend (with {running} CPU devices), when the device count can "
             "no longer change. Call it before the first JAX computation or "
             "jax.devices(), or set XLA_FLAGS=--xla_force_host_platform_"
-            f"device_count={n} before starting Python.")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                   os.environ.get("XLA_FLAGS", ""))
+            f"device_count={n} before starting Python."
+        )
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
+    )
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     size_cpu_pool(n)
@@ -139,6 +146,7 @@ def register_ffi_targets() -> None:
     if _registered:
         return
     from jaxring import _jaxring
+
     register_targets(_jaxring.registrations(), platform="cpu")
     # Registered after JAX's own exit handler (at `import jax`), so it runs
     # before JAX destroys its backends.
@@ -166,15 +174,18 @@ def _let_completions_finish() -> None:
     wait for them, or the client may be torn down under a thread still
     running its code."""
     from jaxring import _jaxring
+
     if not _jaxring.close_handshakes(_EXIT_WAIT_S):
         sys.stderr.write(
             "jaxring: a TCP handshake was still in OpenSSL "
-            f"{_EXIT_WAIT_S:g} s into interpreter exit; exiting anyway\n")
+            f"{_EXIT_WAIT_S:g} s into interpreter exit; exiting anyway\n"
+        )
     if not _jaxring.wait_for_completions(_EXIT_WAIT_S):
         sys.stderr.write(
             f"jaxring: a transport thread was still completing an XLA "
             f"computation {_EXIT_WAIT_S:g} s into interpreter exit; exiting "
-            "anyway\n")
+            "anyway\n"
+        )
 
 
 def register_targets(registrations: dict, platform: str) -> None:
@@ -187,6 +198,7 @@ def register_targets(registrations: dict, platform: str) -> None:
     import jaxlib
 
     from jaxring import _build_config
+
     for name, capsule in registrations.items():
         try:
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
@@ -200,4 +212,5 @@ def register_targets(registrations: dict, platform: str) -> None:
                 f"{jaxlib.__version__} is too old to load. Reinstall jaxring "
                 "with pip's default build isolation (it builds against the "
                 "oldest supported jaxlib), or with --no-build-isolation "
-                f"against the jaxlib you run. XLA said: {e}") from e
+                f"against the jaxlib you run. XLA said: {e}"
+            ) from e

@@ -38,16 +38,26 @@ def record() -> dict:
 
     from jaxring._src import allreduce
     from jaxring._src.config import config
-    tunable = allreduce.tunable_settings(rings=None, chunk_bytes=None, algorithm=None,
-                                         topology=None)
+
+    tunable = allreduce.tunable_settings(
+        rings=None, chunk_bytes=None, algorithm=None, topology=None
+    )
     _, _, algorithm, topology, tabled = allreduce.tuned_settings(
-        tunable, jax.device_count(), _ANY_SIZE, config.rings, config.chunk_bytes,
-        config.algorithm, config.topology)
-    return {"runs direct": algorithm == "direct" or (algorithm == "auto" and
-                                                      topology == "auto"),
-            "algorithm": str(config.algorithm), "topology": str(config.topology),
-            "tuning": str(config.tuning) + (" (a table for this job)" if tabled
-                                            else " (no table for this job)")}
+        tunable,
+        jax.device_count(),
+        _ANY_SIZE,
+        config.rings,
+        config.chunk_bytes,
+        config.algorithm,
+        config.topology,
+    )
+    return {
+        "runs direct": algorithm == "direct" or (algorithm == "auto" and topology == "auto"),
+        "algorithm": str(config.algorithm),
+        "topology": str(config.topology),
+        "tuning": str(config.tuning)
+        + (" (a table for this job)" if tabled else " (no table for this job)"),
+    }
 
 
 def check(mine: dict, theirs: dict, me: int, peer: int) -> None:
@@ -57,9 +67,11 @@ def check(mine: dict, theirs: dict, me: int, peer: int) -> None:
         return
 
     def said(r: dict) -> str:
-        return (f"{'direct' if r['runs direct'] else 'the ring'} (algorithm "
-                f"{r.get('algorithm')!r}, topology {r.get('topology')!r}, tuning "
-                f"{r.get('tuning')!r})")
+        return (
+            f"{'direct' if r['runs direct'] else 'the ring'} (algorithm "
+            f"{r.get('algorithm')!r}, topology {r.get('topology')!r}, tuning "
+            f"{r.get('tuning')!r})"
+        )
 
     raise errors.MismatchError(
         f"jaxring: the processes of this host run with settings that choose "
@@ -69,4 +81,5 @@ def check(mine: dict, theirs: dict, me: int, peer: int) -> None:
         f"until the timeout. Give every process the same JAXRING_ALGORITHM and "
         f"JAXRING_TOPOLOGY (or jaxring.config values) and the same tuning file "
         f"(JAXRING_TUNING, by default ~/.cache/jaxring/tuning.json).",
-        peer_process=peer)
+        peer_process=peer,
+    )

@@ -30,9 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxring._src import allreduce as _ar
-from jaxring._src import call_sites
-from jaxring._src import jax_compat as compat
+from jaxring._src import allreduce as _ar, call_sites, jax_compat as compat
 from jaxring._src.config import config
 from jaxring._src.jax_compat import ir
 
@@ -46,16 +44,26 @@ from jaxring._src.jax_compat import ir
 HANDLE_DTYPE = np.int32
 
 
-
-
 # ---- start ------------------------------------------------------------------
 
 start_p = compat.Primitive("jaxring_allreduce_start")
 
 
-def _start_abstract_eval(*avals, axes, groups, op, rings, rings_from_default,
-                         chunk_bytes, timeout_s, link, algorithm, topology, label,
-                         num_deps):
+def _start_abstract_eval(
+    *avals,
+    axes,
+    groups,
+    op,
+    rings,
+    rings_from_default,
+    chunk_bytes,
+    timeout_s,
+    link,
+    algorithm,
+    topology,
+    label,
+    num_deps,
+):
     del op, rings, rings_from_default, chunk_bytes, timeout_s, link, algorithm
     del topology, label
     _ar._check_bound(axes)
@@ -68,10 +76,12 @@ def _start_abstract_eval(*avals, axes, groups, op, rings, rings_from_default,
     # them varies.
     first = avals[0]
     handle = first.update(
-        shape=(), dtype=np.dtype(HANDLE_DTYPE), weak_type=False,
-        sharding=NamedSharding(first.sharding.mesh, PartitionSpec()))
-    handle = _ar.with_varying(
-        handle, frozenset().union(*(_ar.varying(a) for a in avals)))
+        shape=(),
+        dtype=np.dtype(HANDLE_DTYPE),
+        weak_type=False,
+        sharding=NamedSharding(first.sharding.mesh, PartitionSpec()),
+    )
+    handle = _ar.with_varying(handle, frozenset().union(*(_ar.varying(a) for a in avals)))
     return handle, {compat.NamedAxisEffect(a) for a in axes}
 
 
@@ -85,8 +95,7 @@ def _start_lowering(ctx, *xs, platform, label, num_deps, **params):
     # come first: it sizes the operation (the exchange's limit) and names it
     # by them.
     data_ctx = ctx.replace(avals_in=list(ctx.avals_in[num_deps:]))
-    attrs, ranks = _ar.BACKENDS[platform](data_ctx, label, ctx.avals_in[num_deps].dtype,
-                                          **params)
+    attrs, ranks = _ar.BACKENDS[platform](data_ctx, label, ctx.avals_in[num_deps].dtype, **params)
     attrs["num_deps"] = np.int64(num_deps)
     if platform == "cpu":
         # Waiting for the in-process peers is the CPU backend's (CUDA's
@@ -126,7 +135,8 @@ def _op_id_of_start(handle) -> int:
         # the done straight from the start's custom call.
         raise RuntimeError(
             "jaxring: internal error: an allreduce done's handle does not come "
-            f"from an allreduce start (it comes from {owner})")
+            f"from an allreduce start (it comes from {owner})"
+        )
     return ir.IntegerAttr(config["op_id"]).value
 
 
@@ -138,17 +148,29 @@ def _done_lowering(ctx, handle, *deps, out_avals, platform):
 
 for _platform in _ar.BACKENDS:
     call_sites.register_lowering(
-        start_p, functools.partial(_start_lowering, platform=_platform),
-        platform=_platform)
+        start_p, functools.partial(_start_lowering, platform=_platform), platform=_platform
+    )
     call_sites.register_lowering(
-        done_p, functools.partial(_done_lowering, platform=_platform),
-        platform=_platform)
+        done_p, functools.partial(_done_lowering, platform=_platform), platform=_platform
+    )
 
 
 # ---- helpers used by overlap ------------------------------------------------
 
-def start(xs, *, deps=(), axes, groups=None, op, rings, chunk_bytes, timeout_s,
-          label, rings_from_default=False):
+
+def start(
+    xs,
+    *,
+    deps=(),
+    axes,
+    groups=None,
+    op,
+    rings,
+    chunk_bytes,
+    timeout_s,
+    label,
+    rings_from_default=False,
+):
     """Starts one allreduce over xs (one dtype) once deps exist, within
     axis_index_groups `groups` when given. rings_from_default: the ring
     count is the configured default, which adapts to a crowded job across
@@ -156,13 +178,22 @@ def start(xs, *, deps=(), axes, groups=None, op, rings, chunk_bytes, timeout_s,
 
     Returns its handle, for done(); label names its spans in the timeline."""
     deps = list(deps)
-    handle = start_p.bind(*deps, *xs, axes=tuple(axes), groups=groups, op=op,
-                          rings=rings, rings_from_default=bool(rings_from_default),
-                          chunk_bytes=chunk_bytes, timeout_s=timeout_s,
-                          link=_ar.link_param(), algorithm=config.algorithm,
-                          topology=config.topology,
-                          label=str(label),
-                          num_deps=len(deps))
+    handle = start_p.bind(
+        *deps,
+        *xs,
+        axes=tuple(axes),
+        groups=groups,
+        op=op,
+        rings=rings,
+        rings_from_default=bool(rings_from_default),
+        chunk_bytes=chunk_bytes,
+        timeout_s=timeout_s,
+        link=_ar.link_param(),
+        algorithm=config.algorithm,
+        topology=config.topology,
+        label=str(label),
+        num_deps=len(deps),
+    )
     return handle
 
 

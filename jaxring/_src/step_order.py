@@ -51,8 +51,7 @@ def movable_equations(jaxpr, reductions: set[int]) -> set[int]:
             if i not in after_reduction:
                 needed.update(_vars(eqn.invars))
             continue
-        if (i in after_reduction or eqn.effects
-                or not any(v in needed for v in eqn.outvars)):
+        if i in after_reduction or eqn.effects or not any(v in needed for v in eqn.outvars):
             continue
         movable.add(i)
         needed.update(_vars(eqn.invars))

@@ -41,8 +41,9 @@ def trace_step(fn, args, kwargs):
     out_tree = jax.tree_util.tree_structure(out_shapes)
     # Re-trace through an evaluator that inlines nested jit calls, so that the
     # psums and the backward pass of an inner jit are visible at top level.
-    inlined = jax.make_jaxpr(
-        lambda *a: _eval_inlining_jit(*compat.closed_parts(closed), a))(*dyn_vals)
+    inlined = jax.make_jaxpr(lambda *a: _eval_inlining_jit(*compat.closed_parts(closed), a))(
+        *dyn_vals
+    )
     return inlined, dyn_vals, out_tree
 
 
@@ -57,8 +58,10 @@ def _bind_params(eqn):
 def bind_eqn(eqn, invals):
     subfuns, params = _bind_params(eqn)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback,
-                                       name_stack=name_stack), eqn.ctx.manager:
+    with (
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager,
+    ):
         out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -97,7 +100,6 @@ def _eval_inlining_jit(jaxpr, consts, args):
             outs = bind_eqn(eqn, invals)
         env.update(zip(eqn.outvars, outs))
     return [read_atom(env, v) for v in jaxpr.outvars]
-
 
 
 def uses(jaxpr):

@@ -44,6 +44,7 @@ def name_op(op_id: int, name: str, **args) -> None:
 
 def _collect() -> None:
     from jaxring import _jaxring
+
     got = _jaxring.timeline_take()
     with _lock:
         _events.extend(got)
@@ -54,6 +55,7 @@ def host_span(name: str):
     """Marks a span of host time (e.g. one step, dispatch to results) on the
     trace's host track, to compare with the transfers."""
     from jaxring import _jaxring
+
     begin = _jaxring.timeline_now_ns()
     try:
         yield
@@ -67,6 +69,7 @@ def start() -> None:
     """Starts recording (events before this call are dropped)."""
     global _recording
     from jaxring import _jaxring
+
     _jaxring.timeline_take()
     with _lock:
         _events.clear()
@@ -79,6 +82,7 @@ def stop(path: str | os.PathLike) -> str:
     """Stops recording and writes the trace to path; returns path."""
     global _recording
     from jaxring import _jaxring
+
     _jaxring.timeline_enable(False)
     _collect()
     with _lock:
@@ -94,15 +98,31 @@ def write(path, events, names, host_spans=()) -> None:
     trace = []
     devices = sorted({e[0] for e in events})
     for d in devices:
-        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d,
-                      "args": {"name": f"device {d}"}})
+        trace.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": d, "args": {"name": f"device {d}"}}
+        )
     origin = min([e[5] for e in events] + [s[1] for s in host_spans], default=0)
     if host_spans:
-        trace.append({"name": "thread_name", "ph": "M", "pid": 0,
-                      "tid": HOST_TRACK, "args": {"name": "host"}})
+        trace.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": 0,
+                "tid": HOST_TRACK,
+                "args": {"name": "host"},
+            }
+        )
     for name, begin, end in host_spans:
-        trace.append({"name": name, "ph": "X", "pid": 0, "tid": HOST_TRACK,
-                      "ts": (begin - origin) / 1e3, "dur": (end - begin) / 1e3})
+        trace.append(
+            {
+                "name": name,
+                "ph": "X",
+                "pid": 0,
+                "tid": HOST_TRACK,
+                "ts": (begin - origin) / 1e3,
+                "dur": (end - begin) / 1e3,
+            }
+        )
     for device, run_id, op_id, nbytes, rings, begin, end, peers in events:
         name, extra = names.get(op_id, (f"allreduce op {op_id}", {}))
         args = {"bytes": nbytes, "rings": rings, "op_id": op_id, "run_id": run_id}
@@ -110,10 +130,17 @@ def write(path, events, names, host_spans=()) -> None:
             peers = min(max(peers, begin), end)
             args["waiting_for_peers_ms"] = (peers - begin) / 1e6
             args["after_last_join_ms"] = (end - peers) / 1e6
-        trace.append({
-            "name": name, "ph": "X", "pid": 0, "tid": device,
-            "ts": (begin - origin) / 1e3, "dur": max(end - begin, 0) / 1e3,
-            "args": {**args, **extra}})
+        trace.append(
+            {
+                "name": name,
+                "ph": "X",
+                "pid": 0,
+                "tid": device,
+                "ts": (begin - origin) / 1e3,
+                "dur": max(end - begin, 0) / 1e3,
+                "args": {**args, **extra},
+            }
+        )
     with open(path, "w") as f:
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
 
@@ -132,12 +159,16 @@ def check_writable(path: str | os.PathLike, given_as: str) -> None:
             pass
     except OSError as e:
         parent = os.path.dirname(os.path.abspath(path))
-        reason = (f"the directory {parent!r} does not exist"
-                  if isinstance(e, FileNotFoundError) else e.strerror or str(e))
+        reason = (
+            f"the directory {parent!r} does not exist"
+            if isinstance(e, FileNotFoundError)
+            else e.strerror or str(e)
+        )
         raise type(e)(
             f"{given_as}: cannot write the timeline to {os.fspath(path)!r}: "
             f"{reason}. Name a file in a directory that exists and that this "
-            "process may write to") from e
+            "process may write to"
+        ) from e
     if not existed:
         os.remove(path)
 

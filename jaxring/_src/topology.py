@@ -41,13 +41,20 @@ def parse(text: str) -> Any:
 def is_setting(value: Any) -> bool:
     if value in ("auto", "flat"):
         return True
-    return (isinstance(value, tuple) and 1 <= len(value) <= MAX_TIERS
-            and all(isinstance(d, int) and not isinstance(d, bool)
-                    and 1 <= d <= MAX_TIER_SIZE for d in value))
+    return (
+        isinstance(value, tuple)
+        and 1 <= len(value) <= MAX_TIERS
+        and all(
+            isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= MAX_TIER_SIZE
+            for d in value
+        )
+    )
 
 
-REQUIREMENT = (f'"auto", "flat" or a tuple of 1 to {MAX_TIERS} tier sizes '
-               f"(1 to {MAX_TIER_SIZE} each), tightest first")
+REQUIREMENT = (
+    f'"auto", "flat" or a tuple of 1 to {MAX_TIERS} tier sizes '
+    f"(1 to {MAX_TIER_SIZE} each), tightest first"
+)
 
 
 def normalized(dims: tuple) -> tuple:
@@ -89,8 +96,9 @@ def discover(processes: np.ndarray, hosts: dict[int, str] | None) -> tuple:
     return (per_process, per_host, len(order) // per_host)
 
 
-def resolve(setting: Any, world: int, rank_process: np.ndarray,
-            where: str = "jaxring.allreduce") -> tuple:
+def resolve(
+    setting: Any, world: int, rank_process: np.ndarray, where: str = "jaxring.allreduce"
+) -> tuple:
     """The tiers an operation's custom call carries (empty: a flat ring)."""
     across = distributed.spans_processes(rank_process)
     if setting == "flat" or world <= 1:
@@ -112,5 +120,6 @@ def resolve(setting: Any, world: int, rank_process: np.ndarray,
         raise ValueError(
             f"{where}: topology {dims} has {math.prod(dims)} ranks but the "
             f"allreduce runs over {world}; the tier sizes must multiply to the "
-            "size of the reduced axes.")
+            "size of the reduced axes."
+        )
     return normalized(dims)

@@ -43,7 +43,7 @@ import math
 import os
 import tempfile
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -54,7 +54,7 @@ VERSION = 1
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    algorithm: str       # "ring", "exchange" or "direct"
+    algorithm: str  # "ring", "exchange" or "direct"
     rings: int
     chunk_bytes: int
     # "flat": one ring over every rank; "auto": the tiered plan over the
@@ -75,14 +75,19 @@ class Params:
     tiers: tuple = ()
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Params":
+    def from_dict(cls, d: dict) -> Params:
         d = dict(d)
         d["tiers"] = tuple(tuple(t) for t in d.get("tiers", ()))
         return cls(**d)
 
 
-def candidates(world: int, in_one_process: bool, quick: bool = False,
-               tiered: bool = False, host_direct: bool = False) -> list[Choice]:
+def candidates(
+    world: int,
+    in_one_process: bool,
+    quick: bool = False,
+    tiered: bool = False,
+    host_direct: bool = False,
+) -> list[Choice]:
     """The choices the tuner measures: ring counts x chunk sizes (each as a
     flat ring and, with ``tiered``, as the tiered plan), the direct
     algorithm where every rank is in this process or, with
@@ -131,10 +136,13 @@ def _plan_terms(choice: Choice, layout, nbytes: float, gamma: float):
     plan = _plan_time(choice)
 
     def t(values, g):
-        tiers = tuple(cost_model.Tier(size, values[2 * i], values[2 * i + 1], shared)
-                      for i, (size, shared) in enumerate(layout))
+        tiers = tuple(
+            cost_model.Tier(size, values[2 * i], values[2 * i + 1], shared)
+            for i, (size, shared) in enumerate(layout)
+        )
         m = cost_model.Machine(tiers, g)
         return plan(m, nbytes, choice.rings, choice.chunk_bytes)
+
     k = 2 * len(layout)
     coefficients = [t([1.0 if j == i else 0.0 for j in range(k)], 0.0) for i in range(k)]
     return coefficients, t([0.0] * k, gamma)
@@ -151,8 +159,7 @@ def predict(params: Params, choice: Choice, world: int, nbytes: float) -> float:
         return 0.0
     if choice.algorithm == "direct":
         return params.direct_call_s + nbytes * params.direct_s_per_byte
-    coefficients, g = _plan_terms(choice, _layout(params, world), nbytes,
-                                  params.gamma_s_per_byte)
+    coefficients, g = _plan_terms(choice, _layout(params, world), nbytes, params.gamma_s_per_byte)
     return params.call_s + g + sum(c * v for c, v in zip(coefficients, _tier_values(params)))
 
 
@@ -160,7 +167,7 @@ def _nonnegative_fit(rows: np.ndarray, target: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: the best fit over the
     subsets of columns whose unconstrained solution is non-negative."""
     k = rows.shape[1]
-    best, best_err = np.zeros(k), float(np.sum(target ** 2))
+    best, best_err = np.zeros(k), float(np.sum(target**2))
     for size in range(1, k + 1):
         for cols in itertools.combinations(range(k), size):
             sol, *_ = np.linalg.lstsq(rows[:, cols], target, rcond=None)
@@ -174,8 +181,12 @@ def _nonnegative_fit(rows: np.ndarray, target: np.ndarray) -> np.ndarray:
     return best
 
 
-def fit(measurements: Iterable[tuple[Choice, float, float]], world: int,
-        gamma_s_per_byte: float, dims: tuple = ()) -> Params:
+def fit(
+    measurements: Iterable[tuple[Choice, float, float]],
+    world: int,
+    gamma_s_per_byte: float,
+    dims: tuple = (),
+) -> Params:
     """Parameters from (choice, bytes, seconds) measurements. Relative
     errors are minimised (each row is divided by its time), so small
     messages count as much as large ones. gamma is measured apart: for one
@@ -184,8 +195,7 @@ def fit(measurements: Iterable[tuple[Choice, float, float]], world: int,
     ``dims``, the tiers (tightest first) of ranks spread over processes,
     fits an (alpha, beta) per tier, with the link sharing of
     :func:`shared_links`; without it there is one tier of ``world`` ranks."""
-    layout = (list(zip(dims, shared_links(dims))) if len(dims) > 1
-              else [(world, 1)])
+    layout = list(zip(dims, shared_links(dims))) if len(dims) > 1 else [(world, 1)]
     plan_rows, plan_t, plan_w, direct_rows, direct_t = [], [], [], [], []
     for choice, nbytes, seconds in measurements:
         if choice.algorithm == "direct":
@@ -206,10 +216,19 @@ def fit(measurements: Iterable[tuple[Choice, float, float]], world: int,
         d_call, d_byte = _nonnegative_fit(r * w[:, None], t * w)
     tiers = ()
     if len(layout) > 1:
-        tiers = tuple((size, float(tier_values[2 * i]), float(tier_values[2 * i + 1]), shared)
-                      for i, (size, shared) in enumerate(layout))
-    return Params(float(call), float(tier_values[-2]), float(tier_values[-1]),
-                  float(gamma_s_per_byte), float(d_call), float(d_byte), tiers)
+        tiers = tuple(
+            (size, float(tier_values[2 * i]), float(tier_values[2 * i + 1]), shared)
+            for i, (size, shared) in enumerate(layout)
+        )
+    return Params(
+        float(call),
+        float(tier_values[-2]),
+        float(tier_values[-1]),
+        float(gamma_s_per_byte),
+        float(d_call),
+        float(d_byte),
+        tiers,
+    )
 
 
 # Predictions this close to the fastest one count as a tie: the model does
@@ -218,9 +237,14 @@ def fit(measurements: Iterable[tuple[Choice, float, float]], world: int,
 TIE = 0.03
 
 
-def select(params: Params, choices: list[Choice], world: int,
-           sizes: Iterable[int], measured=None,
-           direct_everywhere_or_nowhere: bool = False) -> dict[int, Choice]:
+def select(
+    params: Params,
+    choices: list[Choice],
+    world: int,
+    sizes: Iterable[int],
+    measured=None,
+    direct_everywhere_or_nowhere: bool = False,
+) -> dict[int, Choice]:
     """The choice the model predicts fastest at each size. Among choices
     predicted within TIE of the fastest, the one measured fastest at that
     size wins, where ``measured`` ((choice, bytes, seconds) rows) has it.
@@ -235,20 +259,28 @@ def select(params: Params, choices: list[Choice], world: int,
     predicted times (direct where they tie)."""
     sizes = list(sizes)
     fastest = _fastest(params, choices, world, sizes, measured)
-    if (not direct_everywhere_or_nowhere
-            or len({c.algorithm == "direct" for c in fastest.values()}) < 2):
+    if (
+        not direct_everywhere_or_nowhere
+        or len({c.algorithm == "direct" for c in fastest.values()}) < 2
+    ):
         return fastest
-    families = ([c for c in choices if c.algorithm == "direct"],
-                [c for c in choices if c.algorithm != "direct"])
+    families = (
+        [c for c in choices if c.algorithm == "direct"],
+        [c for c in choices if c.algorithm != "direct"],
+    )
 
     def loss(picked: dict[int, Choice]) -> float:
-        return sum(predict(params, picked[n], world, n) / predict(params, fastest[n], world, n)
-                   for n in sizes)
+        return sum(
+            predict(params, picked[n], world, n) / predict(params, fastest[n], world, n)
+            for n in sizes
+        )
+
     return min((_fastest(params, f, world, sizes, measured) for f in families), key=loss)
 
 
-def _fastest(params: Params, choices: list[Choice], world: int, sizes: list[int],
-             measured) -> dict[int, Choice]:
+def _fastest(
+    params: Params, choices: list[Choice], world: int, sizes: list[int], measured
+) -> dict[int, Choice]:
     """select's choice at each size, on its own (no family kept)."""
     times = {(c, n): t for c, n, t in (measured or ())}
     out = {}
@@ -278,8 +310,10 @@ def cache_path() -> str:
 
 
 def entry(params: Params, selection: dict[int, Choice]) -> dict:
-    return {"params": dataclasses.asdict(params),
-            "choices": {str(n): dataclasses.asdict(c) for n, c in sorted(selection.items())}}
+    return {
+        "params": dataclasses.asdict(params),
+        "choices": {str(n): dataclasses.asdict(c) for n, c in sorted(selection.items())},
+    }
 
 
 def load(path: str) -> dict:
@@ -289,8 +323,10 @@ def load(path: str) -> dict:
     with open(path) as f:
         data = json.load(f)
     if data.get("version") != VERSION or not isinstance(data.get("tables"), dict):
-        raise ValueError(f"{path}: not a jaxring tuning file of version {VERSION} "
-                         "(run python -m jaxring.tune again)")
+        raise ValueError(
+            f"{path}: not a jaxring tuning file of version {VERSION} "
+            "(run python -m jaxring.tune again)"
+        )
     return data["tables"]
 
 
@@ -326,8 +362,9 @@ def mixes_direct(table_entry: dict) -> bool:
 _warned_mixed: set[tuple[str, str]] = set()
 
 
-def tuned_choice(setting: str, table_key: str, nbytes: int,
-                 across_processes: bool = False) -> Choice | None:
+def tuned_choice(
+    setting: str, table_key: str, nbytes: int, across_processes: bool = False
+) -> Choice | None:
     """The table's choice for an operation, or None (tuning off, no file,
     no entry for this topology; across processes, an entry that mixes
     direct with the ring by size, which tables written before select()
@@ -342,7 +379,8 @@ def tuned_choice(setting: str, table_key: str, nbytes: int,
         if setting != "auto":
             raise FileNotFoundError(
                 f"jaxring.config.tuning: no tuning file at {path!r} "
-                "(write one with python -m jaxring.tune --out PATH)") from None
+                "(write one with python -m jaxring.tune --out PATH)"
+            ) from None
         return None
     cached = _loaded.get(path)
     if cached is None or cached[0] != mtime:
@@ -361,7 +399,8 @@ def tuned_choice(setting: str, table_key: str, nbytes: int,
                 "other until the timeout instead of failing with MismatchError, so "
                 "jaxring does not use it and runs its defaults. Run python -m "
                 "jaxring.tune again: it now keeps direct at every size or at none.",
-                stacklevel=2)
+                stacklevel=2,
+            )
         return None
     return lookup(table, nbytes)
 

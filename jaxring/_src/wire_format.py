@@ -26,8 +26,7 @@ WIRE_DTYPES = (np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
 # What a wire format carries: float32 values (and complex64's float32 lanes).
 CARRIED = np.dtype(np.float32)
 
-UNIT_ROUNDOFF = {np.dtype(jax.numpy.bfloat16): 2.0 ** -8,
-                 np.dtype(np.float16): 2.0 ** -11}
+UNIT_ROUNDOFF = {np.dtype(jax.numpy.bfloat16): 2.0**-8, np.dtype(np.float16): 2.0**-11}
 
 
 def wire_dtype_of(value, where: str) -> np.dtype | None:
@@ -41,8 +40,8 @@ def wire_dtype_of(value, where: str) -> np.dtype | None:
         dtype = None
     if dtype not in WIRE_DTYPES:
         raise ValueError(
-            f"{where}: wire_dtype must be None, 'bfloat16' or 'float16', "
-            f"got {value!r}")
+            f"{where}: wire_dtype must be None, 'bfloat16' or 'float16', got {value!r}"
+        )
     return dtype
 
 

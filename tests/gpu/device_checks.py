@@ -56,11 +56,11 @@ ABORT_GRACE_S = 5
 class Step:
     name: str
     argv: list
-    limit_s: float          # the step's own time limit
-    needs: tuple = ()       # steps that must have passed first
+    limit_s: float  # the step's own time limit
+    needs: tuple = ()  # steps that must have passed first
     env: dict = dataclasses.field(default_factory=dict)
-    cwd: str = "/tmp"       # outside the checkout: the installed package is imported
-    log_name: str = ""      # default: NN-name.log in the work folder
+    cwd: str = "/tmp"  # outside the checkout: the installed package is imported
+    log_name: str = ""  # default: NN-name.log in the work folder
     # A diagnosis: runs only when this step did not pass, and its whole
     # output goes into the summary; its own status does not count.
     diagnoses: str = ""
@@ -68,7 +68,7 @@ class Step:
 
 @dataclasses.dataclass
 class Outcome:
-    status: str             # PASS, FAIL, TIMEOUT or SKIPPED
+    status: str  # PASS, FAIL, TIMEOUT or SKIPPED
     detail: str = ""
     took_s: float = 0.0
 
@@ -117,8 +117,11 @@ class Runner:
 
     def env_for(self, step: Step) -> dict:
         env = dict(os.environ)
-        env.update(PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
-                   JAXRING_GPU_LOGS=os.path.join(self.work, "ranks"))
+        env.update(
+            PYTHONUNBUFFERED="1",
+            PYTHONFAULTHANDLER="1",
+            JAXRING_GPU_LOGS=os.path.join(self.work, "ranks"),
+        )
         env.update(step.env)
         return env
 
@@ -146,8 +149,9 @@ class Runner:
             # The ranks of the step's jobs: where each one stopped.
             for path, stamp in sorted(self._rank_logs().items()):
                 if before.get(path) != stamp:
-                    self.note(f"    {os.path.basename(path)}:\n"
-                              + _indented(_tail(path, RANK_TAIL_LINES)))
+                    self.note(
+                        f"    {os.path.basename(path)}:\n" + _indented(_tail(path, RANK_TAIL_LINES))
+                    )
         self.pack()
         return out
 
@@ -173,15 +177,24 @@ class Runner:
             log.flush()
             # A group of its own: SIGABRT reaches every process the step
             # started (pytest, the ranks of a job, a compiler).
-            proc = subprocess.Popen(step.argv, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, cwd=step.cwd,
-                                    env=self.env_for(step), start_new_session=True)
+            proc = subprocess.Popen(
+                step.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=step.cwd,
+                env=self.env_for(step),
+                start_new_session=True,
+            )
         try:
             rc = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             self._stop(proc)
-            return Outcome("TIMEOUT", f"still running after {limit_s:.0f} s: stopped "
-                           "with SIGABRT (stacks in its log)", time.monotonic() - t0)
+            return Outcome(
+                "TIMEOUT",
+                f"still running after {limit_s:.0f} s: stopped with SIGABRT (stacks in its log)",
+                time.monotonic() - t0,
+            )
         took = time.monotonic() - t0
         # The group may outlive its leader (a rank left behind).
         self._stop(proc, quiet=True)
@@ -197,6 +210,7 @@ class Runner:
                 return True
             except (ProcessLookupError, PermissionError):
                 return False
+
         if not signal_group(signal.SIGKILL if quiet else signal.SIGABRT) or quiet:
             proc.wait()
             return
@@ -221,12 +235,18 @@ class Runner:
         counts = {}
         for o in self.outcomes.values():
             counts[o.status] = counts.get(o.status, 0) + 1
-        self.note(f"done in {used:.0f} s of {self.budget_s:.0f}: "
-                  + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+        self.note(
+            f"done in {used:.0f} s of {self.budget_s:.0f}: "
+            + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        )
         self.pack()
-        bad = [n for n, o in self.outcomes.items()
-               if n not in self.diagnoses and o.status in ("FAIL", "TIMEOUT")
-               or (o.status == "SKIPPED" and o.detail.startswith("budget"))]
+        bad = [
+            n
+            for n, o in self.outcomes.items()
+            if n not in self.diagnoses
+            and o.status in ("FAIL", "TIMEOUT")
+            or (o.status == "SKIPPED" and o.detail.startswith("budget"))
+        ]
         return 1 if bad else 0
 
 
@@ -274,27 +294,60 @@ def gpu_steps() -> list[Step]:
         Step("probe", _py(os.path.join(HERE, "probe.py")), 90),
         Step("build", _build_command(), 300, needs=("probe",), log_name="build.log"),
         Step("link", _py(os.path.join(HERE, "probe.py"), "--built"), 60, needs=built),
-        Step("lowering", _pytest("tests/test_cuda_backend.py"), 120, needs=("link",),
-             env={"JAX_PLATFORMS": "cpu", "JAXRING_REQUIRE_CUDA_BUILD": "1"}),
-        Step("kernel", _pytest(gpu_test + "test_reduce_kernel_matches_cpu_bitwise"), 90,
-             needs=("link",)),
+        Step(
+            "lowering",
+            _pytest("tests/test_cuda_backend.py"),
+            120,
+            needs=("link",),
+            env={"JAX_PLATFORMS": "cpu", "JAXRING_REQUIRE_CUDA_BUILD": "1"},
+        ),
+        Step(
+            "kernel",
+            _pytest(gpu_test + "test_reduce_kernel_matches_cpu_bitwise"),
+            90,
+            needs=("link",),
+        ),
         Step("world1", _pytest(gpu_test + "test_world_of_one_gpu"), 120, needs=("link",)),
-        Step("world1_diagnosis", _py(os.path.join(HERE, "diagnose_world_of_one.py")), 240,
-             needs=("link",), diagnoses="world1"),
-        Step("world2", _pytest(gpu_test + "test_processes_sharing_the_gpu_match_numpy[2]"),
-             150, needs=("link",), env=nccl_info),
-        Step("overlap", _pytest(gpu_test + "test_overlap_step_matches_pmean_at_the_end"),
-             120, needs=("link",)),
-        Step("peer_missing", _pytest(gpu_test + "test_missing_peer_times_out_then_fails_fast"),
-             90, needs=("link",)),
-        Step("peer_dies",
-             _pytest(gpu_test + "test_peer_dying_mid_job_raises_instead_of_hanging"),
-             90, needs=("link",)),
+        Step(
+            "world1_diagnosis",
+            _py(os.path.join(HERE, "diagnose_world_of_one.py")),
+            240,
+            needs=("link",),
+            diagnoses="world1",
+        ),
+        Step(
+            "world2",
+            _pytest(gpu_test + "test_processes_sharing_the_gpu_match_numpy[2]"),
+            150,
+            needs=("link",),
+            env=nccl_info,
+        ),
+        Step(
+            "overlap",
+            _pytest(gpu_test + "test_overlap_step_matches_pmean_at_the_end"),
+            120,
+            needs=("link",),
+        ),
+        Step(
+            "peer_missing",
+            _pytest(gpu_test + "test_missing_peer_times_out_then_fails_fast"),
+            90,
+            needs=("link",),
+        ),
+        Step(
+            "peer_dies",
+            _pytest(gpu_test + "test_peer_dying_mid_job_raises_instead_of_hanging"),
+            90,
+            needs=("link",),
+        ),
         Step("kernel_bw", _py(bench, "--parts", "kernel"), 60, needs=("kernel",)),
-        Step("busbw", _py(bench, "--parts", "busbw", "--worlds", "2"), 150,
-             needs=("link",)),
-        Step("world4", _pytest(gpu_test + "test_processes_sharing_the_gpu_match_numpy[4]"),
-             150, needs=("link",)),
+        Step("busbw", _py(bench, "--parts", "busbw", "--worlds", "2"), 150, needs=("link",)),
+        Step(
+            "world4",
+            _pytest(gpu_test + "test_processes_sharing_the_gpu_match_numpy[4]"),
+            150,
+            needs=("link",),
+        ),
         Step("overlap_bench", _py(bench, "--parts", "overlap"), 120, needs=("overlap",)),
         Step("busbw_sweep", _py(bench, "--parts", "sweep"), 150, needs=("busbw",)),
     ]
@@ -304,13 +357,17 @@ def selftest_steps() -> list[Step]:
     """Stand-ins for the GPU steps that need no GPU: jobs of two ranks in
     which one rank hangs, prints a mebibyte, or dies (gpu_worker's selftest
     modes), to check that the summary names each within the budget."""
+
     def job(mode, timeout):
-        code = (f"import sys; sys.path.insert(0, {HERE!r}); import gpu_worker; "
-                f"results = gpu_worker.launch(2, {mode!r}, timeout={timeout}); "
-                "[print(f'rank {i}: exit {rc}, {len(out)} characters') "
-                "for i, (rc, out) in enumerate(results)]; "
-                "sys.exit(max(abs(rc) for rc, _ in results))")
+        code = (
+            f"import sys; sys.path.insert(0, {HERE!r}); import gpu_worker; "
+            f"results = gpu_worker.launch(2, {mode!r}, timeout={timeout}); "
+            "[print(f'rank {i}: exit {rc}, {len(out)} characters') "
+            "for i, (rc, out) in enumerate(results)]; "
+            "sys.exit(max(abs(rc) for rc, _ in results))"
+        )
         return _py("-c", code)
+
     return [
         Step("passes", _py("-c", "print('fine')"), 30),
         Step("spews", job("selftest_spew", 60), 60, needs=("passes",)),
@@ -318,8 +375,7 @@ def selftest_steps() -> list[Step]:
         Step("hangs", job("selftest_hang", 3600), 15, needs=("passes",)),
         Step("dies", job("selftest_die", 60), 60),
         Step("after_death", _py("-c", "print('never')"), 30, needs=("dies",)),
-        Step("why_it_died", _py("-c", "print('a diagnosis of the death')"), 30,
-             diagnoses="dies"),
+        Step("why_it_died", _py("-c", "print('a diagnosis of the death')"), 30, diagnoses="dies"),
         Step("why_it_passed", _py("-c", "print('never')"), 30, diagnoses="passes"),
         Step("outlasts_budget", _py("-c", "import time; time.sleep(3600)"), 3600),
         Step("no_time_left", _py("-c", "print('never')"), 30),
@@ -329,13 +385,18 @@ def selftest_steps() -> list[Step]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log_dir")
-    parser.add_argument("--budget", type=float, default=450,
-                        help="seconds for the whole run (default 450)")
-    parser.add_argument("--only", nargs="+", default=None,
-                        help="run these steps (and nothing else: name their "
-                             "prerequisites too)")
-    parser.add_argument("--selftest", action="store_true",
-                        help="the runner's own check, with stand-in steps")
+    parser.add_argument(
+        "--budget", type=float, default=450, help="seconds for the whole run (default 450)"
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="run these steps (and nothing else: name their prerequisites too)",
+    )
+    parser.add_argument(
+        "--selftest", action="store_true", help="the runner's own check, with stand-in steps"
+    )
     args = parser.parse_args(argv)
     steps = selftest_steps() if args.selftest else gpu_steps()
     if args.only:

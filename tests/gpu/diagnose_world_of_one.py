@@ -26,8 +26,15 @@ SCRIPT = os.path.join(HERE, "world_of_one.py")
 def attempt(title: str, argv: list, env: dict, limit_s: float) -> None:
     print(f"\n==== {title}\n$ {' '.join(argv)}", flush=True)
     try:
-        r = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, errors="replace", timeout=limit_s)
+        r = subprocess.run(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            timeout=limit_s,
+        )
         print(r.stdout[-20000:])
         print(f"---- exit status {r.returncode}", flush=True)
     except subprocess.TimeoutExpired as e:
@@ -38,23 +45,52 @@ def attempt(title: str, argv: list, env: dict, limit_s: float) -> None:
 
 def main() -> int:
     env = gpu_worker.gpu_env(1)
-    gdb = shutil.which("cuda-gdb") or ("/usr/local/cuda/bin/cuda-gdb"
-                                       if os.path.exists("/usr/local/cuda/bin/cuda-gdb") else None)
+    gdb = shutil.which("cuda-gdb") or (
+        "/usr/local/cuda/bin/cuda-gdb" if os.path.exists("/usr/local/cuda/bin/cuda-gdb") else None
+    )
     if gdb:
-        attempt("under cuda-gdb: the native stack of a crash",
-                [gdb, "-q", "-batch", "-ex", "set pagination off", "-ex", "set confirm off",
-                 "-ex", "run", "-ex", "bt 30", "-ex", "info sharedlibrary",
-                 "--args", sys.executable, SCRIPT, "ring"],
-                env, 120)
+        attempt(
+            "under cuda-gdb: the native stack of a crash",
+            [
+                gdb,
+                "-q",
+                "-batch",
+                "-ex",
+                "set pagination off",
+                "-ex",
+                "set confirm off",
+                "-ex",
+                "run",
+                "-ex",
+                "bt 30",
+                "-ex",
+                "info sharedlibrary",
+                "--args",
+                sys.executable,
+                SCRIPT,
+                "ring",
+            ],
+            env,
+            120,
+        )
     else:
         print("no cuda-gdb on this machine", flush=True)
-    plain = {k: v for k, v in env.items()
-             if k not in ("NCCL_MAX_CTAS", "NCCL_LAUNCH_ORDER_IMPLICIT")}
-    attempt("without NCCL_MAX_CTAS and NCCL_LAUNCH_ORDER_IMPLICIT",
-            [sys.executable, SCRIPT, "ring"], plain, 40)
+    plain = {
+        k: v for k, v in env.items() if k not in ("NCCL_MAX_CTAS", "NCCL_LAUNCH_ORDER_IMPLICIT")
+    }
+    attempt(
+        "without NCCL_MAX_CTAS and NCCL_LAUNCH_ORDER_IMPLICIT",
+        [sys.executable, SCRIPT, "ring"],
+        plain,
+        40,
+    )
     attempt("algorithm nccl alone", [sys.executable, SCRIPT, "nccl"], env, 40)
-    attempt("NCCL_DEBUG=INFO", [sys.executable, SCRIPT, "ring"],
-            dict(env, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,ENV"), 40)
+    attempt(
+        "NCCL_DEBUG=INFO",
+        [sys.executable, SCRIPT, "ring"],
+        dict(env, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,ENV"),
+        40,
+    )
     return 0
 
 

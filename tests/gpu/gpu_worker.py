@@ -35,13 +35,13 @@ import time
 
 import numpy as np
 
-from jaxring._src.gpu_job import (  # noqa: F401  (gpu_env, sharing_mode: for the checks)
-    Job, gpu_env, mlp_inputs, mlp_step, serve, sharing_mode)
 from jaxring._src import gpu_job
+from jaxring._src.gpu_job import Job, gpu_env, mlp_inputs, mlp_step, serve, sharing_mode  # noqa: F401  (gpu_env, sharing_mode: for the checks)
 
 
-def launch(processes: int, mode: str, timeout: float = 240,
-           log_dir: str | None = None) -> list[tuple[int, str]]:
+def launch(
+    processes: int, mode: str, timeout: float = 240, log_dir: str | None = None
+) -> list[tuple[int, str]]:
     """A job of this worker (gpu_job.launch)."""
     return gpu_job.launch(__file__, processes, mode, timeout, log_dir)
 
@@ -56,8 +56,10 @@ def differing_elements(got: bytes, want: bytes, name: str) -> np.ndarray:
     bits = f"u{g.itemsize}"
     differ = g.view(bits) != w.view(bits)
     if name == "bfloat16":
+
         def isnan(u):
             return ((u & 0x7F80) == 0x7F80) & ((u & 0x007F) != 0)
+
         differ &= ~(isnan(g) & isnan(w))
     elif np.dtype(dtype).kind == "f":
         differ &= ~(np.isnan(g) & np.isnan(w))
@@ -86,8 +88,9 @@ def overlap_schedule(text: str) -> tuple[bool, str]:
     its last computation, and every done follows its start; with the order
     in words (S start, D done, c a fusion or GEMM, run-length counted)."""
     comps = hlo_computations(text)
-    home = [lines for lines in comps.values()
-            if any("jaxring_allreduce_start_cuda" in l for l in lines)]
+    home = [
+        lines for lines in comps.values() if any("jaxring_allreduce_start_cuda" in l for l in lines)
+    ]
     if not home:
         return False, "no jaxring_allreduce_start_cuda in the compiled module"
     marks = []
@@ -108,9 +111,12 @@ def overlap_schedule(text: str) -> tuple[bool, str]:
             continue
         words.append(m if run == 1 else f"{m}x{run}")
         run = 1
-    ok = (len(starts) == len(dones) > 0 and bool(computes)
-          and starts[0] < computes[-1]
-          and all(s < d for s, d in zip(starts, dones)))
+    ok = (
+        len(starts) == len(dones) > 0
+        and bool(computes)
+        and starts[0] < computes[-1]
+        and all(s < d for s, d in zip(starts, dones))
+    )
     return ok, " ".join(words)
 
 
@@ -142,9 +148,21 @@ def _random_case(job: Job, rng, dtype, op: str, sizes) -> tuple:
 
 def correctness(job: Job) -> int:
     import jax.numpy as jnp
-    dtypes = [jnp.float16, jnp.bfloat16, np.float32, np.float64, np.int8,
-              np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-              np.uint64]
+
+    dtypes = [
+        jnp.float16,
+        jnp.bfloat16,
+        np.float32,
+        np.float64,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+    ]
     rng = np.random.default_rng(7)
     failures = cases = 0
     for dtype in dtypes:
@@ -153,13 +171,17 @@ def correctness(job: Job) -> int:
                 if algorithm == "nccl" and np.dtype(dtype) in (np.int16, np.uint16):
                     continue  # NCCL has no 16-bit integers
                 n, rings, chunk, xs, expected = _random_case(
-                    job, rng, dtype, op, [1, 7, 1000, int(rng.integers(1, 300_000))])
+                    job, rng, dtype, op, [1, 7, 1000, int(rng.integers(1, 300_000))]
+                )
                 # Named before it runs and judged after: a hang's log ends
                 # with the case that hung.
-                print(f"case {np.dtype(dtype)} {op} {algorithm} n={n} rings={rings} "
-                      f"chunk={chunk}", flush=True)
-                f = job.allreduce_fn(op=op, algorithm=algorithm, rings=rings,
-                                     chunk_bytes=chunk, timeout_s=60.0)
+                print(
+                    f"case {np.dtype(dtype)} {op} {algorithm} n={n} rings={rings} chunk={chunk}",
+                    flush=True,
+                )
+                f = job.allreduce_fn(
+                    op=op, algorithm=algorithm, rings=rings, chunk_bytes=chunk, timeout_s=60.0
+                )
                 got = job.local_result(f(job.global_array(xs[job.pid])))
                 cases += 1
                 if got.tobytes() != expected.tobytes():
@@ -180,32 +202,34 @@ def tiered(job: Job, rng, dtypes=None) -> tuple[int, int]:
     numpy and against NCCL's own allreduce on the same inputs (small
     integers, so every order of summation gives the same bits)."""
     import jax.numpy as jnp
+
     if job.nprocs != 4:
         return 0, 0
     cases = failures = 0
     for dtype in dtypes or (np.float32, jnp.bfloat16, np.int32):
         for op in ("sum", "max"):
             n, rings, chunk, xs, expected = _random_case(
-                job, rng, dtype, op, [1, 7, int(rng.integers(1, 300_000))])
-            print(f"case {np.dtype(dtype)} {op} topology=(2, 2) n={n} rings={rings} "
-                  f"chunk={chunk}", flush=True)
+                job, rng, dtype, op, [1, 7, int(rng.integers(1, 300_000))]
+            )
+            print(
+                f"case {np.dtype(dtype)} {op} topology=(2, 2) n={n} rings={rings} chunk={chunk}",
+                flush=True,
+            )
             x = job.global_array(xs[job.pid])
-            f = job.allreduce_fn(op=op, rings=rings, chunk_bytes=chunk, topology=(2, 2),
-                                 timeout_s=60.0)
+            f = job.allreduce_fn(
+                op=op, rings=rings, chunk_bytes=chunk, topology=(2, 2), timeout_s=60.0
+            )
             # Small integers sum to the same bits in any order: that the
             # call carries the tiers is what says the tiered plan ran.
             if "topology = dense<2> : tensor<2xi64>" not in f.lower(x).as_text():
-                print("  MISMATCH: the lowered call does not carry the tiers [2, 2]",
-                      flush=True)
+                print("  MISMATCH: the lowered call does not carry the tiers [2, 2]", flush=True)
                 return cases + 1, failures + 1
             got = job.local_result(f(x))
-            nccl = job.local_result(job.allreduce_fn(
-                op=op, algorithm="nccl", timeout_s=60.0)(x))
+            nccl = job.local_result(job.allreduce_fn(op=op, algorithm="nccl", timeout_s=60.0)(x))
             cases += 1
             if got.tobytes() != expected.tobytes() or got.tobytes() != nccl.tobytes():
                 failures += 1
-                print(f"  MISMATCH: {got[:8]} vs numpy {expected[:8]}, NCCL {nccl[:8]}",
-                      flush=True)
+                print(f"  MISMATCH: {got[:8]} vs numpy {expected[:8]}, NCCL {nccl[:8]}", flush=True)
             else:
                 print("  ok", flush=True)
     return cases, failures
@@ -214,31 +238,41 @@ def tiered(job: Job, rng, dtypes=None) -> tuple[int, int]:
 def wire_formats(job: Job, rng, algorithms=("ring", "nccl")) -> tuple[int, int]:
     """float32 sums that travel in a 16-bit wire format: (cases, failures)."""
     import jax.numpy as jnp
+
     from jaxring._src import wire_format
+
     cases = failures = 0
     for wire in ("bfloat16", "float16"):
         for algorithm in algorithms:
             n = int(rng.integers(1, 300_000))
-            xs = [np.random.default_rng(500 + r).normal(0, 1, n).astype(np.float32)
-                  for r in range(job.nprocs)]
+            xs = [
+                np.random.default_rng(500 + r).normal(0, 1, n).astype(np.float32)
+                for r in range(job.nprocs)
+            ]
             exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
-            bound = wire_format.error_bound(np.dtype(jnp.dtype(wire)), job.nprocs,
-                                            np.sum([np.abs(x.astype(np.float64)) for x in xs],
-                                                   axis=0))
+            bound = wire_format.error_bound(
+                np.dtype(jnp.dtype(wire)),
+                job.nprocs,
+                np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0),
+            )
             print(f"case float32 sum {algorithm} wire_dtype={wire} n={n}", flush=True)
-            kw = dict(op="sum", algorithm=algorithm, rings=2, chunk_bytes=65536,
-                      timeout_s=60.0)
-            got = job.local_result(job.allreduce_fn(wire_dtype=wire, **kw)(
-                job.global_array(xs[job.pid])))
-            cast = job.local_result(job.allreduce_fn(**kw)(
-                job.global_array(xs[job.pid].astype(jnp.dtype(wire))))).astype(np.float32)
+            kw = dict(op="sum", algorithm=algorithm, rings=2, chunk_bytes=65536, timeout_s=60.0)
+            got = job.local_result(
+                job.allreduce_fn(wire_dtype=wire, **kw)(job.global_array(xs[job.pid]))
+            )
+            cast = job.local_result(
+                job.allreduce_fn(**kw)(job.global_array(xs[job.pid].astype(jnp.dtype(wire))))
+            ).astype(np.float32)
             cases += 1
             over = np.abs(got.astype(np.float64) - exact) > bound
             if got.dtype != np.float32 or over.any() or got.tobytes() != cast.tobytes():
                 failures += 1
-                print(f"  MISMATCH: dtype {got.dtype}, {int(over.sum())} beyond the bound, "
-                      f"equal to the cast operand's allreduce: "
-                      f"{got.tobytes() == cast.tobytes()}", flush=True)
+                print(
+                    f"  MISMATCH: dtype {got.dtype}, {int(over.sum())} beyond the bound, "
+                    f"equal to the cast operand's allreduce: "
+                    f"{got.tobytes() == cast.tobytes()}",
+                    flush=True,
+                )
             else:
                 print("  ok", flush=True)
     return cases, failures
@@ -260,11 +294,18 @@ def peer_missing(job: Job) -> int:
             calls.append((time.perf_counter() - t0, str(e)))
     job.publish("peer_missing/calls_over", "1")
     for i, (took, err) in enumerate(calls):
-        print(f"call {i} {'failed' if err else 'returned'} after {took:.1f} s: "
-              f"{(err or '')[:400]}", flush=True)
+        print(
+            f"call {i} {'failed' if err else 'returned'} after {took:.1f} s: {(err or '')[:400]}",
+            flush=True,
+        )
     (_, first), (second_took, second) = calls
-    ok = (first is not None and "timed out" in first and second is not None
-          and "aborted" in second and second_took < 4.0)
+    ok = (
+        first is not None
+        and "timed out" in first
+        and second is not None
+        and "aborted" in second
+        and second_took < 4.0
+    )
     return 0 if ok else 1
 
 
@@ -284,8 +325,11 @@ def peer_dies(job: Job) -> int:
     try:
         job.local_result(f(x))
     except Exception as e:  # XLA's error for the stopped computation
-        print(f"call after the peer died failed after {time.perf_counter() - t0:.1f} s: "
-              f"{str(e)[:300]}", flush=True)
+        print(
+            f"call after the peer died failed after {time.perf_counter() - t0:.1f} s: "
+            f"{str(e)[:300]}",
+            flush=True,
+        )
         return 0
     print("call after the peer died returned", flush=True)
     return 1
@@ -297,8 +341,9 @@ def overlap(job: Job) -> int:
     # The order XLA compiled: buckets start while the backward pass still
     # has work, and each done comes after its start.
     scheduled, order = overlap_schedule(over.lower(ws, x).compile().as_text())
-    print(f"compiled order ({'overlapping' if scheduled else 'NOT overlapping'}): "
-          f"{order}", flush=True)
+    print(
+        f"compiled order ({'overlapping' if scheduled else 'NOT overlapping'}): {order}", flush=True
+    )
     if not scheduled:
         return 1
     a = b = ws
@@ -306,14 +351,24 @@ def overlap(job: Job) -> int:
         a, b = plain(a, x), over(b, x)
     same = all(np.asarray(u).tobytes() == np.asarray(v).tobytes() for u, v in zip(a, b))
     from jaxring import _jaxring_cuda
-    print(f"overlap equals pmean at the end after 3 steps: {same}; "
-          f"starts pending: {_jaxring_cuda.split_phase_pending()}", flush=True)
+
+    print(
+        f"overlap equals pmean at the end after 3 steps: {same}; "
+        f"starts pending: {_jaxring_cuda.split_phase_pending()}",
+        flush=True,
+    )
     return 0 if same and _jaxring_cuda.split_phase_pending() == 0 else 1
 
 
 if __name__ == "__main__":
-    serve({"correctness": correctness, "peer_missing": peer_missing,
-           "peer_dies": peer_dies, "overlap": overlap},
-          # The overlapped and the plain step are compiled apart; with GEMM
-          # autotuning each might pick another algorithm and round otherwise.
-          xla_flags={"overlap": "--xla_gpu_autotune_level=0"})
+    serve(
+        {
+            "correctness": correctness,
+            "peer_missing": peer_missing,
+            "peer_dies": peer_dies,
+            "overlap": overlap,
+        },
+        # The overlapped and the plain step are compiled apart; with GEMM
+        # autotuning each might pick another algorithm and round otherwise.
+        xla_flags={"overlap": "--xla_gpu_autotune_level=0"},
+    )

@@ -46,15 +46,26 @@ def wheel_nccl_version() -> str:
 
 def before_build() -> int:
     print("== GPU")
-    print(command("nvidia-smi", "--query-gpu=name,compute_mode,memory.total,"
-                  "driver_version,clocks.max.sm", "--format=csv"))
+    print(
+        command(
+            "nvidia-smi",
+            "--query-gpu=name,compute_mode,memory.total,driver_version,clocks.max.sm",
+            "--format=csv",
+        )
+    )
     print("== tools")
     print("python", sys.version.split()[0], sys.executable)
     inc = sysconfig.get_paths()["include"]
-    print("Python.h:", "found" if os.path.exists(os.path.join(inc, "Python.h"))
-          else f"MISSING in {inc}")
-    print("OpenSSL headers:", "found" if os.path.exists("/usr/include/openssl/hmac.h")
-          else "missing (the TCP transport is built without authentication)")
+    print(
+        "Python.h:",
+        "found" if os.path.exists(os.path.join(inc, "Python.h")) else f"MISSING in {inc}",
+    )
+    print(
+        "OpenSSL headers:",
+        "found"
+        if os.path.exists("/usr/include/openssl/hmac.h")
+        else "missing (the TCP transport is built without authentication)",
+    )
     for tool in (("nvcc", "--version"), ("cmake", "--version"), ("ninja", "--version")):
         print(command(*tool).splitlines()[-1])
     if shutil.which("nvcc") is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
@@ -65,8 +76,17 @@ def before_build() -> int:
             print(f"{name}={os.environ[name]}")
     print("== packages")
     from importlib import metadata
-    for name in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "nvidia-nccl-cu13",
-                 "nanobind", "scikit-build-core", "numpy"):
+
+    for name in (
+        "jax",
+        "jaxlib",
+        "jax-cuda13-plugin",
+        "jax-cuda13-pjrt",
+        "nvidia-nccl-cu13",
+        "nanobind",
+        "scikit-build-core",
+        "numpy",
+    ):
         try:
             print(f"{name} {metadata.version(name)}")
         except metadata.PackageNotFoundError:
@@ -74,29 +94,40 @@ def before_build() -> int:
     print("NCCL (wheel):", wheel_nccl_version())
     compat = runpy.run_path(os.path.join(REPO, "jaxring", "_src", "jax_compat.py"))
     if not compat["in_tested_range"]():
-        print(f"UNSUPPORTED JAX: jaxring is tested with {compat['SUPPORTED_JAX_TEXT']}; "
-              f"this machine has {', '.join(compat['untested_versions']())}")
+        print(
+            f"UNSUPPORTED JAX: jaxring is tested with {compat['SUPPORTED_JAX_TEXT']}; "
+            f"this machine has {', '.join(compat['untested_versions']())}"
+        )
         return 1
     print("jax in the tested range:", compat["SUPPORTED_JAX_TEXT"])
     import jax
+
     print("jax devices:", jax.devices())
     return 0
 
 
 def after_build() -> int:
     import jaxring
+
     info = jaxring.build_info()
     print("build_info:", info)
     from jaxring._src import cuda_backend
+
     if cuda_backend.status() != "built":
         print("the CUDA backend is not built:", cuda_backend.status())
         return 1
     from jaxring import _jaxring_cuda
     from jaxring._src import gpu_job
+
     nccl = gpu_job.installed_nccl_version()
-    print("NCCL loaded by jaxring:", ".".join(map(str, nccl)),
-          "; CUDA runtime", _jaxring_cuda.cuda_runtime_version(),
-          "; GPUs", _jaxring_cuda.device_count())
+    print(
+        "NCCL loaded by jaxring:",
+        ".".join(map(str, nccl)),
+        "; CUDA runtime",
+        _jaxring_cuda.cuda_runtime_version(),
+        "; GPUs",
+        _jaxring_cuda.device_count(),
+    )
     print("ranks share the GPU with", gpu_job.sharing_mode(nccl))
     # Whether libstdc++ is linked into the modules or loaded beside them,
     # and whether they export any of it (they should not).
@@ -104,8 +135,10 @@ def after_build() -> int:
         exported = command("nm", "-D", "--defined-only", module).splitlines()
         std = [l for l in exported if " _ZNSt" in l or " _ZSt" in l or " _ZNKSt" in l]
         linked = [l.strip() for l in command("ldd", module).splitlines() if "stdc++" in l]
-        print(f"{os.path.basename(module)}: {len(std)} std:: symbols exported; "
-              f"libstdc++: {linked or 'not loaded beside it (linked in)'}")
+        print(
+            f"{os.path.basename(module)}: {len(std)} std:: symbols exported; "
+            f"libstdc++: {linked or 'not loaded beside it (linked in)'}"
+        )
     return 0 if _jaxring_cuda.device_count() > 0 else 1
 
 

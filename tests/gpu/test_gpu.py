@@ -19,18 +19,23 @@ import pytest
 from jaxring._src import cuda_backend
 
 sys.path.insert(0, os.path.dirname(__file__))
-import gpu_worker  # noqa: E402
+import gpu_worker
 
 
 def _gpus() -> int:
     if cuda_backend.status() != "built":
         return 0
     from jaxring import _jaxring_cuda
+
     return _jaxring_cuda.device_count()
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    _gpus() == 0, reason=f"no GPU visible (CUDA backend {cuda_backend.status()})")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        _gpus() == 0, reason=f"no GPU visible (CUDA backend {cuda_backend.status()})"
+    ),
+]
 
 
 def run_workers(processes: int, mode: str, timeout: float = 240) -> list[str]:
@@ -43,6 +48,7 @@ def run_workers(processes: int, mode: str, timeout: float = 240) -> list[str]:
 
 def test_reduce_kernel_matches_cpu_bitwise():
     from jaxring import _jaxring, _jaxring_cuda
+
     rng = np.random.default_rng(0)
     specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 65504, 3.4e38])
     failures = []
@@ -66,21 +72,28 @@ def test_reduce_kernel_matches_cpu_bitwise():
                 bad = gpu_worker.differing_elements(got, want, name)
                 if len(bad):
                     g, w = np.frombuffer(got, dtype), np.frombuffer(want, dtype)
-                    failures.append(f"{name} op {op} n={n}: {len(bad)} differ, first at "
-                                    f"{bad[0]}: {a[bad[0]]} ? {b[bad[0]]} -> {g[bad[0]]}, "
-                                    f"CPU {w[bad[0]]}")
+                    failures.append(
+                        f"{name} op {op} n={n}: {len(bad)} differ, first at "
+                        f"{bad[0]}: {a[bad[0]]} ? {b[bad[0]]} -> {g[bad[0]]}, "
+                        f"CPU {w[bad[0]]}"
+                    )
     # Every type and op is checked before failing, so one run shows them all.
     assert not failures, "\n".join(failures)
 
 
 def test_world_of_one_gpu():
     env = gpu_worker.gpu_env(1)
-    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__),
-                                                     "world_of_one.py")],
-                       capture_output=True, text=True, env=env, timeout=240)
+    r = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "world_of_one.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     print(r.stdout[-3000:])
     assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), (
-        r.stdout[-2000:] + r.stderr[-4000:])
+        r.stdout[-2000:] + r.stderr[-4000:]
+    )
 
 
 @pytest.mark.parametrize("processes", [2, 4])

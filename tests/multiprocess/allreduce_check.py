@@ -26,8 +26,20 @@ import jaxring
 
 jax.config.update("jax_enable_x64", True)
 
-DTYPES = [np.float32, np.float64, jnp.bfloat16, np.float16, np.int8, np.int16,
-          np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+DTYPES = [
+    np.float32,
+    np.float64,
+    jnp.bfloat16,
+    np.float16,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+]
 OPS = ["sum", "prod", "min", "max"]
 
 
@@ -54,8 +66,9 @@ def main():
         jaxring.config.update("algorithm", sys.argv[3])
     elif len(sys.argv) > 3:
         t = sys.argv[3]
-        jaxring.config.update("topology", t if t in ("auto", "flat") else
-                              tuple(int(d) for d in t.split("x")))
+        jaxring.config.update(
+            "topology", t if t in ("auto", "flat") else tuple(int(d) for d in t.split("x"))
+        )
     devices = np.array(jax.devices())
     world = devices.size
     mesh = Mesh(devices, ("x",))
@@ -64,35 +77,50 @@ def main():
     for case in range(cases):
         dtype = np.dtype(DTYPES[case % len(DTYPES)])
         op = OPS[(case // len(DTYPES)) % len(OPS)]
-        count = int(rng.choice([0, 1, 7, world * 2 + 1, 1000, 65537,
-                                int(rng.integers(1, 300_000))]))
+        count = int(
+            rng.choice([0, 1, 7, world * 2 + 1, 1000, 65537, int(rng.integers(1, 300_000))])
+        )
         rings = int(rng.integers(1, 4))
         chunk = int(rng.choice([256, 4096, 1 << 20]))
         x = inputs(rng, world, count, dtype)
         key = (op, rings, chunk)
         if key not in fns:
-            fns[key] = jax.jit(jax.shard_map(
-                lambda v, op=op, rings=rings, chunk=chunk: jaxring.allreduce(
-                    v, "x", op=op, rings=rings, chunk_bytes=chunk),
-                mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-        arr = jax.make_array_from_callback(
-            x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
+            fns[key] = jax.jit(
+                jax.shard_map(
+                    lambda v, op=op, rings=rings, chunk=chunk: jaxring.allreduce(
+                        v, "x", op=op, rings=rings, chunk_bytes=chunk
+                    ),
+                    mesh=mesh,
+                    in_specs=P("x"),
+                    out_specs=P("x"),
+                    check_vma=False,
+                )
+            )
+        arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
         if case == 0:
             from jaxring import _jaxring
+
             names = {v: k for k, v in _jaxring.ALGORITHMS.items()}
             for title, length in (("", 1 << 20), ("SMALL_", 16)):
-                probe = jax.ShapeDtypeStruct((world, length), np.float32,
-                                             sharding=NamedSharding(mesh, P("x")))
+                probe = jax.ShapeDtypeStruct(
+                    (world, length), np.float32, sharding=NamedSharding(mesh, P("x"))
+                )
                 hlo = fns[key].lower(probe).as_text()
                 number = int(re.search(r"algorithm = (\d+)", hlo).group(1))
                 print(f"{title}ALGORITHM", names[number], flush=True)
             # The large one's tiers, e.g. dense<[4, 2]> : tensor<2xi64>;
             # dense<2> : tensor<2xi64> is a splat; dense<> : tensor<0xi64>
             # is empty (flat).
-            attr = re.search(r"topology = dense<([^>]*)> : tensor<(\d+)xi64>",
-                             fns[key].lower(jax.ShapeDtypeStruct(
-                                 (world, 1 << 20), np.float32,
-                                 sharding=NamedSharding(mesh, P("x")))).as_text())
+            attr = re.search(
+                r"topology = dense<([^>]*)> : tensor<(\d+)xi64>",
+                fns[key]
+                .lower(
+                    jax.ShapeDtypeStruct(
+                        (world, 1 << 20), np.float32, sharding=NamedSharding(mesh, P("x"))
+                    )
+                )
+                .as_text(),
+            )
             tiers = re.findall(r"\d+", attr.group(1))
             if len(tiers) == 1:
                 tiers = tiers * int(attr.group(2))
@@ -111,26 +139,37 @@ def main():
                 ok = bool(np.all(np.abs(got.astype(np.float64) - want) <= eps * scale))
             if not ok:
                 bad = np.nonzero(got != want)[0]
-                raise SystemExit(f"MISMATCH case {case}: {op} {dtype} n={count} "
-                                 f"rings={rings} chunk={chunk} shard {shard.index}: "
-                                 f"{len(bad)} elements differ, first at {bad[:3]}: "
-                                 f"{got[bad[:3]]} != {want[bad[:3]]}")
+                raise SystemExit(
+                    f"MISMATCH case {case}: {op} {dtype} n={count} "
+                    f"rings={rings} chunk={chunk} shard {shard.index}: "
+                    f"{len(bad)} elements differ, first at {bad[:3]}: "
+                    f"{got[bad[:3]]} != {want[bad[:3]]}"
+                )
             if first is None:
                 first = got.tobytes()
             elif got.tobytes() != first:
-                raise SystemExit(f"MISMATCH case {case}: ranks of this process "
-                                 f"got different bits (shard {shard.index})")
+                raise SystemExit(
+                    f"MISMATCH case {case}: ranks of this process "
+                    f"got different bits (shard {shard.index})"
+                )
         digest = hashlib.sha256(first).hexdigest()[:16]
         print(f"CHECK {case} {op} {dtype} {count} {digest}", flush=True)
     # Large chunks: a shared-memory ring (8 MiB) holds two of 4 MiB, so a
     # sender may find it full and hand frames to the connection's sender
     # thread, behind those it wrote itself.
     big = inputs(rng, world, 3 << 20, np.float32)
-    f = jax.jit(jax.shard_map(
-        lambda v: jaxring.allreduce(v, "x", rings=1, chunk_bytes=4 << 20),
-        mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-    out = f(jax.make_array_from_callback(big.shape, NamedSharding(mesh, P("x")),
-                                         lambda idx: big[idx]))
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: jaxring.allreduce(v, "x", rings=1, chunk_bytes=4 << 20),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+            check_vma=False,
+        )
+    )
+    out = f(
+        jax.make_array_from_callback(big.shape, NamedSharding(mesh, P("x")), lambda idx: big[idx])
+    )
     want = big.astype(np.float64).sum(axis=0)
     for shard in out.addressable_shards:
         got = np.asarray(shard.data)[0].astype(np.float64)
@@ -141,12 +180,17 @@ def main():
     # with JAXRING_TRANSPORT=tcp).
     info = jaxring.transport_info()
     frames = info["data_frames"]
-    print(f"DATA_FRAMES {frames['device_thread']} {frames['sender_thread']} "
-          f"{frames['finished_by_sender_thread']}", flush=True)
+    print(
+        f"DATA_FRAMES {frames['device_thread']} {frames['sender_thread']} "
+        f"{frames['finished_by_sender_thread']}",
+        flush=True,
+    )
     print(f"SHM_LINKS {len(info['shm_outbound'])}", flush=True)
     print(f"SOCKET_BUFFER {info['socket_buffer']}", flush=True)
-    print(f"HOST_DIRECT {info['host_direct']['available']} "
-          f"{info['host_direct']['pending_ops']}", flush=True)
+    print(
+        f"HOST_DIRECT {info['host_direct']['available']} {info['host_direct']['pending_ops']}",
+        flush=True,
+    )
     print("DONE", flush=True)
 
 

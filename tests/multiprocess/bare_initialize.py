@@ -8,9 +8,11 @@ import jax
 
 jax.distributed.initialize()
 # The same job, named in full, is accepted too.
-jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"],
-                           int(os.environ["JAXRING_NUM_PROCESSES"]),
-                           process_id=int(os.environ["JAXRING_PROCESS_ID"]))
+jax.distributed.initialize(
+    os.environ["JAX_COORDINATOR_ADDRESS"],
+    int(os.environ["JAXRING_NUM_PROCESSES"]),
+    process_id=int(os.environ["JAXRING_PROCESS_ID"]),
+)
 
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
@@ -19,14 +21,19 @@ import jaxring  # noqa: E402
 
 mesh = jax.make_mesh((jax.device_count(),), ("i",))
 rows = np.arange(jax.device_count() * 3, dtype=np.float32).reshape(-1, 3)
-x = jax.make_array_from_callback(rows.shape, NamedSharding(mesh, P("i")),
-                                 lambda index: rows[index])
-total = jax.jit(jax.shard_map(lambda v: jaxring.psum(v, "i"), mesh=mesh,
-                              in_specs=P("i"), out_specs=P()))
+x = jax.make_array_from_callback(rows.shape, NamedSharding(mesh, P("i")), lambda index: rows[index])
+total = jax.jit(
+    jax.shard_map(lambda v: jaxring.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+)
 got = np.asarray(total(x).addressable_data(0))
 print("PROCESS", jax.process_index(), "OF", jax.process_count(), flush=True)
-print("SUM", " ".join(map(str, got.ravel().tolist())),
-      "WANT", " ".join(map(str, rows.sum(0).tolist())), flush=True)
+print(
+    "SUM",
+    " ".join(map(str, got.ravel().tolist())),
+    "WANT",
+    " ".join(map(str, rows.sum(0).tolist())),
+    flush=True,
+)
 try:
     jax.distributed.initialize(num_processes=jax.process_count() + 1)
     print("NO ERROR", flush=True)

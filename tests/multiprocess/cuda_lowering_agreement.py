@@ -21,19 +21,25 @@ if longer == 0 and jax.process_index() == 0:
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("x",))
 n = 1024 * (max(longer, 1) if jax.process_index() == 1 else 1)
-f = jax.jit(jax.shard_map(
-    lambda v: jaxring.allreduce(v, "x", timeout_s=3.0 if longer == 0 else 20.0),
-    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+f = jax.jit(
+    jax.shard_map(
+        lambda v: jaxring.allreduce(v, "x", timeout_s=3.0 if longer == 0 else 20.0),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+        check_vma=False,
+    )
+)
 # The same call site again with another shape (a new batch size) must
 # lower again in every process, compared with its own counterpart.
-for length in ((n, 3 * n) if longer == 1 else (n,)):
-    x = jax.ShapeDtypeStruct((devices.size, length), np.float32,
-                             sharding=NamedSharding(mesh, P("x")))
+for length in (n, 3 * n) if longer == 1 else (n,):
+    x = jax.ShapeDtypeStruct(
+        (devices.size, length), np.float32, sharding=NamedSharding(mesh, P("x"))
+    )
     start = time.time()
     try:
         text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
         print(f"LOWERED {text.count('@jaxring_allreduce_cuda')}", flush=True)
     except Exception as e:
         message = " ".join(str(e).split())
-        print(f"RAISED {time.time() - start:.1f} {type(e).__name__} {message[:600]}",
-              flush=True)
+        print(f"RAISED {time.time() - start:.1f} {type(e).__name__} {message[:600]}", flush=True)

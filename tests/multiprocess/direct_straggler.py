@@ -17,9 +17,15 @@ import jaxring
 delay_s = float(sys.argv[1])
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
 spec = P(("a", "b"))
-f = jax.jit(jax.shard_map(
-    lambda v: jaxring.psum(v, "a", algorithm="direct", timeout_s=60),
-    mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+f = jax.jit(
+    jax.shard_map(
+        lambda v: jaxring.psum(v, "a", algorithm="direct", timeout_s=60),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+        check_vma=False,
+    )
+)
 x = np.arange(4 * 1024, dtype=np.float32).reshape(4, 1024)
 arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
 # Rows (a, b) = (0, b) and (1, b) are summed: row r pairs with row r ^ 2.

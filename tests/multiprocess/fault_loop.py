@@ -20,12 +20,17 @@ count = int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 16
 algorithm = sys.argv[3] if len(sys.argv) > 3 else "auto"
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("x",))
-f = jax.jit(jax.shard_map(
-    lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s, algorithm=algorithm),
-    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+f = jax.jit(
+    jax.shard_map(
+        lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s, algorithm=algorithm),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+        check_vma=False,
+    )
+)
 x = np.ones((devices.size, count), np.float32)
-arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
-                                   lambda idx: x[idx])
+arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
 steps = 0
 try:
     with jaxring.translate_errors():
@@ -40,8 +45,11 @@ try:
                 print(f"READY {os.getpid()} direct={direct} shm_links={links}", flush=True)
 except Exception as e:  # what a training loop would see
     message = " ".join(str(e).split())
-    print(f"RAISED {time.time():.3f} {type(e).__name__} "
-          f"peer={getattr(e, 'peer_process', None)}: {message[:400]}", flush=True)
+    print(
+        f"RAISED {time.time():.3f} {type(e).__name__} "
+        f"peer={getattr(e, 'peer_process', None)}: {message[:400]}",
+        flush=True,
+    )
     if jax.process_index() == 0:
         # Process 0 hosts jax.distributed's coordination service; if it left
         # now, JAX would terminate the survivors that have not raised yet.

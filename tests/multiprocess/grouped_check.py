@@ -18,7 +18,7 @@ mesh = Mesh(devices, ("x",))
 spec = P("x")
 # Ranks 0..world-1 run on processes in blocks (the launcher's layout).
 GROUPINGS = {
-    "across": [list(range(i, world, 2)) for i in range(2)],   # every other rank
+    "across": [list(range(i, world, 2)) for i in range(2)],  # every other rank
     "uneven": [[0], list(range(1, world - 1)), [world - 1]],
     "reversed": [list(range(world))[::-1]],
 }
@@ -27,8 +27,7 @@ arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i:
 
 
 def run(fn):
-    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec,
-                              check_vma=False))
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
     out = f(arr)
     return {s.index[0].start: np.asarray(s.data)[0] for s in out.addressable_shards}
 
@@ -36,12 +35,17 @@ def run(fn):
 try:
     with jaxring.translate_errors():
         for name, groups in GROUPINGS.items():
-            sums = run(lambda v: jaxring.psum(v, "x", axis_index_groups=groups,
-                                              algorithm="ring", chunk_bytes=4096))
+            sums = run(
+                lambda v: jaxring.psum(
+                    v, "x", axis_index_groups=groups, algorithm="ring", chunk_bytes=4096
+                )
+            )
             means = run(lambda v: jaxring.pmean(v, "x", axis_index_groups=groups))
-            overlapped = run(jaxring.overlap(
-                lambda v: jax.lax.psum(v * 2, "x", axis_index_groups=groups),
-                axis_name="x"))
+            overlapped = run(
+                jaxring.overlap(
+                    lambda v: jax.lax.psum(v * 2, "x", axis_index_groups=groups), axis_name="x"
+                )
+            )
             for g in groups:
                 for rank in set(g) & set(sums):
                     # Small integers in float32: every order sums exactly.

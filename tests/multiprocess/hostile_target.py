@@ -34,12 +34,18 @@ def resources() -> str:
 limit_s = float(sys.argv[1])
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("x",))
-f = jax.jit(jax.shard_map(
-    # The ring: its frames cross the transport the attacks aim at ("auto"
-    # would run direct over the host segment, and the sockets would carry
-    # no data of the job's own).
-    lambda v: jaxring.psum(v, "x", timeout_s=60.0, algorithm="ring"),
-    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+f = jax.jit(
+    jax.shard_map(
+        # The ring: its frames cross the transport the attacks aim at ("auto"
+        # would run direct over the host segment, and the sockets would carry
+        # no data of the job's own).
+        lambda v: jaxring.psum(v, "x", timeout_s=60.0, algorithm="ring"),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+        check_vma=False,
+    )
+)
 rng = np.random.default_rng(0)  # the same data in every process
 steps = wrong = 0
 started = time.monotonic()
@@ -52,10 +58,8 @@ def step():
     # column carries each process's wish to stop, so that all stop after the
     # same step.
     x = rng.integers(-1000, 1000, (devices.size, 4097)).astype(np.float32)
-    x[:, -1] = float(pathlib.Path("stop").exists()
-                     or time.monotonic() - started > limit_s)
-    arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
-                                       lambda idx: x[idx])
+    x[:, -1] = float(pathlib.Path("stop").exists() or time.monotonic() - started > limit_s)
+    arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
     out = f(arr)
     want = x[:, :-1].sum(0)
     stop = False
@@ -66,8 +70,7 @@ def step():
     steps += 1
     if steps == 3:
         info = jaxring.transport_info()
-        print(f"READY {info['address']} job_id={info['job_id']} {resources()}",
-              flush=True)
+        print(f"READY {info['address']} job_id={info['job_id']} {resources()}", flush=True)
     return stop
 
 
@@ -78,13 +81,19 @@ try:
 except jaxring.JaxringError as e:
     # What a broken job must end in: a clear error, with what it holds.
     info = jaxring.transport_info()
-    print(f"FAILED {resources()} pending={info['pending_ops']} "
-          f"{type(e).__name__}: {' '.join(str(e).split())[:400]}", flush=True)
+    print(
+        f"FAILED {resources()} pending={info['pending_ops']} "
+        f"{type(e).__name__}: {' '.join(str(e).split())[:400]}",
+        flush=True,
+    )
     if jax.process_index() == 0:
         time.sleep(5.0)  # it hosts the coordination service: leave last
     os._exit(3)
 info = jaxring.transport_info()
-print(f"AFTER {resources()} refused={info['refused_connections']} "
-      f"pending={info['pending_ops']} lost={info['lost_processes']} "
-      f"shm_links={len(info['shm_outbound'])}", flush=True)
+print(
+    f"AFTER {resources()} refused={info['refused_connections']} "
+    f"pending={info['pending_ops']} lost={info['lost_processes']} "
+    f"shm_links={len(info['shm_outbound'])}",
+    flush=True,
+)
 print(f"DONE steps={steps} wrong={wrong}", flush=True)

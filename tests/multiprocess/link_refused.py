@@ -9,8 +9,15 @@ import jaxring
 
 jaxring.config.update("cpu_link", "1Gbit,10us")
 mesh = Mesh(np.array(jax.devices()), ("x",))
-f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "x"), mesh=mesh,
-                          in_specs=P("x"), out_specs=P("x"), check_vma=False))
+f = jax.jit(
+    jax.shard_map(
+        lambda v: jaxring.allreduce(v, "x"),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+        check_vma=False,
+    )
+)
 try:
     f.lower(jax.ShapeDtypeStruct((mesh.size, 4), np.float32))
     print("NO ERROR", flush=True)

@@ -20,8 +20,7 @@ devices = np.array(jax.devices())
 world = devices.size
 mesh = Mesh(devices, ("x",))
 rows = np.random.default_rng(0).integers(-8, 9, (world, count)).astype(np.float32)
-x = jax.make_array_from_callback(rows.shape, NamedSharding(mesh, P("x")),
-                                 lambda idx: rows[idx])
+x = jax.make_array_from_callback(rows.shape, NamedSharding(mesh, P("x")), lambda idx: rows[idx])
 steps = np.arange(iterations, dtype=np.float32)
 # Iteration i reduces rows * (i + 1) + i.
 expected = steps[:, None] * (rows.sum(0) + world) + rows.sum(0)
@@ -29,26 +28,28 @@ expected = steps[:, None] * (rows.sum(0) + world) + rows.sum(0)
 
 def scanned(algorithm):
     @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=P("x"), out_specs=P(None, "x"),
-             check_vma=False)
+    @partial(jax.shard_map, mesh=mesh, in_specs=P("x"), out_specs=P(None, "x"), check_vma=False)
     def f(v):
         def body(carry, i):
             y = jaxring.allreduce(v * (i + 1) + i, "x", algorithm=algorithm)
             return carry + 1, y
+
         _, ys = jax.lax.scan(body, 0, jnp.asarray(steps))
         return ys
+
     return f
 
 
 def looped(algorithm):
     @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
-             check_vma=False)
+    @partial(jax.shard_map, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
     def f(v):
         def body(i, total):
             fi = i.astype(jnp.float32)
             return total + jaxring.allreduce(v * (fi + 1) + fi, "x", algorithm=algorithm)
+
         return jax.lax.fori_loop(0, iterations, body, jnp.zeros_like(v))
+
     return f
 
 

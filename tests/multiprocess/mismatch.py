@@ -18,14 +18,18 @@ differ = sys.argv[2] if len(sys.argv) > 2 else "count"
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("x",))
 other = jax.process_index() == 1
-shape = {"count": (2048,) if other else (1024,),
-         "shape": (32, 32) if other else (1024,)}[differ]
-f = jax.jit(jax.shard_map(
-    lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s),
-    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+shape = {"count": (2048,) if other else (1024,), "shape": (32, 32) if other else (1024,)}[differ]
+f = jax.jit(
+    jax.shard_map(
+        lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+        check_vma=False,
+    )
+)
 x = np.ones((devices.size, *shape), np.float32)
-arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
-                                   lambda idx: x[idx])
+arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
 start = time.time()
 try:
     with jaxring.translate_errors():
@@ -33,8 +37,7 @@ try:
     print("NO ERROR", flush=True)
 except Exception as e:
     message = " ".join(str(e).split())
-    print(f"RAISED {time.time() - start:.3f} {type(e).__name__} {message[:600]}",
-          flush=True)
+    print(f"RAISED {time.time() - start:.3f} {type(e).__name__} {message[:600]}", flush=True)
 # The abort that tells the other process why is written by a sender thread;
 # exiting at once can close the connection before it is, and the other
 # process then sees a lost peer instead of the mismatch. Give it time.

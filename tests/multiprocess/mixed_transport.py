@@ -21,8 +21,15 @@ if jax.process_index() == jax.process_count() - 1:
     os.environ["JAXRING_TRANSPORT"] = "tcp"
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("x",))
-f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "x", timeout_s=30.0),
-                          mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+f = jax.jit(
+    jax.shard_map(
+        lambda v: jaxring.allreduce(v, "x", timeout_s=30.0),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+        check_vma=False,
+    )
+)
 x = np.arange(devices.size * 1024, dtype=np.float32).reshape(devices.size, 1024)
 arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")), lambda i: x[i])
 started = time.monotonic()
@@ -36,5 +43,9 @@ number = int(re.search(r"algorithm = (\d+)", f.lower(arr).as_text()).group(1))
 print(f"ALGORITHM {names[number]}", flush=True)
 print(f"TOOK {took:.2f}", flush=True)
 want = x.sum(0)
-print("OK" if all(np.array_equal(np.asarray(s.data)[0], want)
-                  for s in out.addressable_shards) else "WRONG", flush=True)
+print(
+    "OK"
+    if all(np.array_equal(np.asarray(s.data)[0], want) for s in out.addressable_shards)
+    else "WRONG",
+    flush=True,
+)

@@ -3,7 +3,6 @@ every process, once with lax.pmean (JAX's Gloo collectives across processes)
 and once under jaxring.overlap (buckets over jaxring's TCP transport). Prints
 the largest difference of the losses and parameters after three steps."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +14,13 @@ LAYERS, WIDTH = 4, 128
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("batch",))
 rng = np.random.default_rng(0)
-params = [(rng.normal(size=(WIDTH, WIDTH)).astype(np.float32) / np.sqrt(WIDTH),
-           np.zeros(WIDTH, np.float32)) for _ in range(LAYERS)]
+params = [
+    (
+        rng.normal(size=(WIDTH, WIDTH)).astype(np.float32) / np.sqrt(WIDTH),
+        np.zeros(WIDTH, np.float32),
+    )
+    for _ in range(LAYERS)
+]
 data = rng.normal(size=(devices.size * 8, WIDTH)).astype(np.float32)
 
 
@@ -37,26 +41,31 @@ def step(p, x):
 def sharded(fn):
     # check_vma=False: the step's pmean of the local gradients is their one
     # reduction (docs/overlap.md).
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("batch")),
-                                 out_specs=(P(), P()), check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            fn, mesh=mesh, in_specs=(P(), P("batch")), out_specs=(P(), P()), check_vma=False
+        )
+    )
 
 
 replicated = NamedSharding(mesh, P())
 put = lambda a: jax.make_array_from_callback(a.shape, replicated, lambda idx: a[idx])
-x = jax.make_array_from_callback(data.shape, NamedSharding(mesh, P("batch")),
-                                 lambda idx: data[idx])
+x = jax.make_array_from_callback(data.shape, NamedSharding(mesh, P("batch")), lambda idx: data[idx])
 results = {}
-for name, fn in [("pmean", step),
-                 ("overlap", jaxring.overlap(step, axis_name="batch",
-                                             bucket_mb=0.05, first_bucket_mb=0.05))]:
+for name, fn in [
+    ("pmean", step),
+    ("overlap", jaxring.overlap(step, axis_name="batch", bucket_mb=0.05, first_bucket_mb=0.05)),
+]:
     f = sharded(fn)
     p = jax.tree_util.tree_map(put, params)
     losses = []
     for _ in range(3):
         p, loss = f(p, x)
         losses.append(float(np.asarray(loss.addressable_data(0))))
-    results[name] = (losses, [np.asarray(a.addressable_data(0))
-                              for a in jax.tree_util.tree_leaves(p)])
+    results[name] = (
+        losses,
+        [np.asarray(a.addressable_data(0)) for a in jax.tree_util.tree_leaves(p)],
+    )
 (l0, p0), (l1, p1) = results["pmean"], results["overlap"]
 loss_diff = max(abs(a - b) for a, b in zip(l0, l1))
 param_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(p0, p1))

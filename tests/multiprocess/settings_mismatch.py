@@ -24,21 +24,30 @@ for name in ("algorithm", "topology", "rings", "chunk_bytes"):
 if jax.process_index() == 1:
     if setting == "tuning":
         from jaxring._src import tuning
+
         path = os.path.join(tempfile.mkdtemp(), "tuning.json")
         ring = {"algorithm": "ring", "rings": 1, "chunk_bytes": 1 << 20, "topology": "flat"}
-        tuning.save(path, tuning.key("cpu", jax.device_count(), jax.process_count()),
-                    {"params": {}, "choices": {str(1 << 20): ring}})
+        tuning.save(
+            path,
+            tuning.key("cpu", jax.device_count(), jax.process_count()),
+            {"params": {}, "choices": {str(1 << 20): ring}},
+        )
         jaxring.config.update("tuning", path)
     else:
         jaxring.config.update("algorithm", setting)
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("x",))
-f = jax.jit(jax.shard_map(
-    lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s),
-    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+f = jax.jit(
+    jax.shard_map(
+        lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+        check_vma=False,
+    )
+)
 x = np.ones((devices.size, 1024), np.float32)
-arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
-                                   lambda idx: x[idx])
+arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
 start = time.time()
 try:
     out = f(arr).block_until_ready()
@@ -46,8 +55,7 @@ try:
     print("NO ERROR", flush=True)
 except Exception as e:
     message = " ".join(str(e).split())
-    print(f"RAISED {time.time() - start:.3f} {type(e).__name__} {message[:600]}",
-          flush=True)
+    print(f"RAISED {time.time() - start:.3f} {type(e).__name__} {message[:600]}", flush=True)
 # A process that exits while another still reads the records from the
 # key-value store can break that read: give them time.
 time.sleep(3)

@@ -40,8 +40,9 @@ decide = host_segment._decide
 
 
 def name_published(client) -> str:
-    record = json.loads(client.blocking_key_value_get(host_segment._NAME_KEY,
-                                                      int(timeout_s * 1000)))
+    record = json.loads(
+        client.blocking_key_value_get(host_segment._NAME_KEY, int(timeout_s * 1000))
+    )
     name = record["name"]
     print(f"SAW {name} {os.path.exists('/dev/shm' + name)}", flush=True)
     return name
@@ -69,12 +70,17 @@ if me == 0 and mode == "raise":
     host_segment._decide = process_0_decide
 
 mesh = Mesh(np.array(jax.devices()), ("x",))
-f = jax.jit(jax.shard_map(
-    lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s, algorithm="direct"),
-    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+f = jax.jit(
+    jax.shard_map(
+        lambda v: jaxring.allreduce(v, "x", timeout_s=timeout_s, algorithm="direct"),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+        check_vma=False,
+    )
+)
 x = np.ones((mesh.size, 1024), np.float32)
-arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
-                                   lambda idx: x[idx])
+arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
 out = np.asarray(jax.device_get(f(arr).addressable_data(0)))
 assert (out == mesh.size).all(), out
 print(f"DONE {jaxring.transport_info()['host_direct']['available']}", flush=True)

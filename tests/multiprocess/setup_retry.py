@@ -12,9 +12,15 @@ import jaxring
 
 mesh = Mesh(np.array(jax.devices()), ("x",))
 if jax.process_index() == 0:
-    f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "x", timeout_s=2.0),
-                              mesh=mesh, in_specs=P("x"), out_specs=P("x"),
-                              check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: jaxring.allreduce(v, "x", timeout_s=2.0),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+            check_vma=False,
+        )
+    )
     for attempt in ("FIRST", "SECOND"):
         try:
             f.lower(jax.ShapeDtypeStruct((mesh.size, 4), np.float32))

@@ -13,7 +13,6 @@ import tempfile
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -22,8 +21,9 @@ import jaxring
 algorithm = sys.argv[1]
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("x",))
-x = jax.make_array_from_callback((devices.size, 4096), NamedSharding(mesh, P("x")),
-                                 lambda idx: np.ones((1, 4096), np.float32))
+x = jax.make_array_from_callback(
+    (devices.size, 4096), NamedSharding(mesh, P("x")), lambda idx: np.ones((1, 4096), np.float32)
+)
 
 
 @jax.jit

@@ -25,26 +25,41 @@ def main():
     n = len(devices)
     mesh = Mesh(np.array(devices), ("i",))
     table = tuning.load(path)[tuning.key("cpu", n, jax.process_count())]
-    f = jax.jit(jax.shard_map(lambda v: jaxring.allreduce(v, "i"), mesh=mesh,
-                              in_specs=P("i"), out_specs=P("i"), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: jaxring.allreduce(v, "i"),
+            mesh=mesh,
+            in_specs=P("i"),
+            out_specs=P("i"),
+            check_vma=False,
+        )
+    )
     for size in sorted(int(s) for s in table["choices"]):
         count = size // 4
         x = jax.make_array_from_callback(
-            (n, count), NamedSharding(mesh, P("i")),
-            lambda idx: np.full((1, count), idx[0].start + 1, np.float32))
+            (n, count),
+            NamedSharding(mesh, P("i")),
+            lambda idx: np.full((1, count), idx[0].start + 1, np.float32),
+        )
         hlo = f.lower(x).as_text()
-        attrs = {k: int(re.search(rf"{k} = (\d+)", hlo).group(1))
-                 for k in ("num_rings", "chunk_bytes", "algorithm")}
+        attrs = {
+            k: int(re.search(rf"{k} = (\d+)", hlo).group(1))
+            for k in ("num_rings", "chunk_bytes", "algorithm")
+        }
         algorithm = {v: k for k, v in _jaxring.ALGORITHMS.items()}[attrs["algorithm"]]
         tiered = re.search(r"topology = dense<([^>]*)>", hlo).group(1) != ""
         c = tuning.lookup(table, size)
-        print(f"CHOICE {size} table={c.algorithm},{c.rings},{c.chunk_bytes},{c.topology} "
-              f"lowered={algorithm},{attrs['num_rings']},{attrs['chunk_bytes']},"
-              f"{'auto' if tiered else 'flat'}", flush=True)
+        print(
+            f"CHOICE {size} table={c.algorithm},{c.rings},{c.chunk_bytes},{c.topology} "
+            f"lowered={algorithm},{attrs['num_rings']},{attrs['chunk_bytes']},"
+            f"{'auto' if tiered else 'flat'}",
+            flush=True,
+        )
         out = f(x)
         for shard in out.addressable_shards:
-            np.testing.assert_array_equal(np.asarray(shard.data),
-                                          np.full((1, count), n * (n + 1) / 2))
+            np.testing.assert_array_equal(
+                np.asarray(shard.data), np.full((1, count), n * (n + 1) / 2)
+            )
     print("DONE", flush=True)
 
 

@@ -18,31 +18,46 @@ timeout_s = float(sys.argv[1])
 if jax.process_index() == 0:
     local = Mesh(np.array(jax.local_devices()), ("l",))
     for scale in (1.0, 2.0):  # two lowerings of a function nobody else has
-        evaluate = jax.jit(jax.shard_map(
-            lambda v, s=scale: jaxring.psum(v * s, "l", timeout_s=timeout_s),
-            mesh=local, in_specs=P("l"), out_specs=P("l"), check_vma=False))
+        evaluate = jax.jit(
+            jax.shard_map(
+                lambda v, s=scale: jaxring.psum(v * s, "l", timeout_s=timeout_s),
+                mesh=local,
+                in_specs=P("l"),
+                out_specs=P("l"),
+                check_vma=False,
+            )
+        )
         y = np.ones((local.size, 8), np.float32)
         np.asarray(evaluate(jax.device_put(y, NamedSharding(local, P("l")))))
 
 devices = np.array(jax.devices())
 mesh = Mesh(devices, ("x",))
-step = jax.jit(jax.shard_map(
-    lambda v: jaxring.psum(v, "x", timeout_s=timeout_s) + jaxring.pmean(2 * v, "x", timeout_s=timeout_s),
-    mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+step = jax.jit(
+    jax.shard_map(
+        lambda v: (
+            jaxring.psum(v, "x", timeout_s=timeout_s)
+            + jaxring.pmean(2 * v, "x", timeout_s=timeout_s)
+        ),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x"),
+        check_vma=False,
+    )
+)
 x = np.arange(devices.size * 16, dtype=np.float32).reshape(devices.size, 16)
-arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")),
-                                   lambda idx: x[idx])
+arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
 want = x.sum(0) + 2 * x.mean(0)
 start = time.time()
 try:
     with jaxring.translate_errors():
         out = step(arr)
-        good = all(np.allclose(np.asarray(s.data), want, rtol=1e-6)
-                   for s in out.addressable_shards)
+        good = all(np.allclose(np.asarray(s.data), want, rtol=1e-6) for s in out.addressable_shards)
     print("OK" if good else "WRONG", flush=True)
 except Exception as e:
-    print(f"RAISED {time.time() - start:.3f} {type(e).__name__} "
-          f"{' '.join(str(e).split())[:400]}", flush=True)
+    print(
+        f"RAISED {time.time() - start:.3f} {type(e).__name__} {' '.join(str(e).split())[:400]}",
+        flush=True,
+    )
 if jax.process_index() == 0:
     time.sleep(2.0)  # it hosts the coordination service: leave last
 os._exit(0)
