@@ -17,8 +17,8 @@ const char* failure_kind_name(FailureKind kind) {
 }
 
 std::string tagged(FailureKind kind, int peer, const std::string& message) {
-  return std::string(kOpen) + failure_kind_name(kind) + " peer=" +
-         std::to_string(peer < 0 ? -1 : peer) + "] " + message;
+  return std::string(kOpen) + failure_kind_name(kind) +
+         " peer=" + std::to_string(peer < 0 ? -1 : peer) + "] " + message;
 }
 
 bool parse_tag(const std::string& message, FailureKind* kind, int* peer,
@@ -28,7 +28,8 @@ bool parse_tag(const std::string& message, FailureKind* kind, int* peer,
   const size_t name_at = sizeof(kOpen) - 1;
   const size_t space = message.find(" peer=", name_at);
   const size_t close = message.find("] ", name_at);
-  if (space == std::string::npos || close == std::string::npos || space > close) {
+  if (space == std::string::npos || close == std::string::npos ||
+      space > close) {
     return false;
   }
   const std::string name = message.substr(name_at, space - name_at);

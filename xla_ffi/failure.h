@@ -16,12 +16,12 @@
 namespace jaxring {
 
 enum class FailureKind : int {
-  kInternal = 0,   // a bug, or a state jaxring does not expect
-  kPeerLost = 1,   // a process of the job left or cannot be reached
-  kTimeout = 2,    // a peer did not send within timeout_s
-  kMismatch = 3,   // ranks or processes run different allreduces/programs
-  kInvalid = 4,    // the call itself cannot run (bad attributes, set-up)
-  kResource = 5,   // this process is out of memory, descriptors or slots
+  kInternal = 0,  // a bug, or a state jaxring does not expect
+  kPeerLost = 1,  // a process of the job left or cannot be reached
+  kTimeout = 2,   // a peer did not send within timeout_s
+  kMismatch = 3,  // ranks or processes run different allreduces/programs
+  kInvalid = 4,   // the call itself cannot run (bad attributes, set-up)
+  kResource = 5,  // this process is out of memory, descriptors or slots
 };
 constexpr int kNumFailureKinds = 6;
 

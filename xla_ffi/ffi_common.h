@@ -30,11 +30,16 @@ inline xla::ffi::Error failure_error(const std::string& message) {
   std::string rest;
   parse_tag(message, &kind, &peer, &rest);
   switch (kind) {
-    case FailureKind::kPeerLost: return ffi::Error(ffi::ErrorCode::kUnavailable, message);
-    case FailureKind::kTimeout: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, message);
-    case FailureKind::kMismatch: return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
-    case FailureKind::kInvalid: return ffi::Error(ffi::ErrorCode::kInvalidArgument, message);
-    case FailureKind::kResource: return ffi::Error(ffi::ErrorCode::kResourceExhausted, message);
+    case FailureKind::kPeerLost:
+      return ffi::Error(ffi::ErrorCode::kUnavailable, message);
+    case FailureKind::kTimeout:
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, message);
+    case FailureKind::kMismatch:
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
+    case FailureKind::kInvalid:
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, message);
+    case FailureKind::kResource:
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, message);
     case FailureKind::kInternal: break;
   }
   return ffi::Error(ffi::ErrorCode::kInternal, message);
@@ -94,12 +99,14 @@ inline std::optional<std::string> check_topology(
     std::vector<int>* dims) {
   dims->clear();
   if (topology.size() > 4) {
-    return "jaxring allreduce: a topology has at most 4 tiers of 1 to 65535 ranks";
+    return "jaxring allreduce: a topology has at most 4 tiers of 1 to 65535 "
+           "ranks";
   }
   int64_t product = 1;
   for (int64_t t : topology) {
     if (t < 1 || t > 0xffff) {
-      return "jaxring allreduce: a topology has at most 4 tiers of 1 to 65535 ranks";
+      return "jaxring allreduce: a topology has at most 4 tiers of 1 to 65535 "
+             "ranks";
     }
     // Each factor < 2**16 and the product checked before it grows: no overflow.
     if (product > world_size) break;
@@ -107,7 +114,8 @@ inline std::optional<std::string> check_topology(
     dims->push_back(static_cast<int>(t));
   }
   if (topology.size() > 0 && product != world_size) {
-    return "jaxring allreduce: the topology does not multiply to the world size";
+    return "jaxring allreduce: the topology does not multiply to the world "
+           "size";
   }
   return std::nullopt;
 }

@@ -37,12 +37,12 @@ struct Span {
 struct Transfer {
   int ring = 0;
   int64_t chunk = 0;
-  int step = 0;          // 0 .. 2(p-1)-1
-  bool reduce = false;   // true in the reduce-scatter phase
+  int step = 0;         // 0 .. 2(p-1)-1
+  bool reduce = false;  // true in the reduce-scatter phase
   int src_rank = 0;
   int dst_rank = 0;
-  int segment = 0;       // which segment of the ring's part
-  Span span;             // element range in the whole buffer
+  int segment = 0;  // which segment of the ring's part
+  Span span;        // element range in the whole buffer
 };
 
 class RingPlan {

@@ -11,11 +11,18 @@ namespace jaxring {
 
 int64_t elem_bytes(ElemType t) {
   switch (t) {
-    case ElemType::kS8: case ElemType::kU8: return 1;
-    case ElemType::kF16: case ElemType::kBF16:
-    case ElemType::kS16: case ElemType::kU16: return 2;
-    case ElemType::kF32: case ElemType::kS32: case ElemType::kU32: return 4;
-    case ElemType::kF64: case ElemType::kS64: case ElemType::kU64: return 8;
+    case ElemType::kS8:
+    case ElemType::kU8: return 1;
+    case ElemType::kF16:
+    case ElemType::kBF16:
+    case ElemType::kS16:
+    case ElemType::kU16: return 2;
+    case ElemType::kF32:
+    case ElemType::kS32:
+    case ElemType::kU32: return 4;
+    case ElemType::kF64:
+    case ElemType::kS64:
+    case ElemType::kU64: return 8;
   }
   return 0;
 }
@@ -67,8 +74,12 @@ float half_to_float(uint16_t h) {
     bits = sign;
   } else {  // subnormal: normalise
     int e = -1;
-    do { ++e; mant <<= 1; } while ((mant & 0x400u) == 0);
-    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3ffu) << 13);
+    do {
+      ++e;
+      mant <<= 1;
+    } while ((mant & 0x400u) == 0);
+    bits =
+        sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3ffu) << 13);
   }
   float f;
   std::memcpy(&f, &bits, 4);
@@ -84,7 +95,7 @@ uint16_t float_to_half(float f) {
     return sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u);
   }
   if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to overflow
-  if (abs < 0x38800000u) {  // result is subnormal or zero
+  if (abs < 0x38800000u) {                        // result is subnormal or zero
     if (abs < 0x33000000u) return sign;  // below half the smallest subnormal
     const uint32_t e = abs >> 23;
     const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
@@ -113,7 +124,8 @@ float bfloat16_to_float(uint16_t b) {
 uint16_t float_to_bfloat16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  if ((x & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>((x >> 16) | 0x40u);
   const uint32_t lsb = (x >> 16) & 1u;
   x += 0x7fffu + lsb;  // round to nearest even
   return static_cast<uint16_t>(x >> 16);
@@ -169,7 +181,8 @@ void reduce(ElemType t, ReduceOp op, void* dst, const void* a, const void* b,
     case ElemType::kF16:
       return reduce_half<half_to_float, float_to_half>(op, dst, a, b, n);
     case ElemType::kBF16:
-      return reduce_half<bfloat16_to_float, float_to_bfloat16>(op, dst, a, b, n);
+      return reduce_half<bfloat16_to_float, float_to_bfloat16>(op, dst, a, b,
+                                                               n);
     case ElemType::kF32: return reduce_native<float>(op, dst, a, b, n);
     case ElemType::kF64: return reduce_native<double>(op, dst, a, b, n);
     case ElemType::kS8: return reduce_native<int8_t>(op, dst, a, b, n);

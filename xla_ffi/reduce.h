@@ -16,9 +16,18 @@ enum class ReduceOp : int { kSum = 0, kProd = 1, kMin = 2, kMax = 3 };
 // The element types jaxring reduces. Values match nothing outside jaxring;
 // the FFI handlers translate XLA's types into these.
 enum class ElemType : int {
-  kF16, kBF16, kF32, kF64,
-  kS8, kS16, kS32, kS64,
-  kU8, kU16, kU32, kU64,
+  kF16,
+  kBF16,
+  kF32,
+  kF64,
+  kS8,
+  kS16,
+  kS32,
+  kS64,
+  kU8,
+  kU16,
+  kU32,
+  kU64,
 };
 
 int64_t elem_bytes(ElemType t);

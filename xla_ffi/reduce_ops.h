@@ -28,7 +28,7 @@ JAXRING_HOST_DEVICE inline T wrap_mul(T a, T b) {
   // a signed int multiplication that can overflow.
   using W = std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;
   return static_cast<T>(static_cast<U>(static_cast<W>(static_cast<U>(a)) *
-                                        static_cast<W>(static_cast<U>(b))));
+                                       static_cast<W>(static_cast<U>(b))));
 }
 
 // min/max propagate NaN like XLA's (std::min would drop it depending on

@@ -22,7 +22,7 @@ struct RingAttrs {
   int64_t num_rings;
   int64_t chunk_bytes;
   double timeout_s;
-  int64_t algorithm;   // Algorithm (algorithm.h)
+  int64_t algorithm;  // Algorithm (algorithm.h)
   // The tiered plan's tiers, tightest first; empty: one flat ring.
   xla::ffi::Span<const int64_t> topology;
   // The process of each rank, one row of world_size per group.
@@ -66,26 +66,30 @@ struct CudaStartAttrs {
 
 }  // namespace jaxring
 
-#define JAXRING_RING_ATTR_MEMBERS                                    \
-  ::xla::ffi::StructMember<int64_t>("op_id"),                        \
-      ::xla::ffi::StructMember<int64_t>("slot_id"),                  \
-      ::xla::ffi::StructMember<int64_t>("world_size"),               \
-      ::xla::ffi::StructMember<int64_t>("reduce_op"),                \
-      ::xla::ffi::StructMember<int64_t>("num_rings"),                \
-      ::xla::ffi::StructMember<int64_t>("chunk_bytes"),              \
-      ::xla::ffi::StructMember<double>("timeout_s"),                 \
-      ::xla::ffi::StructMember<int64_t>("algorithm"),                \
-      ::xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("topology"), \
+#define JAXRING_RING_ATTR_MEMBERS                                              \
+  ::xla::ffi::StructMember<int64_t>("op_id"),                                  \
+      ::xla::ffi::StructMember<int64_t>("slot_id"),                            \
+      ::xla::ffi::StructMember<int64_t>("world_size"),                         \
+      ::xla::ffi::StructMember<int64_t>("reduce_op"),                          \
+      ::xla::ffi::StructMember<int64_t>("num_rings"),                          \
+      ::xla::ffi::StructMember<int64_t>("chunk_bytes"),                        \
+      ::xla::ffi::StructMember<double>("timeout_s"),                           \
+      ::xla::ffi::StructMember<int64_t>("algorithm"),                          \
+      ::xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("topology"),     \
       ::xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("rank_process"), \
-      ::xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("group_sizes"), \
-      ::xla::ffi::StructMember<xla::ffi::Span<const double>>("link_bytes_per_s"), \
-      ::xla::ffi::StructMember<xla::ffi::Span<const double>>("link_latency_s"), \
+      ::xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("group_sizes"),  \
+      ::xla::ffi::StructMember<xla::ffi::Span<const double>>(                  \
+          "link_bytes_per_s"),                                                 \
+      ::xla::ffi::StructMember<xla::ffi::Span<const double>>(                  \
+          "link_latency_s"),                                                   \
       ::xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("link_tiers")
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxring::RingAttrs, JAXRING_RING_ATTR_MEMBERS);
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxring::StartAttrs, JAXRING_RING_ATTR_MEMBERS,
-                                      ::xla::ffi::StructMember<int64_t>("num_deps"),
-                                      ::xla::ffi::StructMember<bool>("gang"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jaxring::RingAttrs,
+                                      JAXRING_RING_ATTR_MEMBERS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jaxring::StartAttrs, JAXRING_RING_ATTR_MEMBERS,
+    ::xla::ffi::StructMember<int64_t>("num_deps"),
+    ::xla::ffi::StructMember<bool>("gang"));
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     jaxring::CudaAttrs, JAXRING_RING_ATTR_MEMBERS,
     ::xla::ffi::StructMember<xla::ffi::Span<const int64_t>>("rank_device"),

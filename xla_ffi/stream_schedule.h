@@ -26,10 +26,10 @@ namespace jaxring {
 struct StreamExchange {
   int phase = 0;
   int64_t unit = 0;
-  Span send;      // count 0: nothing to send in this exchange
-  int to = 0;     // the rank sent to (the next rank of the phase's ring)
-  Span recv;      // count 0: nothing to receive
-  int from = 0;   // the rank received from
+  Span send;            // count 0: nothing to send in this exchange
+  int to = 0;           // the rank sent to (the next rank of the phase's ring)
+  Span recv;            // count 0: nothing to receive
+  int from = 0;         // the rank received from
   bool reduce = false;  // reduce what came into recv (else it is stored)
 };
 

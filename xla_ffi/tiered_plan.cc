@@ -85,7 +85,8 @@ int TieredPlan::position(int ring, int phase, int rank) const {
 
 std::vector<int> TieredPlan::group(int ring, int phase, int rank) const {
   const Phase& ph = phases_[phase];
-  const int base = rank - coord(rank, ph.tier) * static_cast<int>(stride_[ph.tier]);
+  const int base =
+      rank - coord(rank, ph.tier) * static_cast<int>(stride_[ph.tier]);
   std::vector<int> out(ph.group_size);
   for (int pos = 0; pos < ph.group_size; ++pos) {
     out[pos] = base + ring_position(ring, ph.group_size, pos) *
@@ -218,7 +219,8 @@ int64_t TieredPlan::bytes_sent(int rank, int tier) const {
       if (ph.tier != tier) continue;
       const int pos = position(r, j, rank);
       for (int t = 0; t < ph.num_steps; ++t) {
-        const int seg = ring_send_segment(ph.group_size, pos, ph.first_step + t);
+        const int seg =
+            ring_send_segment(ph.group_size, pos, ph.first_step + t);
         elems += segment(r, j, rank, seg).count;
       }
     }

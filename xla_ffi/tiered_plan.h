@@ -104,7 +104,7 @@ struct TieredTransfer {
   bool reduce = false;  // the receiver reduces (else it stores)
   int src_rank = 0;
   int dst_rank = 0;
-  Span span;            // element range in the whole buffer
+  Span span;  // element range in the whole buffer
 };
 
 class TieredPlan {

@@ -2,8 +2,8 @@
 // without Python or XLA, so they can run under AddressSanitizer,
 // UndefinedBehaviorSanitizer and ThreadSanitizer:
 //
-//   cmake -S . -B build-san -DJAXRING_BUILD_PYTHON=OFF \
-//         -DJAXRING_BUILD_CORE_TESTS=ON -DJAXRING_SANITIZE=address,undefined
+//   opts="-DJAXRING_BUILD_PYTHON=OFF -DJAXRING_BUILD_CORE_TESTS=ON"
+//   cmake -S . -B build-san $opts -DJAXRING_SANITIZE=address,undefined
 //   cmake --build build-san && ./build-san/jaxring_core_tests
 //
 // (and the same with -DJAXRING_SANITIZE=thread). Each device is a thread,
@@ -57,13 +57,13 @@ namespace {
 
 int failures = 0;
 
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,     \
-                   __LINE__, #cond);                                  \
-      ++failures;                                                     \
-    }                                                                 \
+#define CHECK(cond)                                                         \
+  do {                                                                      \
+    if (!(cond)) {                                                          \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, \
+                   #cond);                                                  \
+      ++failures;                                                           \
+    }                                                                       \
   } while (0)
 
 // Replays the plan on per-rank contribution counts.
@@ -107,13 +107,13 @@ std::vector<std::string> run_ranks(const std::vector<int>& order,
   std::vector<std::thread> threads;
   for (int r : order) {
     threads.emplace_back([&, r] {
-      jaxring::ring_allreduce(
-          key, desc, r, /*device=*/r, /*process_of_rank=*/{}, in[r], out[r], timeout_s,
-          [&](const std::optional<std::string>& err) {
-            std::lock_guard<std::mutex> lock(done.mu);
-            if (err) done.errors.push_back(*err);
-            if (--done.remaining == 0) done.cv.notify_all();
-          });
+      jaxring::ring_allreduce(key, desc, r, /*device=*/r,
+                              /*process_of_rank=*/{}, in[r], out[r], timeout_s,
+                              [&](const std::optional<std::string>& err) {
+                                std::lock_guard<std::mutex> lock(done.mu);
+                                if (err) done.errors.push_back(*err);
+                                if (--done.remaining == 0) done.cv.notify_all();
+                              });
     });
   }
   for (auto& t : threads) t.join();
@@ -156,7 +156,8 @@ void run_allreduce(int p, int rings, int64_t count, int64_t chunk_bytes,
     ins.push_back(in[r].data());
     outs.push_back(in_place ? in[r].data() : out[r].data());
   }
-  CHECK(run_ranks(order, jaxring::OpKey{1, op_id, 0}, desc, ins, outs, 30.0).empty());
+  CHECK(run_ranks(order, jaxring::OpKey{1, op_id, 0}, desc, ins, outs, 30.0)
+            .empty());
   for (int r = 0; r < p; ++r)
     for (int64_t i = 0; i < count; ++i)
       CHECK((in_place ? in : out)[r][i] == static_cast<int32_t>(expect[i]));
@@ -181,7 +182,8 @@ int connect_loopback(int port) {
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+  if (fd < 0 ||
+      connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     if (fd >= 0) close(fd);
     return -1;
   }
@@ -204,16 +206,19 @@ bool closed_by_peer(int fd, int timeout_ms) {
 }
 
 bool write_all(int fd, const std::string& bytes) {
-  return write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size());
+  return write(fd, bytes.data(), bytes.size()) ==
+         static_cast<ssize_t>(bytes.size());
 }
 
 // A hello as the handshake's connector sends it (tcp_handshake.h).
 std::string hello_bytes(uint32_t version, int process, int channel,
                         const std::string& nonce) {
   std::string out;
-  for (uint32_t v : {jaxring::kWireMagic, version, static_cast<uint32_t>(process),
-                     static_cast<uint32_t>(channel)}) {
-    for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  for (uint32_t v :
+       {jaxring::kWireMagic, version, static_cast<uint32_t>(process),
+        static_cast<uint32_t>(channel)}) {
+    for (int i = 0; i < 4; ++i)
+      out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
   }
   return out + nonce;
 }
@@ -226,7 +231,8 @@ int prove_as(int victim_port, const jaxring::JobIdentity& as, int channel,
   const int fd = connect_loopback(victim_port);
   CHECK(fd >= 0);
   const std::string nonce(jaxring::kNonceBytes, 'n');
-  CHECK(write_all(fd, hello_bytes(jaxring::kProtocolVersion, from, channel, nonce)));
+  CHECK(write_all(
+      fd, hello_bytes(jaxring::kProtocolVersion, from, channel, nonce)));
   char reply[64];
   size_t got = 0;
   while (got < sizeof(reply)) {
@@ -236,13 +242,15 @@ int prove_as(int victim_port, const jaxring::JobIdentity& as, int channel,
     got += static_cast<size_t>(r);
   }
   std::string proof = jaxring::handshake_mac(
-      as, false, nonce, std::string(reply + 16, jaxring::kNonceBytes), from, to, channel);
+      as, false, nonce, std::string(reply + 16, jaxring::kNonceBytes), from, to,
+      channel);
   if (garble) proof[0] ^= 1;
   // After the proof, the connector offers a shared-memory ring: none here.
   jaxring::ShmOffer no_offer{};
   no_offer.magic = jaxring::kShmOfferMagic;
-  CHECK(write_all(fd, proof + std::string(reinterpret_cast<const char*>(&no_offer),
-                                          sizeof(no_offer))));
+  CHECK(write_all(fd,
+                  proof + std::string(reinterpret_cast<const char*>(&no_offer),
+                                      sizeof(no_offer))));
   return fd;
 }
 
@@ -275,7 +283,8 @@ int attack(int victim_port) {
   other_job.job_id = "another job, 16b";
   other_secret.secret = "a guess at the secret, 32 bytes.";
   for (const auto& [as, garble] :
-       {std::pair{job, true}, std::pair{other_job, false}, std::pair{other_secret, false}}) {
+       {std::pair{job, true}, std::pair{other_job, false},
+        std::pair{other_secret, false}}) {
     fd = prove_as(victim_port, as, 5, garble);
     CHECK(closed_by_peer(fd, 5000));
     close(fd);
@@ -284,9 +293,9 @@ int attack(int victim_port) {
   fd = connect_loopback(victim_port);
   CHECK(fd >= 0);
   std::string error;
-  CHECK(jaxring::connect_handshake(fd, job, 0, 0,
-                                   std::chrono::steady_clock::now() + std::chrono::seconds(5),
-                                   &error));
+  CHECK(jaxring::connect_handshake(
+      fd, job, 0, 0, std::chrono::steady_clock::now() + std::chrono::seconds(5),
+      &error));
   CHECK(closed_by_peer(fd, 5000));
   close(fd);
 
@@ -315,13 +324,15 @@ int attack(int victim_port) {
   h.elem_type = 2;
   CHECK(write(fd, &h, sizeof(h)) == sizeof(h));
   std::vector<char> some(1 << 16, 7);
-  CHECK(write(fd, some.data(), some.size()) == static_cast<ssize_t>(some.size()));
+  CHECK(write(fd, some.data(), some.size()) ==
+        static_cast<ssize_t>(some.size()));
   return fd;
 }
 
 // Runs rank's part of a TCP allreduce and waits for it; its error, if any.
 std::optional<std::string> tcp_allreduce_and_wait(const jaxring::OpKey& key,
-                                                  const jaxring::OpDesc& desc, int rank,
+                                                  const jaxring::OpDesc& desc,
+                                                  int rank,
                                                   const std::vector<int>& procs,
                                                   const void* in, void* out,
                                                   double timeout_s) {
@@ -329,8 +340,8 @@ std::optional<std::string> tcp_allreduce_and_wait(const jaxring::OpKey& key,
   std::condition_variable cv;
   bool finished = false;
   std::optional<std::string> err;
-  jaxring::tcp_allreduce(key, desc, rank, /*device=*/rank, procs, in, out, timeout_s,
-                         [&](const std::optional<std::string>& e) {
+  jaxring::tcp_allreduce(key, desc, rank, /*device=*/rank, procs, in, out,
+                         timeout_s, [&](const std::optional<std::string>& e) {
                            std::lock_guard<std::mutex> lock(mu);
                            err = e;
                            finished = true;
@@ -350,7 +361,8 @@ constexpr int64_t kEarlyBadOp = 999;
 // it does not know yet where process 0 listens: the abort waits for its
 // set_peers. Returns the connection, to keep open until the job ends.
 int early_bad_frame(int peer_port) {
-  const int fd = prove_as(peer_port, test_job(0), 60, false, /*from=*/0, /*to=*/1);
+  const int fd =
+      prove_as(peer_port, test_job(0), 60, false, /*from=*/0, /*to=*/1);
   WireHeader h{};
   h.magic = jaxring::kWireMagic;
   h.kind = jaxring::kData;
@@ -367,7 +379,8 @@ int early_bad_frame(int peer_port) {
   h.payload_bytes = 64;
   CHECK(write(fd, &h, sizeof(h)) == sizeof(h));
   const std::vector<char> payload(64, 1);
-  CHECK(write(fd, payload.data(), payload.size()) == static_cast<ssize_t>(payload.size()));
+  CHECK(write(fd, payload.data(), payload.size()) ==
+        static_cast<ssize_t>(payload.size()));
   return fd;
 }
 
@@ -375,7 +388,8 @@ int early_bad_frame(int peer_port) {
 // process_of_rank[r] == me, all operations at once from their own threads.
 int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   std::string error;
-  const int port = jaxring::tcp_listen("127.0.0.1", test_job(me), /*use_shm=*/true, &error);
+  const int port =
+      jaxring::tcp_listen("127.0.0.1", test_job(me), /*use_shm=*/true, &error);
   if (port < 0) {
     std::fprintf(stderr, "tcp_listen: %s\n", error.c_str());
     return 1;
@@ -392,8 +406,8 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   // The two processes share this host: their data goes through
   // shared-memory rings (the hostile peer's connections stay on TCP).
   CHECK(jaxring::tcp_set_peers({"127.0.0.1:" + std::to_string(ports[0]),
-                               "127.0.0.1:" + std::to_string(ports[1])},
-                              {1 - me}, &error));
+                                "127.0.0.1:" + std::to_string(ports[1])},
+                               {1 - me}, &error));
   struct Case {
     std::vector<int> procs;
     int rings;
@@ -401,9 +415,12 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
     std::vector<int> topology;  // empty: the flat ring
   };
   const std::vector<Case> cases = {
-      {{0, 1}, 1, 1, 4, {}},        {{0, 1}, 2, 1000, 256, {}},
-      {{1, 0}, 3, 100003, 4096, {}}, {{0, 0, 1, 1}, 2, 20000, 512, {}},
-      {{0, 1, 0, 1}, 1, 777, 64, {}}, {{0, 1, 1}, 2, 0, 64, {}},
+      {{0, 1}, 1, 1, 4, {}},
+      {{0, 1}, 2, 1000, 256, {}},
+      {{1, 0}, 3, 100003, 4096, {}},
+      {{0, 0, 1, 1}, 2, 20000, 512, {}},
+      {{0, 1, 0, 1}, 1, 777, 64, {}},
+      {{0, 1, 1}, 2, 0, 64, {}},
       // Tiered plans: in-process tiers whose units go through staging, and
       // phases that cross the processes.
       {{0, 0, 1, 1}, 2, 20000, 512, {2, 2}},
@@ -414,39 +431,39 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   std::mutex mu;
   int ok = 0, expected = 0;
   auto run_cases = [&](const std::vector<Case>& cases, int64_t first_op_id) {
-  std::vector<std::thread> threads;
-  for (size_t k = 0; k < cases.size(); ++k) {
-    const Case c = cases[k];
-    const int p = static_cast<int>(c.procs.size());
-    for (int r = 0; r < p; ++r) {
-      if (c.procs[r] != me) continue;
-      ++expected;
-      threads.emplace_back([&, c, k, r, p] {
-        std::vector<int32_t> in(c.count), out(c.count, -1);
-        for (int64_t i = 0; i < c.count; ++i) in[i] = (r + 1) * 3 + i % 11;
-        jaxring::OpDesc desc;
-        desc.type = jaxring::ElemType::kS32;
-        desc.count = c.count;
-        desc.world_size = p;
-        desc.num_rings = c.rings;
-        desc.chunk_bytes = c.chunk;
-        desc.topology = c.topology;
-        const std::optional<std::string> err = tcp_allreduce_and_wait(
-            {7, first_op_id + static_cast<int64_t>(k), 0}, desc, r, c.procs, in.data(),
-            out.data(), 30.0);
-        bool good = !err;
-        for (int64_t i = 0; good && i < c.count; ++i) {
-          int32_t want = 0;
-          for (int q = 0; q < p; ++q) want += (q + 1) * 3 + i % 11;
-          good = out[i] == want;
-        }
-        if (err) std::fprintf(stderr, "tcp case %zu: %s\n", k, err->c_str());
-        std::lock_guard<std::mutex> g(mu);
-        ok += good;
-      });
+    std::vector<std::thread> threads;
+    for (size_t k = 0; k < cases.size(); ++k) {
+      const Case c = cases[k];
+      const int p = static_cast<int>(c.procs.size());
+      for (int r = 0; r < p; ++r) {
+        if (c.procs[r] != me) continue;
+        ++expected;
+        threads.emplace_back([&, c, k, r, p] {
+          std::vector<int32_t> in(c.count), out(c.count, -1);
+          for (int64_t i = 0; i < c.count; ++i) in[i] = (r + 1) * 3 + i % 11;
+          jaxring::OpDesc desc;
+          desc.type = jaxring::ElemType::kS32;
+          desc.count = c.count;
+          desc.world_size = p;
+          desc.num_rings = c.rings;
+          desc.chunk_bytes = c.chunk;
+          desc.topology = c.topology;
+          const std::optional<std::string> err = tcp_allreduce_and_wait(
+              {7, first_op_id + static_cast<int64_t>(k), 0}, desc, r, c.procs,
+              in.data(), out.data(), 30.0);
+          bool good = !err;
+          for (int64_t i = 0; good && i < c.count; ++i) {
+            int32_t want = 0;
+            for (int q = 0; q < p; ++q) want += (q + 1) * 3 + i % 11;
+            good = out[i] == want;
+          }
+          if (err) std::fprintf(stderr, "tcp case %zu: %s\n", k, err->c_str());
+          std::lock_guard<std::mutex> g(mu);
+          ok += good;
+        });
+      }
     }
-  }
-  for (auto& t : threads) t.join();
+    for (auto& t : threads) t.join();
   };
   run_cases(cases, 0);
   if (me == 0) {
@@ -467,12 +484,14 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
         {7, kEarlyBadOp, 0}, desc, 0, {0, 1}, in.data(), out.data(), 20.0);
     CHECK(err && err->find("does not fit the plan") != std::string::npos &&
           err->find("[reported by process 1]") != std::string::npos);
-    CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(10));
+    CHECK(std::chrono::steady_clock::now() - started <
+          std::chrono::seconds(10));
   }
   // Process 1 plays a stranger against process 0; one more allreduce then
   // shows that process 0 survived and still reduces correctly.
   const int kept = me == 1 ? attack(ports[0]) : -1;
-  run_cases({{{0, 1}, 2, 1000, 256, {}}, {{1, 0, 1, 0}, 1, 777, 64, {2, 2}}}, 100);
+  run_cases({{{0, 1}, 2, 1000, 256, {}}, {{1, 0, 1, 0}, 1, 777, 64, {2, 2}}},
+            100);
   // Every operation is dropped once its ranks completed, except two failed
   // ones on each process, which stay until they expire: the one the
   // misbehaving frame made on process 0 and its echo on process 1 (process 0
@@ -492,15 +511,18 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
   {
     // The job's own connections carried their data through shared memory.
     const jaxring::TcpTransportInfo info = jaxring::tcp_transport_info();
-    CHECK(info.use_shm && !info.shm_outbound.empty() && !info.shm_inbound.empty());
+    CHECK(info.use_shm && !info.shm_outbound.empty() &&
+          !info.shm_inbound.empty());
     CHECK(info.shm_unavailable.empty());
     // Frames went out from the workers that sent them.
     CHECK(info.data_frames_by_device_thread > 0);
     if (me == 1) {
       // Every connection from process 0 maps its ring, the early ones too.
-      std::set<std::pair<int, int>> in(info.inbound.begin(), info.inbound.end());
+      std::set<std::pair<int, int>> in(info.inbound.begin(),
+                                       info.inbound.end());
       in.erase({0, 60});  // the early bad frame's, which offered no ring
-      std::set<std::pair<int, int>> shm(info.shm_inbound.begin(), info.shm_inbound.end());
+      std::set<std::pair<int, int>> shm(info.shm_inbound.begin(),
+                                        info.shm_inbound.end());
       CHECK(in == shm);
     }
   }
@@ -542,7 +564,8 @@ void run_tcp_test() {
 
 // One rank of a direct allreduce across processes over the host segment:
 // waits for its completion (at most 60 s) and returns its error, or "".
-std::string host_direct_sum(int rank, int64_t op_id, const std::vector<float>& in,
+std::string host_direct_sum(int rank, int64_t op_id,
+                            const std::vector<float>& in,
                             std::vector<float>* out, double timeout_s,
                             const std::vector<int>& process_of_rank = {0, 1}) {
   jaxring::OpDesc d;
@@ -553,11 +576,11 @@ std::string host_direct_sum(int rank, int64_t op_id, const std::vector<float>& i
   d.slot_id = op_id;
   auto done = std::make_shared<std::promise<std::string>>();
   std::future<std::string> result = done->get_future();
-  jaxring::host_direct_allreduce(jaxring::OpKey{1, op_id, 0}, d, rank, process_of_rank,
-                                 in.data(), out->data(), timeout_s,
-                                 [done](const std::optional<std::string>& e) {
-                                   done->set_value(e ? *e : "");
-                                 });
+  jaxring::host_direct_allreduce(
+      jaxring::OpKey{1, op_id, 0}, d, rank, process_of_rank, in.data(),
+      out->data(), timeout_s, [done](const std::optional<std::string>& e) {
+        done->set_value(e ? *e : "");
+      });
   if (result.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
     return "no completion within 60 s";
   }
@@ -571,11 +594,14 @@ int host_direct_process(int me, std::unique_ptr<jaxring::HostSegment> shared,
                         const std::string& job) {
   std::string error;
   std::unique_ptr<jaxring::HostSegment> seg =
-      me == 0 ? std::move(shared) : jaxring::HostSegment::open(shared->name(), job, 1, &error);
-  if (me == 1) (void)shared.release();  // process 0's object: not this one's to unmap
+      me == 0 ? std::move(shared)
+              : jaxring::HostSegment::open(shared->name(), job, 1, &error);
+  if (me == 1)
+    (void)shared.release();  // process 0's object: not this one's to unmap
   CHECK(seg != nullptr);
   if (!seg) return failures;
-  while (seg->mapped() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (seg->mapped() < 2)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   if (me == 0) seg->unlink();
   seg->watch_peers(me);
   // The header, to rewrite it as a broken peer would (its sizes sit at
@@ -618,7 +644,8 @@ int host_direct_process(int me, std::unique_ptr<jaxring::HostSegment> shared,
           const int64_t count = 100000 + 1000 * k;
           std::vector<float> in(count), out(count, -1.0f);
           for (int64_t i = 0; i < count; ++i) in[i] = (rank + 1) * pattern(i);
-          CHECK(host_direct_sum(rank, 200 + k, in, &out, 30.0, {0, 0, 1, 1}).empty());
+          CHECK(host_direct_sum(rank, 200 + k, in, &out, 30.0, {0, 0, 1, 1})
+                    .empty());
           for (int64_t i = 0; i < count; ++i) {
             if (out[i] != 10 * pattern(i)) {
               CHECK(out[i] == 10 * pattern(i));
@@ -636,7 +663,8 @@ int host_direct_process(int me, std::unique_ptr<jaxring::HostSegment> shared,
   for (int64_t count : {1000, 300001, 0}) {
     for (int k = 0; k < 40; ++k) {
       std::vector<float> in(count), out(count, -1.0f);
-      for (int64_t i = 0; i < count; ++i) in[i] = (me + 1) * (k + 1) * pattern(i);
+      for (int64_t i = 0; i < count; ++i)
+        in[i] = (me + 1) * (k + 1) * pattern(i);
       CHECK(host_direct_sum(me, 600 + count % 7, in, &out, 30.0).empty());
       for (int64_t i = 0; i < count; ++i) {
         if (out[i] != 3 * (k + 1) * pattern(i)) {
@@ -676,7 +704,8 @@ int host_direct_process(int me, std::unique_ptr<jaxring::HostSegment> shared,
 void run_host_direct_test() {
   const std::string job = "core-tests-host-direct";
   std::string error;
-  auto seg = jaxring::HostSegment::create(job, 0, 2, 4, &error);  // 2 processes, up to 4 ranks
+  auto seg = jaxring::HostSegment::create(
+      job, 0, 2, 4, &error);  // 2 processes, up to 4 ranks
   CHECK(seg != nullptr);
   if (!seg) return;
   pid_t pids[2];
@@ -707,12 +736,15 @@ void run_host_layout_test() {
   CHECK(fd >= 0);
   uint64_t magic = 0;
   CHECK(::pread(fd, &magic, sizeof magic, 0) == sizeof magic);
-  const uint64_t first_layout = (magic & ~uint64_t{0xffff}) | 0x5347;  // "...SG"
-  CHECK(::pwrite(fd, &first_layout, sizeof first_layout, 0) == sizeof first_layout);
+  const uint64_t first_layout =
+      (magic & ~uint64_t{0xffff}) | 0x5347;  // "...SG"
+  CHECK(::pwrite(fd, &first_layout, sizeof first_layout, 0) ==
+        sizeof first_layout);
   ::close(fd);
   error.clear();
   CHECK(jaxring::HostSegment::open(seg->name(), job, 1, &error) == nullptr);
-  CHECK(error.find("layout version 1 and this jaxring build lays it out as version") !=
+  CHECK(error.find(
+            "layout version 1 and this jaxring build lays it out as version") !=
         std::string::npos);
   CHECK(error.find("same jaxring build") != std::string::npos);
 }
@@ -743,8 +775,10 @@ std::vector<std::vector<float>> float_allreduce(
     outs.push_back(out[r].data());
   }
   const auto t0 = std::chrono::steady_clock::now();
-  *errors = run_ranks(order, jaxring::OpKey{3, op_id, 0}, desc, ins, outs, timeout_s);
-  *wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  *errors =
+      run_ranks(order, jaxring::OpKey{3, op_id, 0}, desc, ins, outs, timeout_s);
+  *wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                .count();
   return out;
 }
 
@@ -762,17 +796,22 @@ void run_emulation_tests() {
       desc.chunk_bytes = chunk;
       std::vector<std::string> errors;
       double wall = 0;
-      const auto threaded = float_allreduce(p, count, desc, 10 + rings, 30, &errors, &wall);
+      const auto threaded =
+          float_allreduce(p, count, desc, 10 + rings, 30, &errors, &wall);
       CHECK(errors.empty());
       desc.link = {{p, 200e6, 50e-6}};
-      const auto emulated = float_allreduce(p, count, desc, 10 + rings, 30, &errors, &wall);
+      const auto emulated =
+          float_allreduce(p, count, desc, 10 + rings, 30, &errors, &wall);
       CHECK(errors.empty());
       for (int r = 0; r < p; ++r) {
-        CHECK(std::memcmp(threaded[r].data(), emulated[r].data(), count * 4) == 0);
-        CHECK(std::memcmp(emulated[0].data(), emulated[r].data(), count * 4) == 0);
+        CHECK(std::memcmp(threaded[r].data(), emulated[r].data(), count * 4) ==
+              0);
+        CHECK(std::memcmp(emulated[0].data(), emulated[r].data(), count * 4) ==
+              0);
       }
       // Each rank sends 2(p-1)/p of its buffer over its own link.
-      const double link_s = 2.0 * (p - 1) / p * count * 4 / desc.link[0].bytes_per_s;
+      const double link_s =
+          2.0 * (p - 1) / p * count * 4 / desc.link[0].bytes_per_s;
       CHECK(wall >= 0.95 * link_s);
     }
   {
@@ -821,7 +860,8 @@ void run_emulation_tests() {
     double wall = 0;
     float_allreduce(3, 100000, desc, 20, 0.2, &errors, &wall);
     CHECK(errors.size() == 3);
-    for (const auto& e : errors) CHECK(e.find("did not finish") != std::string::npos);
+    for (const auto& e : errors)
+      CHECK(e.find("did not finish") != std::string::npos);
   }
 }
 
@@ -838,7 +878,8 @@ void run_tiered_tests() {
     int p;
   };
   const std::vector<Case> cases = {{{2, 4}, 8}, {{4, 2}, 8}, {{2, 2, 2}, 8},
-                                   {{}, 2}, {{}, 3}, {{}, 6}, {{}, 8}, {{}, 12}};
+                                   {{}, 2},     {{}, 3},     {{}, 6},
+                                   {{}, 8},     {{}, 12}};
   for (const auto& [dims, p] : cases)
     for (int rings : {1, 3})
       for (int64_t count : {0, 1, 7, 1000, 100003})
@@ -846,7 +887,8 @@ void run_tiered_tests() {
           const bool exchange = dims.empty();
           const bool in_place = variant == 1, emulated = variant == 2;
           std::vector<std::vector<int32_t>> in(p, std::vector<int32_t>(count));
-          std::vector<std::vector<int32_t>> out(p, std::vector<int32_t>(count, -1));
+          std::vector<std::vector<int32_t>> out(
+              p, std::vector<int32_t>(count, -1));
           std::vector<int32_t> expect(count, 0);
           for (int r = 0; r < p; ++r)
             for (int64_t i = 0; i < count; ++i) {
@@ -867,14 +909,17 @@ void run_tiered_tests() {
           }
           std::vector<int> order(p);
           std::iota(order.begin(), order.end(), 0);
-          std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<unsigned>(op_id)));
+          std::shuffle(order.begin(), order.end(),
+                       std::mt19937(static_cast<unsigned>(op_id)));
           std::vector<const void*> ins;
           std::vector<void*> outs;
           for (int r = 0; r < p; ++r) {
             ins.push_back(in[r].data());
             outs.push_back(in_place ? in[r].data() : out[r].data());
           }
-          CHECK(run_ranks(order, jaxring::OpKey{2, op_id++, 0}, desc, ins, outs, 30.0).empty());
+          CHECK(run_ranks(order, jaxring::OpKey{2, op_id++, 0}, desc, ins, outs,
+                          30.0)
+                    .empty());
           for (int r = 0; r < p; ++r) CHECK((in_place ? in : out)[r] == expect);
         }
   CHECK(jaxring::inprocess_plan_pending_ops() == 0);
@@ -894,7 +939,8 @@ void run_tiered_tests() {
 // (no deadlock), reduce receives must fit the scratch the schedule sizes,
 // and the results must be the executor's bits.
 std::vector<std::vector<float>> stream_ordered_allreduce(
-    const jaxring::TieredPlan& plan, const std::vector<std::vector<float>>& in) {
+    const jaxring::TieredPlan& plan,
+    const std::vector<std::vector<float>>& in) {
   const int p = plan.world_size();
   std::vector<std::vector<float>> out = in;
   struct Stream {
@@ -930,14 +976,17 @@ std::vector<std::vector<float>> stream_ordered_allreduce(
           if (peer.next < peer.xs.size() && !peer.received) {
             const jaxring::StreamExchange& y = peer.xs[peer.next];
             if (y.phase == x.phase && y.unit == x.unit && y.from == a) {
-              CHECK(y.recv.offset == x.send.offset && y.recv.count == x.send.count);
+              CHECK(y.recv.offset == x.send.offset &&
+                    y.recv.count == x.send.count);
               float* dst = out[x.to].data() + y.recv.offset;
               const float* src = out[a].data() + x.send.offset;
               if (y.reduce) {
-                CHECK(y.recv.count <= static_cast<int64_t>(peer.scratch.size()));
+                CHECK(y.recv.count <=
+                      static_cast<int64_t>(peer.scratch.size()));
                 std::copy(src, src + x.send.count, peer.scratch.data());
-                jaxring::reduce(jaxring::ElemType::kF32, jaxring::ReduceOp::kSum,
-                                dst, dst, peer.scratch.data(), y.recv.count);
+                jaxring::reduce(jaxring::ElemType::kF32,
+                                jaxring::ReduceOp::kSum, dst, dst,
+                                peer.scratch.data(), y.recv.count);
               } else {
                 std::copy(src, src + x.send.count, dst);
               }
@@ -954,14 +1003,15 @@ std::vector<std::vector<float>> stream_ordered_allreduce(
         }
       }
     }
-    for (int rank = 0; rank < p; ++rank) CHECK(s[rank].next == s[rank].xs.size());
+    for (int rank = 0; rank < p; ++rank)
+      CHECK(s[rank].next == s[rank].xs.size());
   }
   return out;
 }
 
 void run_stream_schedule_tests() {
-  const std::vector<std::vector<int>> topologies = {{2}, {3}, {5}, {8},
-                                                   {2, 4}, {4, 2}, {2, 2, 2}, {1, 3}};
+  const std::vector<std::vector<int>> topologies = {
+      {2}, {3}, {5}, {8}, {2, 4}, {4, 2}, {2, 2, 2}, {1, 3}};
   int64_t op_id = 70000;
   for (const auto& dims : topologies)
     for (int rings : {1, 3})
@@ -981,17 +1031,21 @@ void run_stream_schedule_tests() {
         std::normal_distribution<float> normal(0.f, 1e3f);
         for (auto& v : in)
           for (auto& x : v) x = normal(gen);
-        const auto executed = float_allreduce(p, count, desc, op_id, 30, &errors, &wall);
+        const auto executed =
+            float_allreduce(p, count, desc, op_id, 30, &errors, &wall);
         CHECK(errors.empty());
         const jaxring::TieredPlan plan(dims, rings, count, 4, chunk_bytes);
         const auto streamed = stream_ordered_allreduce(plan, in);
         for (int r = 0; r < p; ++r) {
-          const bool same = count == 0 ||
-              std::memcmp(executed[r].data(), streamed[r].data(), count * 4) == 0;
+          const bool same =
+              count == 0 || std::memcmp(executed[r].data(), streamed[r].data(),
+                                        count * 4) == 0;
           if (!same) {
-            std::fprintf(stderr, "stream order differs: dims %zu-tier p=%d rings=%d "
-                         "count=%lld rank %d\n", dims.size(), p, rings,
-                         static_cast<long long>(count), r);
+            std::fprintf(stderr,
+                         "stream order differs: dims %zu-tier p=%d rings=%d "
+                         "count=%lld rank %d\n",
+                         dims.size(), p, rings, static_cast<long long>(count),
+                         r);
           }
           CHECK(same);
         }
@@ -1003,7 +1057,9 @@ void run_stream_schedule_tests() {
 // transfer ready while the link is idle uses a gap that fits it.
 void run_link_timeline_tests() {
   jaxring::LinkTimeline link;
-  auto book = [&link](int64_t ready, int64_t busy) { return link.book(ready, busy, 0); };
+  auto book = [&link](int64_t ready, int64_t busy) {
+    return link.book(ready, busy, 0);
+  };
   CHECK(book(100, 10) == 100);   // [100, 110)
   CHECK(book(100, 10) == 110);   // queued behind it: [110, 120)
   CHECK(book(200, 10) == 200);   // [200, 210), a gap before it
@@ -1033,7 +1089,8 @@ void run_gang_tests() {
     std::vector<std::thread> ranks;
     std::atomic<int> all{0};
     for (int r = 0; r < 4; ++r)
-      ranks.emplace_back([&] { all += jaxring::gang_start_wait({7, 1, 0}, 4, 10.0); });
+      ranks.emplace_back(
+          [&] { all += jaxring::gang_start_wait({7, 1, 0}, 4, 10.0); });
     for (auto& t : ranks) t.join();
     CHECK(all.load() == 4);
     CHECK(jaxring::gang_start_pending() == 0);
@@ -1087,10 +1144,12 @@ pid_t fork_creator(const std::string& job, std::vector<std::string>* names,
     const jaxring::ShmOffer offer = ring ? ring->offer() : jaxring::ShmOffer{};
     const std::string text = (seg ? seg->name() : "") + "\n" +
                              std::string(offer.name, offer.name_bytes) + "\n";
-    if (::write(fds[1], text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
+    if (::write(fds[1], text.data(), text.size()) !=
+        static_cast<ssize_t>(text.size())) {
       _exit(2);
     }
-    then(fds[1]);  // seg and ring are never destroyed: nothing unlinks them here
+    then(
+        fds[1]);  // seg and ring are never destroyed: nothing unlinks them here
     _exit(4);
   }
   ::close(fds[1]);
@@ -1104,15 +1163,17 @@ pid_t fork_creator(const std::string& job, std::vector<std::string>* names,
   ::close(fds[0]);
   const size_t nl = text.find('\n');
   names->push_back(text.substr(0, nl));
-  names->push_back(nl == std::string::npos ? "" : text.substr(nl + 1, text.find('\n', nl + 1) - nl - 1));
+  names->push_back(nl == std::string::npos
+                       ? ""
+                       : text.substr(nl + 1, text.find('\n', nl + 1) - nl - 1));
   return pid;
 }
 
 // What each way out of a segment's creator leaves in /dev/shm, and what the
 // next job's sweep removes. Forks: runs while this process has no threads.
 void run_segment_exit_tests() {
-  const std::vector<jaxring::SegmentReader> readers = {jaxring::HostSegment::read_creator,
-                                                       jaxring::ShmRing::read_creator};
+  const std::vector<jaxring::SegmentReader> readers = {
+      jaxring::HostSegment::read_creator, jaxring::ShmRing::read_creator};
   auto reap = [](pid_t pid) {
     int status = 0;
     return ::waitpid(pid, &status, 0) == pid ? status : -1;
@@ -1121,8 +1182,10 @@ void run_segment_exit_tests() {
   // the process ends by the signal as it would have.
   {
     std::vector<std::string> names;
-    const pid_t pid = fork_creator("core-tests-sigterm", &names,
-                                   [](int) { ::raise(SIGTERM); _exit(3); });
+    const pid_t pid = fork_creator("core-tests-sigterm", &names, [](int) {
+      ::raise(SIGTERM);
+      _exit(3);
+    });
     const int status = reap(pid);
     CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM);
     CHECK(names.size() == 2 && !names[0].empty() && !names[1].empty());
@@ -1131,7 +1194,8 @@ void run_segment_exit_tests() {
   // exit() without destroying either segment: the atexit handler removes them.
   {
     std::vector<std::string> names;
-    const pid_t pid = fork_creator("core-tests-exit", &names, [](int) { std::exit(0); });
+    const pid_t pid =
+        fork_creator("core-tests-exit", &names, [](int) { std::exit(0); });
     const int status = reap(pid);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     for (const auto& name : names) CHECK(!in_dev_shm(name));
@@ -1140,7 +1204,8 @@ void run_segment_exit_tests() {
   // a sweep finds their creator gone. A live creator's segments, and a
   // file of this user that is not a segment of this build, stay.
   std::vector<std::string> dead, live;
-  const pid_t dead_pid = fork_creator("core-tests-dead", &dead, [](int) { _exit(0); });
+  const pid_t dead_pid =
+      fork_creator("core-tests-dead", &dead, [](int) { _exit(0); });
   reap(dead_pid);  // reaped: a zombie's pid still answers kill(pid, 0)
   for (const auto& name : dead) CHECK(in_dev_shm(name));
   const pid_t live_pid = fork_creator("core-tests-live", &live, [](int) {
@@ -1150,7 +1215,8 @@ void run_segment_exit_tests() {
   const int fd = ::shm_open(foreign.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   CHECK(fd >= 0 && ::ftruncate(fd, 1 << 16) == 0);
   if (fd >= 0) ::close(fd);
-  const std::vector<std::string> removed = jaxring::remove_stale_segments(readers);
+  const std::vector<std::string> removed =
+      jaxring::remove_stale_segments(readers);
   auto was_removed = [&](const std::string& name) {
     return std::find(removed.begin(), removed.end(), name) != removed.end();
   };
@@ -1207,7 +1273,8 @@ void run_shm_ring_tests() {
     CHECK(tx->put(data.data(), n, fds[0], 1.0, always, &error) ==
           jaxring::ShmRing::Put::kDone);
     const char* got = rx->next(n, &error);
-    CHECK(got != nullptr && std::memcmp(got, data.data(), static_cast<size_t>(n)) == 0);
+    CHECK(got != nullptr &&
+          std::memcmp(got, data.data(), static_cast<size_t>(n)) == 0);
     rx->release(n);
   }
   // A full ring: the sender gives up when its operation is gone, and fails
@@ -1248,7 +1315,8 @@ int main() {
 
   for (int p = 1; p <= 9; ++p)
     for (int rings = 1; rings <= 4; ++rings)
-      for (int64_t count : {0, 1, 7, 100, 1000}) check_plan(p, rings, count, 12);
+      for (int64_t count : {0, 1, 7, 100, 1000})
+        check_plan(p, rings, count, 12);
 
   // The 16-bit conversions round-trip every finite value.
   for (uint32_t h = 0; h < 0x10000; ++h) {
@@ -1264,30 +1332,36 @@ int main() {
       for (int64_t count : {0, 1, 17, 1000, 100003})
         for (int64_t chunk : {4, 256, 1 << 20}) {
           if (chunk == 4 && count > 1000) continue;  // keeps TSan quick
-          run_allreduce(p, rings, count, chunk, op_id++, static_cast<unsigned>(op_id));
+          const int id = op_id++;
+          run_allreduce(p, rings, count, chunk, id, static_cast<unsigned>(id));
         }
   // The direct algorithm, into separate outputs and in place.
   for (int p : {2, 3, 5, 8})
     for (int64_t count : {0, 1, 17, 1000, 100003})
-      for (bool in_place : {false, true})
-        run_allreduce(p, 2, count, 1 << 20, op_id++, static_cast<unsigned>(op_id),
+      for (bool in_place : {false, true}) {
+        const int id = op_id++;
+        run_allreduce(p, 2, count, 1 << 20, id, static_cast<unsigned>(id),
                       jaxring::Algorithm::kDirect, in_place);
+      }
   // Several operations in flight at once, started in different orders.
   {
     std::vector<std::thread> ops;
     for (int k = 0; k < 6; ++k)
       ops.emplace_back([k] {
-        run_allreduce(4, 2, 5000 + k, 512, 1000 + k, k,
-                      k % 2 ? jaxring::Algorithm::kDirect : jaxring::Algorithm::kRing);
+        run_allreduce(
+            4, 2, 5000 + k, 512, 1000 + k, k,
+            k % 2 ? jaxring::Algorithm::kDirect : jaxring::Algorithm::kRing);
       });
     for (auto& t : ops) t.join();
   }
   // Link emulation, ints: exact sums, into separate outputs and in place.
   for (int p : {2, 3, 8})
     for (int64_t count : {0, 1, 17, 100003})
-      for (bool in_place : {false, true})
-        run_allreduce(p, 2, count, 4096, op_id++, static_cast<unsigned>(op_id),
+      for (bool in_place : {false, true}) {
+        const int id = op_id++;
+        run_allreduce(p, 2, count, 4096, id, static_cast<unsigned>(id),
                       jaxring::Algorithm::kRing, in_place, /*link=*/10e9);
+      }
   run_emulation_tests();
   run_tiered_tests();
   run_stream_schedule_tests();
@@ -1321,7 +1395,8 @@ int main() {
   // A rank that never arrives: the others fail after the timeout, naming it
   // (the ring, the direct algorithm, the ring under link emulation).
   for (int kind = 0; kind < 3; ++kind) {
-    const auto algorithm = kind == 1 ? jaxring::Algorithm::kDirect : jaxring::Algorithm::kRing;
+    const auto algorithm =
+        kind == 1 ? jaxring::Algorithm::kDirect : jaxring::Algorithm::kRing;
     jaxring::OpDesc desc;
     if (kind == 2) desc.link = {{3, 1e9, 0}};
     desc.type = jaxring::ElemType::kF32;
@@ -1355,11 +1430,13 @@ int main() {
     int fds[2];
     CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0);
     std::string error;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::seconds(1);
     CHECK(!jaxring::connect_handshake(fds[0], job, 1, 0, deadline, &error));
     CHECK(error.find("exiting") != std::string::npos);
     int process = -1, channel = -1;
-    CHECK(!jaxring::accept_handshake(fds[1], job, deadline, &process, &channel, &error));
+    CHECK(!jaxring::accept_handshake(fds[1], job, deadline, &process, &channel,
+                                     &error));
     close(fds[0]);
     close(fds[1]);
   }

@@ -62,7 +62,8 @@ std::optional<std::string> describe_link(ffi::Span<const double> bytes_per_s,
       return "jaxring allreduce: an emulated tier of 1 to world_size ranks";
     }
     inner *= size;
-    desc->link.push_back({static_cast<int>(size), bytes_per_s[t], latency_s[t]});
+    desc->link.push_back(
+        {static_cast<int>(size), bytes_per_s[t], latency_s[t]});
   }
   return std::nullopt;
 }
@@ -72,11 +73,13 @@ std::optional<std::string> describe_link(ffi::Span<const double> bytes_per_s,
 std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
                                        int rank, int64_t world_size,
                                        const RingAttrs& a, OpDesc* desc) {
-  ElemType type;
-  ReduceOp op;
-  if (auto error = check_allreduce_attrs(dtype, a.reduce_op, world_size,
-                                         a.num_rings, a.chunk_bytes, a.timeout_s,
-                                         &type, &op)) {
+  // Set by check_allreduce_attrs on success; initialized for the compiler,
+  // which cannot see that.
+  ElemType type{};
+  ReduceOp op{};
+  if (auto error =
+          check_allreduce_attrs(dtype, a.reduce_op, world_size, a.num_rings,
+                                a.chunk_bytes, a.timeout_s, &type, &op)) {
     return error;
   }
   if (auto error = describe_link(a.link_bytes_per_s, a.link_latency_s,
@@ -89,7 +92,8 @@ std::optional<std::string> describe_op(ffi::DataType dtype, int64_t count,
     return "jaxring allreduce: unknown algorithm";
   }
   if (algorithm == Algorithm::kNccl) {
-    return "jaxring allreduce: algorithm 'nccl' exists on the CUDA backend only";
+    return "jaxring allreduce: algorithm 'nccl' exists on the CUDA backend "
+           "only";
   }
   if (rank < 0 || rank >= world_size) {
     std::ostringstream os;
@@ -116,7 +120,8 @@ std::optional<std::string> size_of_group(ffi::Span<const int64_t> group_sizes,
   *size = world_size;
   if (group_sizes.size() == 0) return std::nullopt;
   if (group < 0 || group >= static_cast<int64_t>(group_sizes.size())) {
-    return "jaxring allreduce: the group_sizes table has no entry for this group";
+    return "jaxring allreduce: the group_sizes table has no entry for this "
+           "group";
   }
   *size = group_sizes[group];
   if (*size < 1 || *size > world_size) {
@@ -132,10 +137,13 @@ std::optional<std::string> processes_of_group(
     ffi::Span<const int64_t> rank_process, int64_t group, int64_t world_size,
     int64_t size, std::vector<int>* out) {
   const int64_t begin = group * world_size;
-  if (group < 0 || begin + world_size > static_cast<int64_t>(rank_process.size())) {
-    return "jaxring allreduce: the rank_process table has no row for this group";
+  if (group < 0 ||
+      begin + world_size > static_cast<int64_t>(rank_process.size())) {
+    return "jaxring allreduce: the rank_process table has no row for this "
+           "group";
   }
-  out->assign(rank_process.begin() + begin, rank_process.begin() + begin + size);
+  out->assign(rank_process.begin() + begin,
+              rank_process.begin() + begin + size);
   return std::nullopt;
 }
 
@@ -190,7 +198,8 @@ std::optional<std::string> rank_op(const RingAttrs& a, ffi::RunId run_id,
                                    const OperandShapes& shapes, int rank,
                                    int64_t group, RankOp* op) {
   int64_t ring_size = a.world_size;
-  if (auto error = size_of_group(a.group_sizes, group, a.world_size, &ring_size)) {
+  if (auto error =
+          size_of_group(a.group_sizes, group, a.world_size, &ring_size)) {
     return error;
   }
   if (auto error = describe_op(dtype, count, rank, ring_size, a, &op->desc)) {
@@ -232,8 +241,9 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
   RankOp op;
   OperandShapes shapes;
   shapes.add(x.dimensions());
-  if (auto error = rank_op(attrs, run_id, x.element_type(), count, shapes,
-                           rank_buf.typed_data()[0], group_buf.typed_data()[0], &op)) {
+  if (auto error =
+          rank_op(attrs, run_id, x.element_type(), count, shapes,
+                  rank_buf.typed_data()[0], group_buf.typed_data()[0], &op)) {
     return failed_future(*error);
   }
   if (op.desc.world_size == 1) {
@@ -246,8 +256,9 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
     return future;
   }
   return future_for([&](Completion done) {
-    ring_allreduce(op.key, op.desc, op.rank, device, op.processes, x.untyped_data(),
-                   out->untyped_data(), attrs.timeout_s, std::move(done));
+    ring_allreduce(op.key, op.desc, op.rank, device, op.processes,
+                   x.untyped_data(), out->untyped_data(), attrs.timeout_s,
+                   std::move(done));
   });
 }
 
@@ -285,17 +296,17 @@ ffi::Error AllreduceStartCpuImpl(ffi::RunId run_id, int32_t device,
     shapes.add(x->dimensions());
   }
   if (inputs.empty()) {
-    return ffi::Error::InvalidArgument(
-        "jaxring allreduce start: no operands");
+    return ffi::Error::InvalidArgument("jaxring allreduce start: no operands");
   }
   RankOp op;
-  if (auto error = rank_op(attrs.ring, run_id, dtype, count, shapes,
-                           rank_buf.typed_data()[0],
-                           group_buf.typed_data()[0], &op)) {
+  if (auto error =
+          rank_op(attrs.ring, run_id, dtype, count, shapes,
+                  rank_buf.typed_data()[0], group_buf.typed_data()[0], &op)) {
     return ffi::Error::InvalidArgument(*error);
   }
-  if (auto error = split_phase_start(op.key, op.desc, op.rank, device, op.processes,
-                                     inputs, attrs.ring.timeout_s, attrs.gang)) {
+  if (auto error =
+          split_phase_start(op.key, op.desc, op.rank, device, op.processes,
+                            inputs, attrs.ring.timeout_s, attrs.gang)) {
     return failure_error(*error);
   }
   return ffi::Error::Success();
@@ -319,7 +330,7 @@ ffi::Future AllreduceDoneCpuImpl(ffi::RunId run_id, int32_t device,
   }
   return future_for([&](Completion done) {
     split_phase_finish(run_id.run_id, device, op_id, std::move(outputs),
-                     std::move(done));
+                       std::move(done));
   });
 }
 
@@ -343,9 +354,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()      // x: this rank's contribution
         .Arg<ffi::Buffer<ffi::S32>>()  // rank of this device in its group
         .Arg<ffi::Buffer<ffi::S32>>()  // which group (ring) it belongs to
-        .Ret<ffi::AnyBuffer>()      // the reduced result
-        .Attrs<RingAttrs>());       // ring_attrs.h
-
+        .Ret<ffi::AnyBuffer>()         // the reduced result
+        .Attrs<RingAttrs>());          // ring_attrs.h
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllreduceStartCpu, AllreduceStartCpuImpl,

@@ -54,9 +54,9 @@ class GangTable {
     gathering_ = op;
     ++waiters_;
     ++gang->waiting;
-    const bool all = gang->cv.wait_until(
-        lock, Clock::now() + max_wait,
-        [&] { return gang->arrived >= world_size; });
+    const bool all = gang->cv.wait_until(lock, Clock::now() + max_wait, [&] {
+      return gang->arrived >= world_size;
+    });
     --gang->waiting;
     if (--waiters_ == 0) gathering_.reset();
     return all;
@@ -72,7 +72,8 @@ class GangTable {
   void forget_abandoned() {
     const auto now = Clock::now();
     for (auto it = gangs_.begin(); it != gangs_.end();) {
-      if (it->second->waiting == 0 && now > it->second->last_arrival + kForgetAfter) {
+      if (it->second->waiting == 0 &&
+          now > it->second->last_arrival + kForgetAfter) {
         it = gangs_.erase(it);
       } else {
         ++it;

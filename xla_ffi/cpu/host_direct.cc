@@ -72,7 +72,8 @@ struct EntryFields {
 bool fields_agree(const EntryFields& f, const OpDesc& d) {
   return f.elem_type == static_cast<int32_t>(d.type) &&
          f.reduce_op == static_cast<int32_t>(d.op) && f.count == d.count &&
-         f.world == d.world_size && shapes_agree(f.shape_digest, d.shape_digest);
+         f.world == d.world_size &&
+         shapes_agree(f.shape_digest, d.shape_digest);
 }
 
 // A direct allreduce as OpDesc::describe names an operation, without the
@@ -86,8 +87,9 @@ std::string describe_direct(int32_t elem_type, int32_t reduce_op, int64_t count,
     return "an operation this build does not know";
   }
   return std::to_string(count) + " x " +
-         elem_type_name(static_cast<ElemType>(elem_type)) + ", op=" +
-         reduce_op_name(op) + ", world=" + std::to_string(world) + ", algorithm=direct";
+         elem_type_name(static_cast<ElemType>(elem_type)) +
+         ", op=" + reduce_op_name(op) + ", world=" + std::to_string(world) +
+         ", algorithm=direct";
 }
 
 std::string fields_desc(const EntryFields& f) {
@@ -95,8 +97,8 @@ std::string fields_desc(const EntryFields& f) {
 }
 
 std::string desc_of(const OpDesc& d) {
-  return describe_direct(static_cast<int32_t>(d.type), static_cast<int32_t>(d.op),
-                         d.count, d.world_size) +
+  return describe_direct(static_cast<int32_t>(d.type),
+                         static_cast<int32_t>(d.op), d.count, d.world_size) +
          (d.shapes.empty() ? "" : ", shapes " + d.shapes);
 }
 
@@ -186,14 +188,17 @@ class Worker {
     namespace es = entry_state;
     HostEntry& e = seg_->entry(t.entry);
     const int world = e.world.load(std::memory_order_relaxed);
-    e.departed_processes.fetch_or(uint64_t{1} << me_, std::memory_order_relaxed);
+    e.departed_processes.fetch_or(uint64_t{1} << me_,
+                                  std::memory_order_relaxed);
     uint64_t s = e.state.load(std::memory_order_acquire);
     for (;;) {
       const int left = es::departed(s) + 1;
-      const bool last = left == es::joined(s) &&
-                        (left >= world || e.failed_by.load(std::memory_order_acquire) != 0);
-      const uint64_t next = last ? es::make(es::generation(s), es::kFree, 0, 0)
-                                 : es::make(es::generation(s), es::kind(s), es::joined(s), left);
+      const bool last =
+          left == es::joined(s) &&
+          (left >= world || e.failed_by.load(std::memory_order_acquire) != 0);
+      const uint64_t next =
+          last ? es::make(es::generation(s), es::kFree, 0, 0)
+               : es::make(es::generation(s), es::kind(s), es::joined(s), left);
       if (e.state.compare_exchange_weak(s, next, std::memory_order_acq_rel)) {
         if (last) ring_host();
         break;
@@ -202,7 +207,8 @@ class Worker {
     t.entry = -1;
   }
 
-  bool finish(Task& t, const std::optional<std::string>& error, bool* finished) {
+  bool finish(Task& t, const std::optional<std::string>& error,
+              bool* finished) {
     if (t.entry >= 0) depart(t);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -217,15 +223,17 @@ class Worker {
   // How a rank's errors begin (what the entry records names only the rank:
   // each rank that reports the failure names itself).
   static std::string label(const Task& t) {
-    return "jaxring allreduce (direct across processes, op " + std::to_string(t.key.op_id) +
-           ", group " + std::to_string(t.key.group) + ", rank " + std::to_string(t.rank) +
+    return "jaxring allreduce (direct across processes, op " +
+           std::to_string(t.key.op_id) + ", group " +
+           std::to_string(t.key.group) + ", rank " + std::to_string(t.rank) +
            ")";
   }
 
   // Fails the operation for this rank and, once it holds the entry, for
   // every rank: the first failure recorded is the one every rank reports
   // (this one's, if the one being recorded cannot be read yet).
-  bool fail(Task& t, FailureKind kind, int peer, const std::string& why, bool* finished) {
+  bool fail(Task& t, FailureKind kind, int peer, const std::string& why,
+            bool* finished) {
     if (t.entry >= 0) {
       HostEntry& e = seg_->entry(t.entry);
       const std::string message =
@@ -260,9 +268,10 @@ class Worker {
     std::string rest;
     if (!parse_tag(text, &kind, &peer, &rest)) kind = FailureKind::kInternal;
     if (by < 1 || by > seg_->processes()) {
-      return finish(t, tagged(FailureKind::kInternal, -1,
-                              label(t) + ": a peer marked it failed in a way this "
-                                         "process cannot read"),
+      return finish(t,
+                    tagged(FailureKind::kInternal, -1,
+                           label(t) + ": a peer marked it failed in a way this "
+                                      "process cannot read"),
                     finished);
     }
     if (peer < -1 || peer >= seg_->processes()) peer = -1;
@@ -272,8 +281,10 @@ class Worker {
     } else {
       peer = by - 1;
     }
-    return finish(t, tagged(kind, peer, label(t) + ": process " + std::to_string(by - 1) +
-                                            " failed it: " + rest),
+    return finish(t,
+                  tagged(kind, peer,
+                         label(t) + ": process " + std::to_string(by - 1) +
+                             " failed it: " + rest),
                   finished);
   }
 
@@ -290,15 +301,17 @@ class Worker {
     std::string how;
     if (t.entry < 0) {
       const HostEntry& e = seg_->entry(entry_of(t.key));
-      const uint64_t holding = e.joined_processes.load(std::memory_order_acquire) &
-                               ~e.departed_processes.load(std::memory_order_acquire);
+      const uint64_t holding =
+          e.joined_processes.load(std::memory_order_acquire) &
+          ~e.departed_processes.load(std::memory_order_acquire);
       for (int q = 0; q < seg_->processes(); ++q) {
         if (q != me_ && (holding & (uint64_t{1} << q))) late.push_back(q);
       }
       how = "which has not left the allreduce holding that entry";
     } else {
       const HostEntry& e = seg_->entry(t.entry);
-      const uint64_t joined = e.joined_processes.load(std::memory_order_acquire);
+      const uint64_t joined =
+          e.joined_processes.load(std::memory_order_acquire);
       for (int q : t.processes) {
         if (!(joined & (uint64_t{1} << q))) late.push_back(q);
       }
@@ -312,8 +325,9 @@ class Worker {
             late.push_back(q);
           }
         }
-        how = "which reached this allreduce but not the step this rank waits at "
-              "(stopped, or busy elsewhere?)";
+        how =
+            "which reached this allreduce but not the step this rank waits at "
+            "(stopped, or busy elsewhere?)";
       }
     }
     if (late.empty()) return "";
@@ -331,11 +345,12 @@ class Worker {
   bool waited_too_long(Task& t, const std::string& what, bool* finished) {
     for (int q : t.processes) {
       if (q != me_ && seg_->exited(q)) {
-        return fail(t, FailureKind::kPeerLost, q,
-                    "process " + std::to_string(q) + " (pid " +
-                        std::to_string(seg_->pid_of(q)) +
-                        ") exited during a direct allreduce over the host segment",
-                    finished);
+        return fail(
+            t, FailureKind::kPeerLost, q,
+            "process " + std::to_string(q) + " (pid " +
+                std::to_string(seg_->pid_of(q)) +
+                ") exited during a direct allreduce over the host segment",
+            finished);
       }
     }
     const auto now = Clock::now();
@@ -343,12 +358,14 @@ class Worker {
       t.next_probe = now + kMismatchProbeAfter;
       std::string why;
       const int other = in_another_program(t, &why);
-      if (other >= 0) return fail(t, FailureKind::kMismatch, other, why, finished);
+      if (other >= 0)
+        return fail(t, FailureKind::kMismatch, other, why, finished);
     }
     if (now > t.deadline) {
       int peer;
       std::ostringstream os;
-      os << "timed out after " << t.timeout_s << " s: " << what << waited_for(t, &peer);
+      os << "timed out after " << t.timeout_s << " s: " << what
+         << waited_for(t, &peer);
       return fail(t, FailureKind::kTimeout, peer, os.str(), finished);
     }
     return false;
@@ -387,7 +404,8 @@ class Worker {
     uint64_t mine = uint64_t{1} << me_;
     if (t.entry >= 0) {
       const HostEntry& e = seg_->entry(t.entry);
-      if (e.arrivals.load(std::memory_order_acquire) >= t.desc.world_size) return -1;
+      if (e.arrivals.load(std::memory_order_acquire) >= t.desc.world_size)
+        return -1;
       mine = e.joined_processes.load(std::memory_order_acquire);
     }
     uint64_t ours = 0;
@@ -398,7 +416,8 @@ class Worker {
       EntryFields o;
       uint64_t state;
       if (!snapshot(other, &o, &state)) continue;
-      const uint64_t theirs = other.joined_processes.load(std::memory_order_acquire);
+      const uint64_t theirs =
+          other.joined_processes.load(std::memory_order_acquire);
       if (o.slot_id != t.desc.slot_id || o.group != t.key.group ||
           (o.run_id == t.key.run_id && o.op_id == t.key.op_id) ||
           fields_agree(o, t.desc) || theirs == 0 || (theirs & ~ours) != 0 ||
@@ -409,9 +428,9 @@ class Worker {
       }
       const int q = lowest_process(theirs);
       // Named by number, not "this process": the text reaches every process.
-      *why = "the processes run different programs: process " + std::to_string(me_) +
-             " calls it with " + desc_of(t.desc) + " but process " + std::to_string(q) +
-             " with " + fields_desc(o) +
+      *why = "the processes run different programs: process " +
+             std::to_string(me_) + " calls it with " + desc_of(t.desc) +
+             " but process " + std::to_string(q) + " with " + fields_desc(o) +
              shape_difference(t.desc.shape_digest, o.shape_digest) +
              ". Every process must run the same program with the same shapes, "
              "dtypes and ops.";
@@ -460,7 +479,8 @@ class Worker {
       uint64_t s = e.state.load(std::memory_order_acquire);
       if (es::kind(s) == es::kFree) {
         const uint64_t gen = es::generation(s) + 1;
-        if (!e.state.compare_exchange_strong(s, es::make(gen, es::kClaiming, 0, 0),
+        if (!e.state.compare_exchange_strong(s,
+                                             es::make(gen, es::kClaiming, 0, 0),
                                              std::memory_order_acq_rel)) {
           continue;
         }
@@ -469,19 +489,23 @@ class Worker {
         e.group.store(t.key.group, std::memory_order_relaxed);
         e.count.store(t.desc.count, std::memory_order_relaxed);
         e.slot_id.store(t.desc.slot_id, std::memory_order_relaxed);
-        e.elem_type.store(static_cast<int32_t>(t.desc.type), std::memory_order_relaxed);
-        e.reduce_op.store(static_cast<int32_t>(t.desc.op), std::memory_order_relaxed);
+        e.elem_type.store(static_cast<int32_t>(t.desc.type),
+                          std::memory_order_relaxed);
+        e.reduce_op.store(static_cast<int32_t>(t.desc.op),
+                          std::memory_order_relaxed);
         e.world.store(t.desc.world_size, std::memory_order_relaxed);
         e.shape_digest.store(t.desc.shape_digest, std::memory_order_relaxed);
         e.joined_processes.store(uint64_t{1} << me_, std::memory_order_relaxed);
         e.departed_processes.store(0, std::memory_order_relaxed);
-        for (auto& a : e.process_arrivals) a.store(0, std::memory_order_relaxed);
+        for (auto& a : e.process_arrivals)
+          a.store(0, std::memory_order_relaxed);
         e.arrivals.store(0, std::memory_order_relaxed);
         e.error[0] = '\0';
         // Release: a mark that reads this 0 then sees the new generation
         // (mark_failed takes itself back).
         e.failed_by.store(0, std::memory_order_release);
-        e.state.store(es::make(gen, es::kActive, 1, 0), std::memory_order_release);
+        e.state.store(es::make(gen, es::kActive, 1, 0),
+                      std::memory_order_release);
         t.entry = index;
         t.stage = Stage::kCopyIn;
         ring_processes(t.processes);
@@ -505,27 +529,34 @@ class Worker {
       // Joins the operation whose fields were just read, if the entry is
       // still that claim's (the compare-and-swap fails otherwise).
       if (!e.state.compare_exchange_strong(
-              state, es::make(es::generation(state), es::kActive, es::joined(state) + 1,
-                              es::departed(state)),
+              state,
+              es::make(es::generation(state), es::kActive,
+                       es::joined(state) + 1, es::departed(state)),
               std::memory_order_acq_rel)) {
         continue;
       }
-      e.joined_processes.fetch_or(uint64_t{1} << me_, std::memory_order_acq_rel);
+      e.joined_processes.fetch_or(uint64_t{1} << me_,
+                                  std::memory_order_acq_rel);
       t.entry = index;
       if (!fields_agree(held, t.desc)) {
-        const int peer = lowest_process(e.joined_processes.load() & ~(uint64_t{1} << me_));
-        return fail(t, FailureKind::kMismatch, peer,
-                    "the ranks of one operation disagree: this process "
-                    "calls it with " + desc_of(t.desc) + ", process " +
-                        std::to_string(peer) + " with " + fields_desc(held) +
-                        shape_difference(t.desc.shape_digest, held.shape_digest),
-                    finished);
+        const int peer =
+            lowest_process(e.joined_processes.load() & ~(uint64_t{1} << me_));
+        return fail(
+            t, FailureKind::kMismatch, peer,
+            "the ranks of one operation disagree: this process "
+            "calls it with " +
+                desc_of(t.desc) + ", process " + std::to_string(peer) +
+                " with " + fields_desc(held) +
+                shape_difference(t.desc.shape_digest, held.shape_digest),
+            finished);
       }
       t.stage = Stage::kCopyIn;
       return true;
     }
-    return waited_too_long(t, "waited for another allreduce to leave the host "
-                              "segment's entry this one needs", finished);
+    return waited_too_long(t,
+                           "waited for another allreduce to leave the host "
+                           "segment's entry this one needs",
+                           finished);
   }
 
   // Runs the task as far as its peers allow. Returns whether it moved.
@@ -542,7 +573,8 @@ class Worker {
       const int32_t failed_by = e.failed_by.load(std::memory_order_acquire);
       if (failed_by > 0) return failed_elsewhere(t, finished);
       if (failed_by < 0) {  // a peer is writing why; its deadline still holds
-        return waited_too_long(t, "waited for a peer to record why it failed", finished) ||
+        return waited_too_long(t, "waited for a peer to record why it failed",
+                               finished) ||
                moved;
       }
       if (t.stage == Stage::kCopyIn && t.round == t.rounds) {
@@ -570,7 +602,8 @@ class Worker {
         continue;
       }
       if (e.arrivals.load(std::memory_order_acquire) < t.target) {
-        if (waited_too_long(t, "waited for the other ranks' data", finished)) return true;
+        if (waited_too_long(t, "waited for the other ranks' data", finished))
+          return true;
         return moved;
       }
       if (t.stage == Stage::kWaitInputs) {
@@ -586,7 +619,8 @@ class Worker {
           const int64_t n = (hi - lo) / esize;
           reduce(t.desc.type, t.desc.op, result + lo, input(0), input(1), n);
           for (int r = 2; r < p; ++r) {
-            reduce(t.desc.type, t.desc.op, result + lo, result + lo, input(r), n);
+            reduce(t.desc.type, t.desc.op, result + lo, result + lo, input(r),
+                   n);
           }
           std::memcpy(out + lo, result + lo, static_cast<size_t>(hi - lo));
         }
@@ -633,19 +667,22 @@ size_t local_index(const std::vector<int>& process_of_rank, int rank, int me) {
 }  // namespace
 
 void host_direct_allreduce(const OpKey& key, const OpDesc& desc, int rank,
-                           const std::vector<int>& process_of_rank, const void* in,
-                           void* out, double timeout_s, Completion done) {
+                           const std::vector<int>& process_of_rank,
+                           const void* in, void* out, double timeout_s,
+                           Completion done) {
   HostSegment* seg = host_segment();
   const int me = host_segment_process();
   if (seg == nullptr) {
-    done(tagged(FailureKind::kInvalid, -1,
-                "jaxring allreduce: algorithm=direct across processes needs the "
-                "host segment, which this process does not have: " +
-                    host_segment_missing()));
+    done(
+        tagged(FailureKind::kInvalid, -1,
+               "jaxring allreduce: algorithm=direct across processes needs the "
+               "host segment, which this process does not have: " +
+                   host_segment_missing()));
     return;
   }
   std::vector<int> processes, ranks_of;
-  for (int r = 0; r < desc.world_size && r < static_cast<int>(process_of_rank.size());
+  for (int r = 0;
+       r < desc.world_size && r < static_cast<int>(process_of_rank.size());
        ++r) {
     const int q = process_of_rank[r];
     const auto at = std::find(processes.begin(), processes.end(), q);
@@ -660,13 +697,16 @@ void host_direct_allreduce(const OpKey& key, const OpDesc& desc, int rank,
       desc.world_size >= 2 && desc.world_size <= seg->ranks() && rank >= 0 &&
       rank < desc.world_size &&
       static_cast<int>(process_of_rank.size()) >= desc.world_size &&
-      std::all_of(processes.begin(), processes.end(),
-                  [&](int q) { return q >= 0 && q < seg->processes(); });
+      std::all_of(
+          processes.begin(), processes.end(),
+          [&](int q) { return q >= 0 && q < seg->processes(); });
   if (!fits) {
-    done(tagged(FailureKind::kInvalid, -1,
-                "jaxring allreduce: algorithm=direct across processes runs among "
-                "the processes of one host, at most " + std::to_string(seg->ranks()) +
-                " ranks; this operation has " + std::to_string(desc.world_size)));
+    done(tagged(
+        FailureKind::kInvalid, -1,
+        "jaxring allreduce: algorithm=direct across processes runs among "
+        "the processes of one host, at most " +
+            std::to_string(seg->ranks()) + " ranks; this operation has " +
+            std::to_string(desc.world_size)));
     return;
   }
   Task t;

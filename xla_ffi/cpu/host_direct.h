@@ -31,8 +31,9 @@ namespace jaxring {
 // process_of_rank[0..world) of this host. Same contract as tcp_allreduce:
 // `in` and `out` stay valid until `done` is called, exactly once.
 void host_direct_allreduce(const OpKey& key, const OpDesc& desc, int rank,
-                           const std::vector<int>& process_of_rank, const void* in,
-                           void* out, double timeout_s, Completion done);
+                           const std::vector<int>& process_of_rank,
+                           const void* in, void* out, double timeout_s,
+                           Completion done);
 
 // Ranks the worker still holds (for tests: must drop to 0).
 int64_t host_direct_pending();

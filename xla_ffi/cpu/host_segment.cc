@@ -61,7 +61,8 @@ size_t layout_bytes(int ranks, int64_t chunk) {
 // The largest chunk (a multiple of 4 KiB, at most kHostMaxChunkBytes) whose
 // segment fits the budget; 0 if even kHostMinChunkBytes does not.
 int64_t chunk_for(int ranks) {
-  const int64_t room = kHostSegmentBudget - static_cast<int64_t>(kHeaderBytes + kEntriesBytes);
+  const int64_t room =
+      kHostSegmentBudget - static_cast<int64_t>(kHeaderBytes + kEntriesBytes);
   int64_t chunk = room / (int64_t{kHostEntries} * (ranks + 1));
   chunk = std::min(chunk, kHostMaxChunkBytes) / 4096 * 4096;
   return chunk < kHostMinChunkBytes ? 0 : chunk;
@@ -82,7 +83,8 @@ std::mutex& global_mu() {
 }
 // Leaked on purpose: workers may use the segment during interpreter exit.
 HostSegment* g_segment = nullptr;
-std::string* g_missing = new std::string("the transport between processes is not set up");
+std::string* g_missing =
+    new std::string("the transport between processes is not set up");
 int g_process = -1;
 
 }  // namespace
@@ -103,8 +105,10 @@ struct HostSegment::Header {
   std::atomic<uint64_t> pid_namespace[kHostMaxProcesses];
   alignas(64) Bell bells[kHostMaxProcesses];
 };
-static_assert(sizeof(HostSegment::Header) <= kHeaderBytes, "host segment header");
-static_assert(sizeof(HostEntry) * kHostEntries <= kEntriesBytes, "host entries");
+static_assert(sizeof(HostSegment::Header) <= kHeaderBytes,
+              "host segment header");
+static_assert(sizeof(HostEntry) * kHostEntries <= kEntriesBytes,
+              "host entries");
 static_assert(std::atomic<int64_t>::is_always_lock_free &&
                   std::atomic<uint32_t>::is_always_lock_free,
               "the segment's atomics must work across processes");
@@ -142,21 +146,24 @@ void HostSegment::unlink() {
 
 bool HostSegment::read_creator(const std::string& name, const char* head,
                                size_t file_bytes, SegmentCreator* creator) {
-  static_assert(sizeof(Header) <= kSegmentHeadBytes, "the sweep reads the whole header");
+  static_assert(sizeof(Header) <= kSegmentHeadBytes,
+                "the sweep reads the whole header");
   const Header* h = reinterpret_cast<const Header*>(head);
   const int processes = h->processes, ranks = h->ranks, c = h->creator;
   // Every layout so far keeps the fields read here in place, so segments
   // that older builds left are removed too.
   const uint32_t layout = host_layout_of(h->magic);
   if (layout < 1 || layout > kHostLayout || h->bytes != file_bytes ||
-      h->job_bytes > kJobIdBytes ||
-      processes < 2 || processes > kHostMaxProcesses || ranks < processes ||
+      h->job_bytes > kJobIdBytes || processes < 2 ||
+      processes > kHostMaxProcesses || ranks < processes ||
       ranks > kHostMaxProcesses || c < 0 || c >= processes) {
     return false;
   }
   const int64_t chunk = chunk_for(ranks);
-  if (chunk == 0 || h->chunk_bytes != chunk || file_bytes != layout_bytes(ranks, chunk) ||
-      !is_segment_name(name, host_segment_prefix(std::string(h->job, h->job_bytes)))) {
+  if (chunk == 0 || h->chunk_bytes != chunk ||
+      file_bytes != layout_bytes(ranks, chunk) ||
+      !is_segment_name(
+          name, host_segment_prefix(std::string(h->job, h->job_bytes)))) {
     return false;
   }
   creator->pid = h->pid[c].load();
@@ -164,15 +171,17 @@ bool HostSegment::read_creator(const std::string& name, const char* head,
   return creator->pid > 0;
 }
 
-std::unique_ptr<HostSegment> HostSegment::create(const std::string& job_id, int process,
-                                                 int processes, int ranks,
+std::unique_ptr<HostSegment> HostSegment::create(const std::string& job_id,
+                                                 int process, int processes,
+                                                 int ranks,
                                                  std::string* error) {
   if (processes < 2 || processes > kHostMaxProcesses || ranks < processes ||
       ranks > kHostMaxProcesses || process < 0 || process >= processes ||
       job_id.size() > kJobIdBytes) {
-    *error = "the host segment serves 2 to " + std::to_string(kHostMaxProcesses) +
-             " processes and ranks; this host has " + std::to_string(processes) +
-             " processes and " + std::to_string(ranks) + " ranks";
+    *error =
+        "the host segment serves 2 to " + std::to_string(kHostMaxProcesses) +
+        " processes and ranks; this host has " + std::to_string(processes) +
+        " processes and " + std::to_string(ranks) + " ranks";
     return nullptr;
   }
   const int64_t chunk = chunk_for(ranks);
@@ -180,7 +189,8 @@ std::unique_ptr<HostSegment> HostSegment::create(const std::string& job_id, int 
     *error = "too many ranks on this host for the host segment's budget";
     return nullptr;
   }
-  const std::string name = random_segment_name(host_segment_prefix(job_id), error);
+  const std::string name =
+      random_segment_name(host_segment_prefix(job_id), error);
   if (name.empty()) return nullptr;
   const size_t bytes = layout_bytes(ranks, chunk);
   void* base = create_segment(name, bytes, "the host segment", error);
@@ -196,7 +206,8 @@ std::unique_ptr<HostSegment> HostSegment::create(const std::string& job_id, int 
   h->chunk_bytes = chunk;
   h->creator = process;
   for (int e = 0; e < kHostEntries; ++e) {
-    new (static_cast<char*>(base) + kHeaderBytes + e * sizeof(HostEntry)) HostEntry();
+    new (static_cast<char*>(base) + kHeaderBytes + e * sizeof(HostEntry))
+        HostEntry();
   }
   std::unique_ptr<HostSegment> s(
       new HostSegment(name, base, bytes, true, processes, ranks, chunk));
@@ -205,15 +216,16 @@ std::unique_ptr<HostSegment> HostSegment::create(const std::string& job_id, int 
 }
 
 std::unique_ptr<HostSegment> HostSegment::open(const std::string& name,
-                                               const std::string& job_id, int process,
+                                               const std::string& job_id,
+                                               int process,
                                                std::string* error) {
   if (!is_segment_name(name, host_segment_prefix(job_id))) {
     *error = "the host segment's published name is not one of this job's";
     return nullptr;
   }
   size_t bytes = 0;
-  void* base = open_segment(name, kHeaderBytes + kEntriesBytes, "the host segment", &bytes,
-                            error);
+  void* base = open_segment(name, kHeaderBytes + kEntriesBytes,
+                            "the host segment", &bytes, error);
   if (base == nullptr) return nullptr;
   // Each value read once, checked, and kept: the header is shared.
   const volatile Header* h = static_cast<const volatile Header*>(base);
@@ -221,8 +233,10 @@ std::unique_ptr<HostSegment> HostSegment::open(const std::string& name,
   if (layout != 0 && layout != kHostLayout) {
     ::munmap(base, bytes);
     *error = "the host segment " + name + " has layout version " +
-             std::to_string(layout) + " and this jaxring build lays it out as version " +
-             std::to_string(kHostLayout) + ": every process of the job must run the "
+             std::to_string(layout) +
+             " and this jaxring build lays it out as version " +
+             std::to_string(kHostLayout) +
+             ": every process of the job must run the "
              "same jaxring build";
     return nullptr;
   }
@@ -230,16 +244,17 @@ std::unique_ptr<HostSegment> HostSegment::open(const std::string& name,
   const int64_t chunk = h->chunk_bytes;
   char job[kJobIdBytes];
   for (size_t i = 0; i < kJobIdBytes; ++i) job[i] = h->job[i];
-  const bool fits = h->magic == kHostMagic && h->bytes == bytes &&
-                    h->job_bytes == job_id.size() &&
-                    std::memcmp(job, job_id.data(), job_id.size()) == 0 &&
-                    processes >= 2 && processes <= kHostMaxProcesses &&
-                    ranks >= processes && ranks <= kHostMaxProcesses &&
-                    process >= 0 && process < processes && chunk == chunk_for(ranks) &&
-                    bytes == layout_bytes(ranks, chunk);
+  const bool fits =
+      h->magic == kHostMagic && h->bytes == bytes &&
+      h->job_bytes == job_id.size() &&
+      std::memcmp(job, job_id.data(), job_id.size()) == 0 && processes >= 2 &&
+      processes <= kHostMaxProcesses && ranks >= processes &&
+      ranks <= kHostMaxProcesses && process >= 0 && process < processes &&
+      chunk == chunk_for(ranks) && bytes == layout_bytes(ranks, chunk);
   if (!fits) {
     ::munmap(base, bytes);
-    *error = "the host segment " + name + " is not this job's, or not laid out "
+    *error = "the host segment " + name +
+             " is not this job's, or not laid out "
              "as this build lays it out";
     return nullptr;
   }
@@ -249,16 +264,16 @@ std::unique_ptr<HostSegment> HostSegment::open(const std::string& name,
   return s;
 }
 
-
 HostEntry& HostSegment::entry(int e) {
-  return *reinterpret_cast<HostEntry*>(static_cast<char*>(base_) + kHeaderBytes +
-                                       e * sizeof(HostEntry));
+  return *reinterpret_cast<HostEntry*>(static_cast<char*>(base_) +
+                                       kHeaderBytes + e * sizeof(HostEntry));
 }
 
 char* HostSegment::slot(int e, int r) {
   const size_t per_entry = static_cast<size_t>(ranks_ + 1) * chunk_bytes_;
   return static_cast<char*>(base_) + kHeaderBytes + kEntriesBytes +
-         static_cast<size_t>(e) * per_entry + static_cast<size_t>(r) * chunk_bytes_;
+         static_cast<size_t>(e) * per_entry +
+         static_cast<size_t>(r) * chunk_bytes_;
 }
 
 std::atomic<uint32_t>& HostSegment::doorbell(int process) {
@@ -269,14 +284,15 @@ void HostSegment::ring(int process) {
   std::atomic<uint32_t>& w = doorbell(process);
   w.fetch_add(1, std::memory_order_acq_rel);
   // Not FUTEX_PRIVATE: the word is shared with other processes.
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAKE, 1 << 30, nullptr,
-            nullptr, 0);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&w), FUTEX_WAKE, 1 << 30,
+            nullptr, nullptr, 0);
 }
 
 void HostSegment::wait(int process, uint32_t seen, int64_t ns) {
-  timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&doorbell(process)), FUTEX_WAIT,
-            seen, &ts, nullptr, 0);
+  timespec ts{static_cast<time_t>(ns / 1'000'000'000),
+              static_cast<long>(ns % 1'000'000'000)};
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&doorbell(process)),
+            FUTEX_WAIT, seen, &ts, nullptr, 0);
 }
 
 void HostSegment::note_mapped(int process) {
@@ -305,7 +321,9 @@ bool HostSegment::exited(int q) {
       fd = pidfd_open(pid);
       // ENOSYS: an old kernel (watch by kill); ESRCH: gone before set-up
       // ended, which the deadline catches.
-      if (fd < 0) fd = errno == ENOSYS && ::kill(pid, 0) == 0 ? kPidByKill : kPidUnwatchable;
+      if (fd < 0)
+        fd = errno == ENOSYS && ::kill(pid, 0) == 0 ? kPidByKill
+                                                    : kPidUnwatchable;
     }
   }
   if (fd == kPidUnwatchable) return false;

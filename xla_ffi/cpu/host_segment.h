@@ -64,7 +64,8 @@ inline uint64_t kind(uint64_t s) { return s & 3; }
 inline int joined(uint64_t s) { return static_cast<int>((s >> 2) & 0xff); }
 inline int departed(uint64_t s) { return static_cast<int>((s >> 10) & 0xff); }
 inline uint64_t generation(uint64_t s) { return s >> 32; }
-inline uint64_t make(uint64_t generation, uint64_t kind, int joined, int departed) {
+inline uint64_t make(uint64_t generation, uint64_t kind, int joined,
+                     int departed) {
   return generation << 32 | static_cast<uint64_t>(departed & 0xff) << 10 |
          static_cast<uint64_t>(joined & 0xff) << 2 | kind;
 }
@@ -108,23 +109,23 @@ class HostSegment {
   // Creator side (the host's first process): a new segment for `processes`
   // processes running `ranks` ranks in all. nullptr with *error if /dev/shm
   // cannot hold it.
-  static std::unique_ptr<HostSegment> create(const std::string& job_id, int process,
-                                             int processes, int ranks,
-                                             std::string* error);
+  static std::unique_ptr<HostSegment> create(const std::string& job_id,
+                                             int process, int processes,
+                                             int ranks, std::string* error);
   // Any other process of the host: maps the segment `name` names, which
   // must be one made for job_id, owned by this user, owner-only, of the
   // size its header says.
   static std::unique_ptr<HostSegment> open(const std::string& name,
-                                           const std::string& job_id, int process,
-                                           std::string* error);
+                                           const std::string& job_id,
+                                           int process, std::string* error);
 
   const std::string& name() const { return name_; }
   // Removes the name (creator; idempotent). The mappings stay valid.
   void unlink();
   // A SegmentReader for remove_stale_segments: the creator of the host
   // segment whose head this is.
-  static bool read_creator(const std::string& name, const char* head, size_t file_bytes,
-                           SegmentCreator* creator);
+  static bool read_creator(const std::string& name, const char* head,
+                           size_t file_bytes, SegmentCreator* creator);
 
   // Read from the header once, when it was checked: a peer that rewrites
   // the header later changes nothing this process computes.
@@ -159,8 +160,8 @@ class HostSegment {
   struct Header;
 
  private:
-  HostSegment(std::string name, void* base, size_t bytes, bool owner, int processes,
-              int ranks, int64_t chunk_bytes);
+  HostSegment(std::string name, void* base, size_t bytes, bool owner,
+              int processes, int ranks, int64_t chunk_bytes);
 
   const std::string name_;
   void* const base_;

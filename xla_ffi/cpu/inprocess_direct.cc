@@ -20,9 +20,11 @@ bool Worker::run_direct(Task& task) {
   const int64_t esize = elem_bytes(op.desc.type);
   const Span mine = even_split(op.desc.count, p, task.rank);
   const int64_t piece = std::max<int64_t>(1, kDirectPieceBytes / esize);
-  scratch_.resize(static_cast<size_t>(std::min(piece, std::max<int64_t>(mine.count, 1)) * esize));
+  scratch_.resize(static_cast<size_t>(
+      std::min(piece, std::max<int64_t>(mine.count, 1)) * esize));
   char* acc = scratch_.data();
-  for (int64_t begin = mine.offset; begin < mine.offset + mine.count; begin += piece) {
+  for (int64_t begin = mine.offset; begin < mine.offset + mine.count;
+       begin += piece) {
     const int64_t n = std::min(piece, mine.offset + mine.count - begin);
     const int64_t at = begin * esize;
     // Always in rank order, so the result does not depend on who reduced it.

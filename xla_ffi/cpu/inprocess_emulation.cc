@@ -35,7 +35,8 @@ std::vector<int64_t> emulated_finish_times(const Op& op) {
   // entered[at(r, rank)]: when the rank entered the current phase of ring r.
   std::vector<int64_t> entered(static_cast<size_t>(rings * p));
   for (int r = 0; r < rings; ++r) {
-    for (int rank = 0; rank < p; ++rank) entered[at(r, rank)] = op.slots[rank].joined_ns;
+    for (int rank = 0; rank < p; ++rank)
+      entered[at(r, rank)] = op.slots[rank].joined_ns;
   }
   for (int j = 0; j < plan.num_phases(); ++j) {
     const int steps = plan.phase(j).num_steps;
@@ -44,7 +45,8 @@ std::vector<int64_t> emulated_finish_times(const Op& op) {
     int64_t longest = 0;
     for (int r = 0; r < rings; ++r) {
       for (int rank = 0; rank < p; ++rank) {
-        took[at(r, rank)].assign(plan.num_units(r, j, rank), entered[at(r, rank)]);
+        took[at(r, rank)].assign(plan.num_units(r, j, rank),
+                                 entered[at(r, rank)]);
         longest = std::max<int64_t>(longest, took[at(r, rank)].size());
       }
     }
@@ -120,9 +122,11 @@ void move_ring(Op& op, int r) {
   const Span part = plan.shard(r, 0, 0);
   if (part.count <= 0) return;
   const int64_t part_bytes = part.count * esize;
-  std::unique_ptr<char[]> own_copies(new char[static_cast<size_t>(p * part_bytes)]);
+  std::unique_ptr<char[]> own_copies(
+      new char[static_cast<size_t>(p * part_bytes)]);
   auto own = [&](int rank, int64_t offset) {
-    return own_copies.get() + rank * part_bytes + (offset - part.offset) * esize;
+    return own_copies.get() + rank * part_bytes +
+           (offset - part.offset) * esize;
   };
   auto out = [&](int rank, int64_t offset) {
     return static_cast<char*>(op.slots[rank].out) + offset * esize;
@@ -136,7 +140,8 @@ void move_ring(Op& op, int r) {
                                       s.offset * esize
                                 : out(rank, s.offset);
       if (ph.kind != PhaseKind::kAllGather && s.count > 0) {
-        std::memcpy(own(rank, s.offset), from, static_cast<size_t>(s.count * esize));
+        std::memcpy(own(rank, s.offset), from,
+                    static_cast<size_t>(s.count * esize));
       }
     }
     int64_t chunks = 0;
@@ -210,7 +215,8 @@ bool Worker::run_emulated(Task& task) {
   }
   for (int64_t k; (k = op.next_share.fetch_add(1)) < op.num_shares();) {
     const int64_t first = k * op.pipelines_per_share;
-    const int64_t end = std::min(first + op.pipelines_per_share, op.num_pipelines);
+    const int64_t end =
+        std::min(first + op.pipelines_per_share, op.num_pipelines);
     for (int64_t pipeline = first; pipeline < end; ++pipeline) {
       move_share(op, pipeline);
     }

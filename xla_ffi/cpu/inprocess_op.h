@@ -79,8 +79,9 @@ struct Op {
     // a core than the work takes.
     const int64_t bytes = d.count * elem_bytes(d.type);
     const int64_t per_pipeline = bytes / std::max<int64_t>(num_pipelines, 1);
-    pipelines_per_share = std::max<int64_t>(
-        1, (kMinShareBytes + per_pipeline - 1) / std::max<int64_t>(per_pipeline, 1));
+    pipelines_per_share =
+        std::max<int64_t>(1, (kMinShareBytes + per_pipeline - 1) /
+                                 std::max<int64_t>(per_pipeline, 1));
     parts_left.store(num_shares() + 1);
     for (auto& s : slots) {
       s.progress.reset(new std::atomic<int64_t>[d.num_rings]);
@@ -128,7 +129,7 @@ struct Op {
   std::atomic<int64_t> parts_left{-1};  // set when the op is created
   std::atomic<bool> data_done{false};
   std::vector<int64_t> finish_ns;
-  int64_t num_pipelines = 0;       // chunks of all rings (flat); else rings
+  int64_t num_pipelines = 0;  // chunks of all rings (flat); else rings
   int64_t pipelines_per_share = 1;
   int64_t num_shares() const {
     return (num_pipelines + pipelines_per_share - 1) / pipelines_per_share;
@@ -149,7 +150,7 @@ struct Op {
   }
   void wake_all();
   // Comma-separated ranks whose flag (joined, finished) is not yet set.
-  std::string ranks_without(std::atomic<bool> RankSlot::*flag) const {
+  std::string ranks_without(std::atomic<bool> RankSlot::* flag) const {
     std::ostringstream os;
     const char* sep = "";
     for (int r = 0; r < desc.world_size; ++r) {

@@ -42,11 +42,13 @@ class InProcessPlanHost final : public OpHost {
   std::string send_remote(const std::shared_ptr<PlanOp>& op, int, int, int,
                           int64_t, const char*, int64_t) override {
     // Every rank runs here (process_of_rank is all zeros): never reached.
-    return tagged(FailureKind::kInternal, -1,
-                  op->name() + ": a unit for another process in a one-process plan");
+    return tagged(
+        FailureKind::kInternal, -1,
+        op->name() + ": a unit for another process in a one-process plan");
   }
 
-  void fail(const std::shared_ptr<PlanOp>& op, const std::string& why) override {
+  void fail(const std::shared_ptr<PlanOp>& op,
+            const std::string& why) override {
     std::vector<PlanWorker*> workers;
     {
       std::lock_guard<std::mutex> lock(op->mu);
@@ -113,6 +115,8 @@ void inprocess_plan_allreduce(const OpKey& key, const OpDesc& desc, int rank,
   run_rank(std::move(op), rank, std::move(done));
 }
 
-int64_t inprocess_plan_pending_ops() { return InProcessPlanHost::get().pending(); }
+int64_t inprocess_plan_pending_ops() {
+  return InProcessPlanHost::get().pending();
+}
 
 }  // namespace jaxring

@@ -50,7 +50,8 @@ void Worker::loop() {
       if (wake_ns >= 0) {
         // Waiting on the emulated link: sleep, do not spin, so that the
         // wait costs wall time but no CPU.
-        until = std::min(until, Clock::time_point(std::chrono::nanoseconds(wake_ns)));
+        until = std::min(until,
+                         Clock::time_point(std::chrono::nanoseconds(wake_ns)));
       } else {
         // A peer is usually a few microseconds from its next chunk: yield
         // a little before paying for a sleep and a wake-up.
@@ -153,7 +154,8 @@ bool Worker::advance(Task& task, bool* finished) {
       (op.emulated() && me.finished.load(std::memory_order_acquire))) {
     if (timeline_enabled()) {
       int64_t last_join = 0;  // every rank joined before any completed
-      for (const RankSlot& s : op.slots) last_join = std::max(last_join, s.joined_ns);
+      for (const RankSlot& s : op.slots)
+        last_join = std::max(last_join, s.joined_ns);
       timeline_record({device_, op.key.run_id, op.key.op_id,
                        op.desc.count * op.plan.elem_bytes(), op.desc.num_rings,
                        me.joined_ns, now_ns(), last_join});
@@ -176,7 +178,8 @@ bool Worker::advance(Task& task, bool* finished) {
             "pool is exhausted (see JAXRING_CPU_THREADS) or a rank took a "
             "different branch.";
     } else {
-      os << "rank(s) " << op.ranks_without(&RankSlot::finished) << " did not finish.";
+      os << "rank(s) " << op.ranks_without(&RankSlot::finished)
+         << " did not finish.";
     }
     op.fail(tagged(FailureKind::kTimeout, -1, os.str()));
   }

@@ -23,8 +23,8 @@
 //    while a peer may still read or write it.
 //  * Under link emulation the workers move the data in whole pipelines
 //    (one chunk of one ring through every step) and the ranks then wait for
-//    a modelled clock (see run_emulated in inprocess_emulation.cc): a worker per rank
-//    stepping the ring would wait for a core at every step.
+//    a modelled clock (see run_emulated in inprocess_emulation.cc): a worker
+//    per rank stepping the ring would wait for a core at every step.
 //  * Every wait has a deadline; a missing peer becomes an error naming it.
 #pragma once
 

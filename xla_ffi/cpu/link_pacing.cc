@@ -68,7 +68,8 @@ int crossed_tier(const OpDesc& desc, int src, int dst) {
   int64_t below = 1;  // ranks per group of the tier below
   for (size_t t = 0; t < desc.link.size(); ++t) {
     const int size = desc.link[t].size;
-    if ((src / below) % size != (dst / below) % size) crossed = static_cast<int>(t);
+    if ((src / below) % size != (dst / below) % size)
+      crossed = static_cast<int>(t);
     below *= size;
   }
   return crossed;

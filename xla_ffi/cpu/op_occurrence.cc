@@ -17,7 +17,8 @@ namespace {
 constexpr size_t kMaxRuns = 256;
 
 struct RunCounts {
-  std::map<std::tuple<int64_t, int64_t, int>, int64_t> next;  // (op, group, rank)
+  std::map<std::tuple<int64_t, int64_t, int>, int64_t>
+      next;  // (op, group, rank)
   uint64_t last_use = 0;
 };
 
@@ -51,8 +52,9 @@ OpKey next_occurrence(const OpKey& key, int rank) {
   }
   if (n == 0) return key;
   OpKey k = key;
-  k.op_id = static_cast<int64_t>(static_cast<uint64_t>(key.op_id) ^
-                                 (static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull));
+  k.op_id =
+      static_cast<int64_t>(static_cast<uint64_t>(key.op_id) ^
+                           (static_cast<uint64_t>(n) * 0x9E3779B97F4A7C15ull));
   return k;
 }
 

@@ -9,7 +9,8 @@ std::string OpDesc::describe() const {
   os << count << " x " << elem_type_name(type) << ", op=" << reduce_op_name(op)
      << ", world=" << world_size << ", rings=" << num_rings
      << ", chunk_bytes=" << chunk_bytes;
-  if (algorithm != Algorithm::kRing) os << ", algorithm=" << algorithm_name(algorithm);
+  if (algorithm != Algorithm::kRing)
+    os << ", algorithm=" << algorithm_name(algorithm);
   if (!topology.empty()) {
     os << ", topology=";
     for (size_t i = 0; i < topology.size(); ++i) {

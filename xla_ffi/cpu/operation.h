@@ -36,12 +36,15 @@ struct EmulatedTier {
   double bytes_per_s = 0;
   double latency_s = 0;
   bool operator==(const EmulatedTier& o) const {
-    return size == o.size && bytes_per_s == o.bytes_per_s && latency_s == o.latency_s;
+    return size == o.size && bytes_per_s == o.bytes_per_s &&
+           latency_s == o.latency_s;
   }
 };
 
 // Whether two shape digests (OpDesc::shape_digest) may describe one call.
-inline bool shapes_agree(uint32_t a, uint32_t b) { return a == 0 || b == 0 || a == b; }
+inline bool shapes_agree(uint32_t a, uint32_t b) {
+  return a == 0 || b == 0 || a == b;
+}
 
 // What every rank of an operation must agree on.
 struct OpDesc {

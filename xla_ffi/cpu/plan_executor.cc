@@ -225,7 +225,8 @@ void Pass::enter_phase(int r, int j) {
     // Units of phase j are staged until ib.phase says otherwise, so the
     // shard can be copied without the lock.
     char* to = me_.own[r].get() + (shard.offset - me_.own_offset[r]) * esize_;
-    const char* from = static_cast<const char*>(me_.out) + shard.offset * esize_;
+    const char* from =
+        static_cast<const char*>(me_.out) + shard.offset * esize_;
     lock_.unlock();
     std::memcpy(to, from, static_cast<size_t>(shard.count * esize_));
     lock_.lock();
@@ -263,7 +264,8 @@ void Pass::consume(int r, int j, int64_t u) {
   if (span.count > 0) {
     char* dst = static_cast<char*>(me_.out) + span.offset * esize_;
     auto staged = ib.staged.find({j, u});
-    const char* src = staged != ib.staged.end() ? staged->second.data.get() : dst;
+    const char* src =
+        staged != ib.staged.end() ? staged->second.data.get() : dst;
     const bool reduced = ib.reduced_on_arrival.erase({j, u}) > 0;
     lock_.unlock();
     if (reduced) {
@@ -343,9 +345,9 @@ std::string Pass::timeout_message(bool all_done) {
     if (phases_ > 1) {
       os << " (" << phase_name(ph.kind) << " along tier " << ph.tier << ")";
     }
-    os << " waits for rank " << prev << " (process " << op_.process_of_rank[prev]
-       << "): " << ib.arrived[j] << " of " << ib.arrived[j] + task_.remaining[r]
-       << " chunks arrived";
+    os << " waits for rank " << prev << " (process "
+       << op_.process_of_rank[prev] << "): " << ib.arrived[j] << " of "
+       << ib.arrived[j] + task_.remaining[r] << " chunks arrived";
     sep = "; ";
   }
   if (all_done) {
@@ -405,10 +407,12 @@ bool Pass::run(bool* finished) {
   }
   if (phases_ > 1) progressed |= enter_next_ring();
   bool all_done = true;
-  for (int r = 0; r < plan_.num_rings(); ++r) all_done &= task_.phase[r] == phases_;
+  for (int r = 0; r < plan_.num_rings(); ++r)
+    all_done &= task_.phase[r] == phases_;
   if (!error_.empty()) return fail_all(error_);
   if (op_.failed) return true;  // completes through the failure, next pass
-  if (all_done && me_.outstanding_sends == 0) return complete(std::nullopt, finished);
+  if (all_done && me_.outstanding_sends == 0)
+    return complete(std::nullopt, finished);
 
   const auto now = Clock::now();
   if (progressed) task_.last_progress = now;
@@ -431,9 +435,12 @@ bool Pass::run(bool* finished) {
           op_.process_of_rank[plan_.prev_rank(r, task_.phase[r], task_.rank)]);
     }
     // A rank of this process is no peer to blame (all of them run here).
-    const int peer = waited_for.size() == 1 && *waited_for.begin() != op_.host->process()
-                         ? *waited_for.begin() : -1;
-    return fail_all(tagged(FailureKind::kTimeout, peer, timeout_message(all_done)));
+    const int peer =
+        waited_for.size() == 1 && *waited_for.begin() != op_.host->process()
+            ? *waited_for.begin()
+            : -1;
+    return fail_all(
+        tagged(FailureKind::kTimeout, peer, timeout_message(all_done)));
   }
   unlock_and_wake();
   return progressed;
@@ -493,13 +500,16 @@ std::string join_rank(PlanOp& op, const OpDesc& desc, int rank, int device,
     std::ostringstream os;
     os << op_name(op.key, desc) << ": rank " << rank << " (process " << me
        << ") called it with " << desc.describe() << " but other rank(s) with "
-       << op.desc.describe() << ". Every rank must pass the same shape, dtype and op.";
+       << op.desc.describe()
+       << ". Every rank must pass the same shape, dtype and op.";
     error = tagged(FailureKind::kMismatch, -1, os.str());
   } else if (op.process_of_rank != process_of_rank) {
-    error = tagged(FailureKind::kMismatch, -1,
-                   op_name(op.key, desc) +
-                       ": ranks of this process disagree on where the ranks run");
-  } else if (std::string forged = op.misrouted_staged_frame(); !forged.empty()) {
+    error =
+        tagged(FailureKind::kMismatch, -1,
+               op_name(op.key, desc) +
+                   ": ranks of this process disagree on where the ranks run");
+  } else if (std::string forged = op.misrouted_staged_frame();
+             !forged.empty()) {
     error = tagged(FailureKind::kMismatch, -1, forged);
   } else if (op.locals.count(rank)) {
     std::ostringstream os;
@@ -510,7 +520,8 @@ std::string join_rank(PlanOp& op, const OpDesc& desc, int rank, int device,
     try {
       op.set_desc(desc);
     } catch (const std::exception& e) {
-      error = tagged(FailureKind::kInvalid, -1, op_name(op.key, desc) + ": " + e.what());
+      error = tagged(FailureKind::kInvalid, -1,
+                     op_name(op.key, desc) + ": " + e.what());
     }
   }
   if (!error.empty()) {

@@ -49,7 +49,8 @@ class OpHost {
                                   const char* data, int64_t bytes) = 0;
   // Fails op for every rank, telling the other processes that run ranks of
   // it. Requires op.mu not held.
-  virtual void fail(const std::shared_ptr<PlanOp>& op, const std::string& why) = 0;
+  virtual void fail(const std::shared_ptr<PlanOp>& op,
+                    const std::string& why) = 0;
   // Every local rank of op has completed: the host drops it.
   virtual void forget(const std::shared_ptr<PlanOp>& op) = 0;
   // A local rank has waited a while without progress: the host may check
@@ -104,7 +105,8 @@ struct LocalRank {
   // This rank's own contribution to the reduce steps of phase j of ring r,
   // for the element at `offset`: its input in the first phase, the copy of
   // the previous phase's result after that (valid once the phase began).
-  const char* own_contribution(int r, int j, int64_t offset, int64_t esize) const {
+  const char* own_contribution(int r, int j, int64_t offset,
+                               int64_t esize) const {
     if (j == 0) return static_cast<const char*>(in) + offset * esize;
     return own[r].get() + (offset - own_offset[r]) * esize;
   }
@@ -134,7 +136,7 @@ struct PlanOp {
   // Threads copying into a local rank's buffer without mu (a TCP reader, a
   // rank sending in memory): a failed rank completes only once none is.
   int writers = 0;
-  int first_sender = -1;  // process whose frame created it, if one did
+  int first_sender = -1;     // process whose frame created it, if one did
   std::set<int> heard_from;  // processes whose data frames it accepted
   // Abort frames this process queued for the operation and not yet written;
   // a failed rank completes once they are out (or kAbortFlush passed), so

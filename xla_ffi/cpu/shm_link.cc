@@ -26,7 +26,8 @@ constexpr uint64_t kControlMagic = 0x4a52494e47524e47ull;  // "JRINGRNG"
 // operation (the receiver wakes it earlier when it frees room).
 constexpr int64_t kRoomWaitNs = 2'000'000;
 
-std::string link_prefix(const std::string& job_id, int from, int to, int channel) {
+std::string link_prefix(const std::string& job_id, int from, int to,
+                        int channel) {
   return ShmRing::job_prefix(job_id) + std::to_string(from) + "-" +
          std::to_string(to) + "-" + std::to_string(channel) + "-";
 }
@@ -36,22 +37,24 @@ size_t map_bytes_for(int64_t capacity) {
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t seen, int64_t ns) {
-  timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
+  timespec ts{static_cast<time_t>(ns / 1'000'000'000),
+              static_cast<long>(ns % 1'000'000'000)};
   // Not FUTEX_PRIVATE: the word is shared with another process.
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, seen, &ts,
             nullptr, 0);
 }
 
 void futex_wake(std::atomic<uint32_t>* word) {
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr,
-            nullptr, 0);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1,
+            nullptr, nullptr, 0);
 }
 
 // Whether the peer's end of the connection is gone (or it sent something on
 // a connection it only reads: equally a broken peer).
 bool peer_closed(int fd) {
   pollfd p{fd, static_cast<short>(POLLIN | POLLRDHUP), 0};
-  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLRDHUP | POLLHUP | POLLERR));
+  return ::poll(&p, 1, 0) > 0 &&
+         (p.revents & (POLLIN | POLLRDHUP | POLLHUP | POLLERR));
 }
 
 }  // namespace
@@ -80,8 +83,8 @@ std::string ShmRing::job_prefix(const std::string& job_id) {
   return "/jaxring-" + hex(job_id) + "-";
 }
 
-ShmRing::ShmRing(std::string name, int64_t capacity, void* base, size_t map_bytes,
-                 bool owner)
+ShmRing::ShmRing(std::string name, int64_t capacity, void* base,
+                 size_t map_bytes, bool owner)
     : name_(std::move(name)),
       capacity_(capacity),
       base_(base),
@@ -100,12 +103,15 @@ void ShmRing::unlink() {
   named_ = false;
 }
 
-bool ShmRing::read_creator(const std::string& name, const char* head, size_t file_bytes,
-                           SegmentCreator* creator) {
-  static_assert(sizeof(Control) <= kSegmentHeadBytes, "the sweep reads the whole block");
-  (void)name;  // its job, link and channel are not in the block to check against
+bool ShmRing::read_creator(const std::string& name, const char* head,
+                           size_t file_bytes, SegmentCreator* creator) {
+  static_assert(sizeof(Control) <= kSegmentHeadBytes,
+                "the sweep reads the whole block");
+  (void)
+      name;  // its job, link and channel are not in the block to check against
   const Control* c = reinterpret_cast<const Control*>(head);
-  if (c->magic != kControlMagic || c->capacity != static_cast<uint64_t>(kShmRingBytes) ||
+  if (c->magic != kControlMagic ||
+      c->capacity != static_cast<uint64_t>(kShmRingBytes) ||
       file_bytes != map_bytes_for(kShmRingBytes)) {
     return false;
   }
@@ -114,9 +120,11 @@ bool ShmRing::read_creator(const std::string& name, const char* head, size_t fil
   return creator->pid > 0;
 }
 
-std::unique_ptr<ShmRing> ShmRing::create(const std::string& job_id, int from, int to,
-                                         int channel, std::string* error) {
-  const std::string name = random_segment_name(link_prefix(job_id, from, to, channel), error);
+std::unique_ptr<ShmRing> ShmRing::create(const std::string& job_id, int from,
+                                         int to, int channel,
+                                         std::string* error) {
+  const std::string name =
+      random_segment_name(link_prefix(job_id, from, to, channel), error);
   if (name.empty()) return nullptr;
   const size_t bytes = map_bytes_for(kShmRingBytes);
   void* base = create_segment(name, bytes, "a shared-memory link", error);
@@ -128,11 +136,13 @@ std::unique_ptr<ShmRing> ShmRing::create(const std::string& job_id, int from, in
   c->consumed.store(0);
   c->creator_pid_namespace.store(pid_namespace());
   c->creator_pid.store(static_cast<int32_t>(::getpid()));
-  return std::unique_ptr<ShmRing>(new ShmRing(name, kShmRingBytes, base, bytes, true));
+  return std::unique_ptr<ShmRing>(
+      new ShmRing(name, kShmRingBytes, base, bytes, true));
 }
 
-std::unique_ptr<ShmRing> ShmRing::open(const ShmOffer& offer, const std::string& job_id,
-                                       int from, int to, int channel,
+std::unique_ptr<ShmRing> ShmRing::open(const ShmOffer& offer,
+                                       const std::string& job_id, int from,
+                                       int to, int channel,
                                        std::string* error) {
   const std::string prefix = link_prefix(job_id, from, to, channel);
   if (offer.name_bytes >= sizeof(offer.name) ||
@@ -146,21 +156,24 @@ std::unique_ptr<ShmRing> ShmRing::open(const ShmOffer& offer, const std::string&
     return nullptr;
   }
   size_t bytes = 0;
-  void* base = open_segment(name, map_bytes_for(kShmRingBytes), "the shared-memory segment",
-                            &bytes, error);
+  void* base = open_segment(name, map_bytes_for(kShmRingBytes),
+                            "the shared-memory segment", &bytes, error);
   if (base == nullptr) return nullptr;
   if (bytes != map_bytes_for(kShmRingBytes)) {
     ::munmap(base, bytes);
-    *error = "the shared-memory segment " + name + " is not of the offered size";
+    *error =
+        "the shared-memory segment " + name + " is not of the offered size";
     return nullptr;
   }
   const Control* c = static_cast<const Control*>(base);
-  if (c->magic != kControlMagic || c->capacity != static_cast<uint64_t>(kShmRingBytes)) {
+  if (c->magic != kControlMagic ||
+      c->capacity != static_cast<uint64_t>(kShmRingBytes)) {
     ::munmap(base, bytes);
     *error = "the shared-memory segment is not a jaxring ring";
     return nullptr;
   }
-  return std::unique_ptr<ShmRing>(new ShmRing(name, kShmRingBytes, base, bytes, false));
+  return std::unique_ptr<ShmRing>(
+      new ShmRing(name, kShmRingBytes, base, bytes, false));
 }
 
 ShmOffer ShmRing::offer() const {
@@ -177,7 +190,8 @@ int64_t ShmRing::placement_of(int64_t end, int64_t n) const {
   return at + n > capacity_ ? end + (capacity_ - at) : end;
 }
 
-ShmRing::Put ShmRing::put(const char* data, int64_t n, int peer_fd, double stall_s,
+ShmRing::Put ShmRing::put(const char* data, int64_t n, int peer_fd,
+                          double stall_s,
                           const std::function<bool()>& keep_waiting,
                           std::string* error) {
   const int64_t start = placement_of(local_end_, n);
@@ -188,8 +202,9 @@ ShmRing::Put ShmRing::put(const char* data, int64_t n, int peer_fd, double stall
     const uint32_t seq = control_->consumed_seq.load(std::memory_order_acquire);
     const int64_t consumed = control_->consumed.load(std::memory_order_acquire);
     if (consumed < 0 || consumed > local_end_) {
-      *error = "protocol error: the peer's shared-memory ring reports bytes it "
-               "was never sent";
+      *error =
+          "protocol error: the peer's shared-memory ring reports bytes it "
+          "was never sent";
       return Put::kFailed;
     }
     if (end - consumed <= capacity_) break;
@@ -221,9 +236,11 @@ ShmRing::Put ShmRing::put(const char* data, int64_t n, int peer_fd, double stall
 
 const char* ShmRing::next(int64_t n, std::string* error) {
   const int64_t start = placement_of(local_end_, n);
-  if (!carries(n) || control_->written.load(std::memory_order_acquire) < start + n) {
-    *error = "protocol error: a frame announces shared-memory data its sender "
-             "did not write";
+  if (!carries(n) ||
+      control_->written.load(std::memory_order_acquire) < start + n) {
+    *error =
+        "protocol error: a frame announces shared-memory data its sender "
+        "did not write";
     return nullptr;
   }
   return data_ + start % capacity_;
@@ -250,8 +267,8 @@ bool offer_ring(int fd, ShmRing* ring, Clock::time_point deadline, bool* mapped,
       std::chrono::duration<double>(deadline - Clock::now()).count();
   const bool ok =
       write_all(fd, p, n, std::max(budget_s, 0.001), nullptr, error) &&
-      read_exact_by(fd, reinterpret_cast<char*>(&answer), sizeof(answer), deadline,
-                    error) == ReadResult::kOk;
+      read_exact_by(fd, reinterpret_cast<char*>(&answer), sizeof(answer),
+                    deadline, error) == ReadResult::kOk;
   if (ring) ring->unlink();  // mapped by the peer, or never will be
   *mapped = ok && ring && answer == kShmMapped;
   if (ok && answer != kShmMapped && answer != kShmDeclined) {
@@ -261,13 +278,13 @@ bool offer_ring(int fd, ShmRing* ring, Clock::time_point deadline, bool* mapped,
   return ok;
 }
 
-bool answer_offer(int fd, bool accept, const std::string& job_id, int from, int to,
-                  int channel, Clock::time_point deadline,
+bool answer_offer(int fd, bool accept, const std::string& job_id, int from,
+                  int to, int channel, Clock::time_point deadline,
                   std::unique_ptr<ShmRing>* ring, std::string* declined_why,
                   std::string* error) {
   ShmOffer offer{};
-  if (read_exact_by(fd, reinterpret_cast<char*>(&offer), sizeof(offer), deadline,
-                    error) != ReadResult::kOk) {
+  if (read_exact_by(fd, reinterpret_cast<char*>(&offer), sizeof(offer),
+                    deadline, error) != ReadResult::kOk) {
     return false;
   }
   if (offer.magic != kShmOfferMagic) {

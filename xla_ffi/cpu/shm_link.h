@@ -71,7 +71,8 @@ class ShmRing {
   // `channel`, named from job_id (raw bytes). nullptr with *error if it
   // cannot be made (no /dev/shm, too small, out of descriptors).
   static std::unique_ptr<ShmRing> create(const std::string& job_id, int from,
-                                         int to, int channel, std::string* error);
+                                         int to, int channel,
+                                         std::string* error);
   // Receiver side: maps the segment `offer` names, which must be one that
   // process `from` made for this process on `channel` in job job_id, owned
   // by this user, owner-only, of the offered size.
@@ -87,8 +88,8 @@ class ShmRing {
   void unlink();
   // A SegmentReader for remove_stale_segments: the creator of the ring
   // whose head this is.
-  static bool read_creator(const std::string& name, const char* head, size_t file_bytes,
-                           SegmentCreator* creator);
+  static bool read_creator(const std::string& name, const char* head,
+                           size_t file_bytes, SegmentCreator* creator);
 
   int64_t capacity() const { return capacity_; }
   // Whether a payload of n bytes travels in the ring (else on the socket).
@@ -141,8 +142,8 @@ bool offer_ring(int fd, ShmRing* ring, Clock::time_point deadline, bool* mapped,
 // (*ring) and says so; else declines (*declined_why says why when an offer
 // was made). Returns false with *error if the connection broke or the
 // offer is not one.
-bool answer_offer(int fd, bool accept, const std::string& job_id, int from, int to,
-                  int channel, Clock::time_point deadline,
+bool answer_offer(int fd, bool accept, const std::string& job_id, int from,
+                  int to, int channel, Clock::time_point deadline,
                   std::unique_ptr<ShmRing>* ring, std::string* declined_why,
                   std::string* error);
 

@@ -50,15 +50,18 @@ void unlink_armed() {
   const int32_t me = static_cast<int32_t>(::getpid());
   for (ExitSlot& slot : g_exit_slots) {
     const uint64_t s = slot.state.load(std::memory_order_acquire);
-    if ((s & 3) != kSlotArmed || slot.pid.load(std::memory_order_relaxed) != me) continue;
+    if ((s & 3) != kSlotArmed || slot.pid.load(std::memory_order_relaxed) != me)
+      continue;
     char path[sizeof("/dev/shm") + kExitNameBytes];
     std::memcpy(path, "/dev/shm", sizeof("/dev/shm") - 1);
     for (size_t i = 0; i < kExitNameBytes; ++i) {
-      path[sizeof("/dev/shm") - 1 + i] = slot.name[i].load(std::memory_order_relaxed);
+      path[sizeof("/dev/shm") - 1 + i] =
+          slot.name[i].load(std::memory_order_relaxed);
     }
     path[sizeof(path) - 1] = '\0';
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (slot.state.load(std::memory_order_relaxed) != s) continue;  // rewritten meanwhile
+    if (slot.state.load(std::memory_order_relaxed) != s)
+      continue;  // rewritten meanwhile
     ::unlink(path);
   }
 }
@@ -67,7 +70,8 @@ void on_exit_signal(int sig, siginfo_t* info, void* context) {
   const int saved_errno = errno;
   unlink_armed();
   errno = saved_errno;
-  const struct sigaction& previous = sig == SIGTERM ? g_previous_term : g_previous_int;
+  const struct sigaction& previous =
+      sig == SIGTERM ? g_previous_term : g_previous_int;
   if (previous.sa_flags & SA_SIGINFO) {
     previous.sa_sigaction(sig, info, context);
   } else if (previous.sa_handler == SIG_DFL) {
@@ -91,7 +95,8 @@ void on_exit_signal(int sig, siginfo_t* info, void* context) {
 // replaces this one: its names are then left to remove_stale_segments.
 void chain_handler(int sig, struct sigaction* previous) {
   if (::sigaction(sig, nullptr, previous) != 0) return;
-  if (!(previous->sa_flags & SA_SIGINFO) && previous->sa_handler == SIG_IGN) return;
+  if (!(previous->sa_flags & SA_SIGINFO) && previous->sa_handler == SIG_IGN)
+    return;
   struct sigaction mine = *previous;
   mine.sa_sigaction = on_exit_signal;
   mine.sa_flags = previous->sa_flags | SA_SIGINFO;
@@ -112,12 +117,14 @@ void arm(const std::string& name) {
   install_exit_handlers();
   for (ExitSlot& slot : g_exit_slots) {
     uint64_t s = slot.state.load();
-    if ((s & 3) != kSlotFree || !slot.state.compare_exchange_strong(s, s | kSlotWriting)) {
+    if ((s & 3) != kSlotFree ||
+        !slot.state.compare_exchange_strong(s, s | kSlotWriting)) {
       continue;
     }
     slot.pid.store(static_cast<int32_t>(::getpid()), std::memory_order_relaxed);
     for (size_t i = 0; i < kExitNameBytes; ++i) {
-      slot.name[i].store(i < name.size() ? name[i] : '\0', std::memory_order_relaxed);
+      slot.name[i].store(i < name.size() ? name[i] : '\0',
+                         std::memory_order_relaxed);
     }
     slot.state.store(s | kSlotArmed, std::memory_order_release);
     return;
@@ -130,9 +137,13 @@ void disarm(const std::string& name) {
     const uint64_t s = slot.state.load();
     if ((s & 3) != kSlotArmed) continue;
     size_t i = 0;
-    while (i < name.size() && slot.name[i].load(std::memory_order_relaxed) == name[i]) ++i;
-    if (i < name.size() || slot.name[i].load(std::memory_order_relaxed) != '\0') continue;
-    slot.state.store(((s >> 2) + 1) << 2 | kSlotFree, std::memory_order_release);
+    while (i < name.size() &&
+           slot.name[i].load(std::memory_order_relaxed) == name[i])
+      ++i;
+    if (i < name.size() || slot.name[i].load(std::memory_order_relaxed) != '\0')
+      continue;
+    slot.state.store(((s >> 2) + 1) << 2 | kSlotFree,
+                     std::memory_order_release);
     return;
   }
 }
@@ -151,7 +162,8 @@ std::string hex(const std::string& bytes) {
 
 std::string random_segment_name(const std::string& prefix, std::string* error) {
   std::string nonce(16, '\0');
-  if (::getrandom(nonce.data(), nonce.size(), 0) != static_cast<ssize_t>(nonce.size())) {
+  if (::getrandom(nonce.data(), nonce.size(), 0) !=
+      static_cast<ssize_t>(nonce.size())) {
     *error = "no random bytes for a shared-memory segment's name";
     return "";
   }
@@ -159,7 +171,8 @@ std::string random_segment_name(const std::string& prefix, std::string* error) {
 }
 
 bool is_segment_name(const std::string& name, const std::string& prefix) {
-  if (name.size() != prefix.size() + 32 || name.compare(0, prefix.size(), prefix) != 0) {
+  if (name.size() != prefix.size() + 32 ||
+      name.compare(0, prefix.size(), prefix) != 0) {
     return false;
   }
   for (size_t i = prefix.size(); i < name.size(); ++i) {
@@ -169,8 +182,8 @@ bool is_segment_name(const std::string& name, const std::string& prefix) {
   return true;
 }
 
-void* create_segment(const std::string& name, size_t bytes, const std::string& what,
-                     std::string* error) {
+void* create_segment(const std::string& name, size_t bytes,
+                     const std::string& what, std::string* error) {
   // Armed first: a signal right after the file appears finds its name.
   arm(name);
   const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -181,14 +194,15 @@ void* create_segment(const std::string& name, size_t bytes, const std::string& w
   }
   // Reserve every page now: a write to a page tmpfs cannot back is SIGBUS.
   const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  void* base = rc == 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+  void* base = rc == 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                                MAP_SHARED, fd, 0)
                        : MAP_FAILED;
   const int map_errno = errno;
   ::close(fd);
   if (base == MAP_FAILED) {
     unlink_segment(name);
-    *error = rc != 0 ? "/dev/shm cannot hold " + std::to_string(bytes) + " bytes for " +
-                           what + ": " + std::strerror(rc)
+    *error = rc != 0 ? "/dev/shm cannot hold " + std::to_string(bytes) +
+                           " bytes for " + what + ": " + std::strerror(rc)
                      : "cannot map " + name + ": " + std::strerror(map_errno);
     return nullptr;
   }
@@ -200,12 +214,13 @@ void unlink_segment(const std::string& name) {
   disarm(name);
 }
 
-void* open_segment(const std::string& name, size_t min_bytes, const std::string& what,
-                   size_t* bytes, std::string* error) {
+void* open_segment(const std::string& name, size_t min_bytes,
+                   const std::string& what, size_t* bytes, std::string* error) {
   const int fd = ::shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0);
   if (fd < 0) {
-    *error = "cannot open " + name + " (is /dev/shm shared between the processes?): " +
-             std::strerror(errno);
+    *error =
+        "cannot open " + name +
+        " (is /dev/shm shared between the processes?): " + std::strerror(errno);
     return nullptr;
   }
   struct stat st{};
@@ -214,11 +229,13 @@ void* open_segment(const std::string& name, size_t min_bytes, const std::string&
     *error = "cannot stat " + what + ": " + std::strerror(errno);
   } else if (st.st_uid != ::geteuid() || (st.st_mode & 0777) != 0600 ||
              st.st_size < static_cast<off_t>(min_bytes)) {
-    *error = what + " " + name + " is not this user's, not owner-only, or too small";
+    *error =
+        what + " " + name + " is not this user's, not owner-only, or too small";
   } else {
     *bytes = static_cast<size_t>(st.st_size);
     base = ::mmap(nullptr, *bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) *error = "cannot map " + what + ": " + std::strerror(errno);
+    if (base == MAP_FAILED)
+      *error = "cannot map " + what + ": " + std::strerror(errno);
   }
   ::close(fd);
   return base == MAP_FAILED ? nullptr : base;
@@ -226,10 +243,13 @@ void* open_segment(const std::string& name, size_t min_bytes, const std::string&
 
 uint64_t pid_namespace() {
   struct stat st{};
-  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+  return ::stat("/proc/self/ns/pid", &st) == 0
+             ? static_cast<uint64_t>(st.st_ino)
+             : 0;
 }
 
-std::vector<std::string> remove_stale_segments(const std::vector<SegmentReader>& readers) {
+std::vector<std::string> remove_stale_segments(
+    const std::vector<SegmentReader>& readers) {
   std::vector<std::string> removed;
   const uint64_t ns = pid_namespace();
   if (ns == 0) return removed;  // no pid written here can be told gone
@@ -241,14 +261,17 @@ std::vector<std::string> remove_stale_segments(const std::vector<SegmentReader>&
     if (std::strncmp(e->d_name, "jaxring-", 8) != 0) continue;
     const std::string name = std::string("/") + e->d_name;
     // Read, not mapped: a file cut short meanwhile cannot raise SIGBUS here.
-    const int fd = ::openat(dir_fd, e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    const int fd = ::openat(dir_fd, e->d_name,
+                            O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) continue;
     struct stat st{};
     SegmentCreator creator;
     bool known = false;
-    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
-        (st.st_mode & 0777) == 0600 && st.st_size >= static_cast<off_t>(kSegmentHeadBytes) &&
-        ::pread(fd, head, kSegmentHeadBytes, 0) == static_cast<ssize_t>(kSegmentHeadBytes)) {
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+        st.st_uid == ::geteuid() && (st.st_mode & 0777) == 0600 &&
+        st.st_size >= static_cast<off_t>(kSegmentHeadBytes) &&
+        ::pread(fd, head, kSegmentHeadBytes, 0) ==
+            static_cast<ssize_t>(kSegmentHeadBytes)) {
       for (const SegmentReader& read : readers) {
         if (read(name, head, static_cast<size_t>(st.st_size), &creator)) {
           known = true;

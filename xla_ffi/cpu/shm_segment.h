@@ -39,8 +39,8 @@ bool is_segment_name(const std::string& name, const std::string& prefix);
 // its `bytes` (a full /dev/shm refuses it here instead of killing the
 // process with SIGBUS on a later write) and maps it, zero-filled. nullptr
 // with *error, the name removed again; `what` names the segment there.
-void* create_segment(const std::string& name, size_t bytes, const std::string& what,
-                     std::string* error);
+void* create_segment(const std::string& name, size_t bytes,
+                     const std::string& what, std::string* error);
 
 // Removes the name of a segment this process created (idempotent) and
 // stops the exit handlers from removing it. The mappings stay valid.
@@ -48,8 +48,8 @@ void unlink_segment(const std::string& name);
 
 // Maps the existing segment `name`, which must be this user's, owner-only
 // and of at least min_bytes; *bytes is its size. nullptr with *error.
-void* open_segment(const std::string& name, size_t min_bytes, const std::string& what,
-                   size_t* bytes, std::string* error);
+void* open_segment(const std::string& name, size_t min_bytes,
+                   const std::string& what, size_t* bytes, std::string* error);
 
 // The inode of this process's pid namespace (0 if unknown): pids written
 // by a process in another namespace name other processes here.
@@ -65,8 +65,9 @@ struct SegmentCreator {
 // kSegmentHeadBytes (aligned to 64) and the file's size: true with
 // *creator only if it is a segment of this build, laid out whole, whose
 // creator's pid is written.
-using SegmentReader = std::function<bool(const std::string& name, const char* head,
-                                         size_t file_bytes, SegmentCreator* creator)>;
+using SegmentReader =
+    std::function<bool(const std::string& name, const char* head,
+                       size_t file_bytes, SegmentCreator* creator)>;
 constexpr size_t kSegmentHeadBytes = 8192;
 
 // Removes from /dev/shm the jaxring segments ("jaxring-*") that a previous
@@ -75,6 +76,7 @@ constexpr size_t kSegmentHeadBytes = 8192;
 // (kill(pid, 0) says ESRCH). A segment whose creator is alive (a job being
 // set up now) or unknown, or that nobody here recognizes, stays. Returns
 // the names removed ("/jaxring-...").
-std::vector<std::string> remove_stale_segments(const std::vector<SegmentReader>& readers);
+std::vector<std::string> remove_stale_segments(
+    const std::vector<SegmentReader>& readers);
 
 }  // namespace jaxring

@@ -201,9 +201,11 @@ int connect_to(const std::string& addr, double timeout_s, std::string* error) {
     const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
     if (rc == 0) {
       for (addrinfo* ai = res; ai; ai = ai->ai_next) {
-        const int fd = ::socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+        const int fd =
+            ::socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
         if (fd < 0) {
-          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+              errno == ENOMEM) {
             // This process's fault, not the peer's: say so, and stop.
             *error = std::string("this process cannot open a socket: ") +
                      std::strerror(errno) + " (raise its limit: ulimit -n)";
@@ -217,7 +219,8 @@ int connect_to(const std::string& addr, double timeout_s, std::string* error) {
           ::freeaddrinfo(res);
           return fd;
         }
-        *error = std::string("connect to ") + addr + ": " + std::strerror(errno);
+        *error =
+            std::string("connect to ") + addr + ": " + std::strerror(errno);
         ::close(fd);
       }
       ::freeaddrinfo(res);

@@ -118,8 +118,8 @@ std::optional<std::string> split_phase_start(
   const StartKey sk{key.run_id, device, key.op_id};
   if (!StartTable::get().insert(sk, s)) {
     std::ostringstream os;
-    os << "jaxring allreduce start (op " << key.op_id << ", run "
-       << key.run_id << "): started twice on device " << device
+    os << "jaxring allreduce start (op " << key.op_id << ", run " << key.run_id
+       << "): started twice on device " << device
        << " without a finish in between";
     return tagged(FailureKind::kInvalid, -1, os.str());
   }
@@ -133,9 +133,9 @@ std::optional<std::string> split_phase_start(
   // even if finish never comes.
   ring_allreduce(key, desc, rank, device, process_of_rank, s->in.get(),
                  s->out.get(), timeout_s,
-                      [s](const std::optional<std::string>& error) {
-                        mark_complete(*s, error);
-                      });
+                 [s](const std::optional<std::string>& error) {
+                   mark_complete(*s, error);
+                 });
   const bool one_process =
       std::all_of(process_of_rank.begin(), process_of_rank.end(),
                   [&](int p) { return p == process_of_rank.front(); });
@@ -146,7 +146,7 @@ std::optional<std::string> split_phase_start(
 }
 
 void split_phase_finish(int64_t run_id, int device, int64_t op_id,
-                      std::vector<MutableBytes> outputs, Completion done) {
+                        std::vector<MutableBytes> outputs, Completion done) {
   std::shared_ptr<Started> s = StartTable::get().take({run_id, device, op_id});
   if (!s) {
     std::ostringstream os;

@@ -45,7 +45,7 @@ std::optional<std::string> split_phase_start(
 // once the result is ready it is copied into `outputs` (split in order) and
 // `done` is called, from this device's worker or inline if it is ready now.
 void split_phase_finish(int64_t run_id, int device, int64_t op_id,
-                      std::vector<MutableBytes> outputs, Completion done);
+                        std::vector<MutableBytes> outputs, Completion done);
 
 // Started operations not yet finished (for tests: must drop to 0).
 int64_t split_phase_unfinished_starts();

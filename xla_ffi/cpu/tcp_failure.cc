@@ -11,8 +11,8 @@
 
 namespace jaxring {
 
-bool TcpTransport::fail(const std::shared_ptr<PlanOp>& op, const std::string& why,
-                        bool tell_peers) {
+bool TcpTransport::fail(const std::shared_ptr<PlanOp>& op,
+                        const std::string& why, bool tell_peers) {
   std::vector<PlanWorker*> workers;
   std::set<int> peers;
   FrameHeader h{};
@@ -53,7 +53,8 @@ bool TcpTransport::fail(const std::shared_ptr<PlanOp>& op, const std::string& wh
   std::vector<OutLink*> links;
   {
     std::lock_guard<std::mutex> lock(links_mu_);
-    for (auto& [key, link] : links_) links.push_back(link.get());  // never freed
+    for (auto& [key, link] : links_)
+      links.push_back(link.get());  // never freed
   }
   for (OutLink* link : links) {
     for (const OutFrame& f : link->take_frames_of(op.get())) release_send(f);
@@ -82,7 +83,8 @@ void TcpTransport::peer_lost(int p, const std::string& why, bool tell_others) {
     if (tell_others) {
       std::ostringstream os;
       os << "process " << p << " ("
-         << (p < static_cast<int>(addresses_.size()) ? addresses_[p] : std::string("?"))
+         << (p < static_cast<int>(addresses_.size()) ? addresses_[p]
+                                                     : std::string("?"))
          << ") is unreachable: " << why;
       reason = os.str();
     } else {
@@ -113,9 +115,9 @@ void TcpTransport::peer_lost(int p, const std::string& why, bool tell_others) {
     std::string name;
     {
       std::lock_guard<std::mutex> lock(op->mu);
-      involved = std::find(op->process_of_rank.begin(),
-                           op->process_of_rank.end(),
-                           p) != op->process_of_rank.end();
+      involved =
+          std::find(op->process_of_rank.begin(), op->process_of_rank.end(),
+                    p) != op->process_of_rank.end();
       name = op->name();
     }
     if (involved) {
@@ -143,13 +145,13 @@ void TcpTransport::check_programs_agree(const std::shared_ptr<PlanOp>& op) {
       if (op->locals.empty()) std::swap(local, remote);
       // A local operation that heard from the remote one's sender runs the
       // same program as that sender: the remote one is a later program's.
-      if (local->locals.empty() || !remote->locals.empty() ||
-          local->failed || remote->failed || !local->has_desc ||
-          !remote->has_desc || local->desc.slot_id == 0 ||
+      if (local->locals.empty() || !remote->locals.empty() || local->failed ||
+          remote->failed || !local->has_desc || !remote->has_desc ||
+          local->desc.slot_id == 0 ||
           local->desc.slot_id != remote->desc.slot_id ||
           same_operation(local->desc, remote->desc) ||
-          local->heard_from.count(remote->first_sender) ||
-          !local->plan || local->process_of_rank.empty() ||
+          local->heard_from.count(remote->first_sender) || !local->plan ||
+          local->process_of_rank.empty() ||
           !local->expects_data_from(remote->first_sender)) {
         continue;
       }
@@ -159,7 +161,8 @@ void TcpTransport::check_programs_agree(const std::shared_ptr<PlanOp>& op) {
          << "process " << me() << " calls it with " << local->desc.describe()
          << " but process " << remote->first_sender << " with "
          << remote->desc.describe()
-         << shape_difference(local->desc.shape_digest, remote->desc.shape_digest)
+         << shape_difference(local->desc.shape_digest,
+                             remote->desc.shape_digest)
          << ". Every process must run the same program with the same shapes, "
             "dtypes and ops.";
       message = tagged(FailureKind::kMismatch, remote->first_sender, os.str());

@@ -44,12 +44,14 @@ constexpr size_t kReplyBytes = 8 + 4 + 4 + kNonceBytes + kMacBytes;
 static_assert(kHelloBytes == 32 && kReplyBytes == 64, "handshake layout");
 
 void put_u32(std::string* out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  for (int i = 0; i < 4; ++i)
+    out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
 
 uint32_t get_u32(const char* p) {
   uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  for (int i = 0; i < 4; ++i)
+    v |= static_cast<uint32_t>(static_cast<uint8_t>(p[i])) << (8 * i);
   return v;
 }
 
@@ -91,7 +93,8 @@ std::string reply(const JobIdentity& me, HandshakeStatus status,
 // In constant time: how much of a MAC matched must not show in the timing.
 bool same_bytes(const std::string& a, const std::string& b) {
 #ifdef JAXRING_TCP_AUTH
-  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+  return a.size() == b.size() &&
+         CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 #else
   (void)a;
   (void)b;
@@ -130,11 +133,13 @@ std::string identity_problem(const JobIdentity& id) {
           "with OpenSSL's headers installed (e.g. apt-get install libssl-dev)";
   } else if (id.processes < 1 || id.process < 0 || id.process >= id.processes) {
     os << "process index " << id.process << " is not one of " << id.processes;
-  } else if (id.secret.size() < kMinSecretBytes || id.secret.size() > kMaxSecretBytes) {
+  } else if (id.secret.size() < kMinSecretBytes ||
+             id.secret.size() > kMaxSecretBytes) {
     os << "the job secret has " << id.secret.size() << " bytes; it needs "
        << kMinSecretBytes << " to " << kMaxSecretBytes;
   } else if (id.job_id.size() != kJobIdBytes) {
-    os << "the job id has " << id.job_id.size() << " bytes, not " << kJobIdBytes;
+    os << "the job id has " << id.job_id.size() << " bytes, not "
+       << kJobIdBytes;
   }
   return os.str();
 }
@@ -177,7 +182,8 @@ bool accept_handshake(int fd, const JobIdentity& me, Clock::time_point deadline,
     return false;
   }
   char hello[kHelloBytes];
-  if (read_exact_by(fd, hello, 8, deadline, why) != ReadResult::kOk) return false;
+  if (read_exact_by(fd, hello, 8, deadline, why) != ReadResult::kOk)
+    return false;
   if (get_u32(hello) != kWireMagic) {
     *why = "not a jaxring peer";
     return false;
@@ -188,15 +194,18 @@ bool accept_handshake(int fd, const JobIdentity& me, Clock::time_point deadline,
     *why = "protocol version " + std::to_string(get_u32(hello + 4));
     return false;
   }
-  if (read_exact_by(fd, hello + 8, kHelloBytes - 8, deadline, why) != ReadResult::kOk) {
+  if (read_exact_by(fd, hello + 8, kHelloBytes - 8, deadline, why) !=
+      ReadResult::kOk) {
     return false;
   }
   const int p = get_i32(hello + 8);
   const int c = get_i32(hello + 12);
-  if (p < 0 || p >= me.processes || p == me.process || c < 0 || c >= kMaxChannels) {
+  if (p < 0 || p >= me.processes || p == me.process || c < 0 ||
+      c >= kMaxChannels) {
     std::string ignored;
     send_bytes(fd, reply(me, kUnknownProcess, "", ""), deadline, &ignored);
-    *why = "claims process " + std::to_string(p) + ", channel " + std::to_string(c);
+    *why = "claims process " + std::to_string(p) + ", channel " +
+           std::to_string(c);
     return false;
   }
   const std::string connector_nonce(hello + 16, kNonceBytes);
@@ -207,9 +216,11 @@ bool accept_handshake(int fd, const JobIdentity& me, Clock::time_point deadline,
   }
   const std::string mac =
       handshake_mac(me, true, connector_nonce, nonce, p, me.process, c);
-  if (!send_bytes(fd, reply(me, kHandshakeOk, nonce, mac), deadline, why)) return false;
+  if (!send_bytes(fd, reply(me, kHandshakeOk, nonce, mac), deadline, why))
+    return false;
   std::string proof(kMacBytes, '\0');
-  if (read_exact_by(fd, proof.data(), kMacBytes, deadline, why) != ReadResult::kOk) {
+  if (read_exact_by(fd, proof.data(), kMacBytes, deadline, why) !=
+      ReadResult::kOk) {
     return false;
   }
   if (!same_bytes(proof, handshake_mac(me, false, connector_nonce, nonce, p,
@@ -232,9 +243,9 @@ bool connect_handshake(int fd, const JobIdentity& me, int peer, int channel,
   who << "process " << peer;
   std::string nonce;
   if (!fresh_nonce(&nonce)) {
-    *error = handshakes_closed()
-                 ? kClosedError
-                 : "no random bytes for a handshake nonce (OpenSSL RAND_bytes failed)";
+    *error = handshakes_closed() ? kClosedError
+                                 : "no random bytes for a handshake nonce "
+                                   "(OpenSSL RAND_bytes failed)";
     return false;
   }
   std::string hello;
@@ -248,9 +259,11 @@ bool connect_handshake(int fd, const JobIdentity& me, int peer, int channel,
   std::string why;
   const ReadResult head = read_exact_by(fd, r, 8, deadline, &why);
   if (head == ReadResult::kClosed) {
-    *error = who.str() + " closed the connection during the handshake: it is "
+    *error = who.str() +
+             " closed the connection during the handshake: it is "
              "not a jaxring process, or runs a jaxring build older than wire "
-             "protocol version " + std::to_string(kProtocolVersion) +
+             "protocol version " +
+             std::to_string(kProtocolVersion) +
              " (every process of a job must run the same build)";
     return false;
   }
@@ -264,13 +277,14 @@ bool connect_handshake(int fd, const JobIdentity& me, int peer, int channel,
   }
   if (get_u32(r + 4) != kProtocolVersion) {
     std::ostringstream os;
-    os << who.str() << " speaks jaxring wire protocol version " << get_u32(r + 4)
-       << " and this process version " << kProtocolVersion
+    os << who.str() << " speaks jaxring wire protocol version "
+       << get_u32(r + 4) << " and this process version " << kProtocolVersion
        << ": every process of a job must run the same jaxring build";
     *error = os.str();
     return false;
   }
-  if (read_exact_by(fd, r + 8, kReplyBytes - 8, deadline, &why) != ReadResult::kOk) {
+  if (read_exact_by(fd, r + 8, kReplyBytes - 8, deadline, &why) !=
+      ReadResult::kOk) {
     *error = who.str() + " did not complete the handshake: " + why;
     return false;
   }
@@ -285,15 +299,16 @@ bool connect_handshake(int fd, const JobIdentity& me, int peer, int channel,
   const std::string acceptor_nonce(r + 16, kNonceBytes);
   const std::string mac(r + 16 + kNonceBytes, kMacBytes);
   if (status != kHandshakeOk || get_i32(r + 8) != peer ||
-      !same_bytes(mac, handshake_mac(me, true, nonce, acceptor_nonce, me.process,
-                                     peer, channel))) {
+      !same_bytes(mac, handshake_mac(me, true, nonce, acceptor_nonce,
+                                     me.process, peer, channel))) {
     *error = "the process listening at " + who.str() +
              "'s address did not prove that it is " + who.str() +
              " of this job (another job, or a different JAXRING_JOB_SECRET)";
     return false;
   }
-  return send_bytes(fd, handshake_mac(me, false, nonce, acceptor_nonce,
-                                      me.process, peer, channel),
+  return send_bytes(fd,
+                    handshake_mac(me, false, nonce, acceptor_nonce, me.process,
+                                  peer, channel),
                     deadline, error);
 }
 

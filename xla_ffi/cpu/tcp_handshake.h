@@ -33,10 +33,10 @@ namespace jaxring {
 
 constexpr uint32_t kWireMagic = 0x4a52494e;  // "JRIN"
 // Version 6: data frames carry a digest of the call's operand shapes
-// (OpDesc::shape_digest). 5: after the handshake the connector offers a shared-memory ring
-// (shm_link.h) and the acceptor answers. 4: data frames name their call's
-// slot (OpDesc::slot_id). 3: the authenticated handshake. 2: unauthenticated
-// hello.
+// (OpDesc::shape_digest). 5: after the handshake the connector offers a
+// shared-memory ring (shm_link.h) and the acceptor answers. 4: data frames name
+// their call's slot (OpDesc::slot_id). 3: the authenticated handshake. 2:
+// unauthenticated hello.
 constexpr uint32_t kProtocolVersion = 6;
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kMacBytes = 32;

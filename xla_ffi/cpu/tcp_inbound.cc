@@ -54,13 +54,14 @@ ReadResult receive_payload(int fd, PlanOp& op, char* dest, size_t n,
   return ReadResult::kOk;
 }
 
-
 // Reads and drops n bytes of a frame nobody wants, a slice at a time: what
 // it allocates does not depend on what the frame announces.
-ReadResult drain_payload(int fd, int64_t n, double stall_s, std::string* error) {
+ReadResult drain_payload(int fd, int64_t n, double stall_s,
+                         std::string* error) {
   char slice[64 * 1024];
   while (n > 0) {
-    const size_t piece = static_cast<size_t>(std::min<int64_t>(n, sizeof(slice)));
+    const size_t piece =
+        static_cast<size_t>(std::min<int64_t>(n, sizeof(slice)));
     const ReadResult r = read_exact(fd, slice, piece, false, stall_s, error);
     if (r != ReadResult::kOk) return r;
     n -= static_cast<int64_t>(piece);
@@ -70,18 +71,21 @@ ReadResult drain_payload(int fd, int64_t n, double stall_s, std::string* error) 
 
 }  // namespace
 
-int TcpTransport::listen(const std::string& bind_host, const JobIdentity& identity,
-                         bool use_shm, std::string* error) {
+int TcpTransport::listen(const std::string& bind_host,
+                         const JobIdentity& identity, bool use_shm,
+                         std::string* error) {
   std::lock_guard<std::mutex> lock(mu_);
   if (listen_fd_ >= 0) {
     const JobIdentity mine = this->identity();
-    if (identity.process != mine.process || identity.processes != mine.processes ||
+    if (identity.process != mine.process ||
+        identity.processes != mine.processes ||
         identity.secret != mine.secret || identity.job_id != mine.job_id) {
       *error = "the TCP transport already listens for another job identity";
       return -1;
     }
     if (use_shm != use_shm_.load()) {
-      *error = "the TCP transport already listens with another shared-memory choice";
+      *error =
+          "the TCP transport already listens with another shared-memory choice";
       return -1;
     }
     return port_;
@@ -114,10 +118,12 @@ int TcpTransport::listen(const std::string& bind_host, const JobIdentity& identi
     int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     tune_socket(fd);  // accepted connections inherit its buffer sizes
-    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, 128) == 0) {
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+        ::listen(fd, 128) == 0) {
       break;
     }
-    *error = std::string("bind/listen on ") + bind_host + ": " + std::strerror(errno);
+    *error = std::string("bind/listen on ") + bind_host + ": " +
+             std::strerror(errno);
     ::close(fd);
     fd = -1;
   }
@@ -143,7 +149,7 @@ void TcpTransport::accept_loop(int listen_fd) {
         // Peers cannot get in until descriptors are free: transport_info
         // says why.
         note_refusal(std::string("this process cannot accept a connection: ") +
-                     std::strerror(errno) + " (raise its limit: ulimit -n)",
+                         std::strerror(errno) + " (raise its limit: ulimit -n)",
                      /*connection=*/false);
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -162,7 +168,8 @@ void TcpTransport::accept_loop(int listen_fd) {
     } catch (const std::system_error& e) {
       --handshaking_;
       ::close(fd);
-      note_refusal(std::string("this process cannot start a thread: ") + e.what());
+      note_refusal(std::string("this process cannot start a thread: ") +
+                   e.what());
     }
   }
 }
@@ -170,8 +177,9 @@ void TcpTransport::accept_loop(int listen_fd) {
 void TcpTransport::read_loop(int fd) {
   std::string error;
   int peer = -1, channel = -1;
-  const bool proved = accept_handshake(fd, identity(), after_seconds(kHandshakeTimeoutS),
-                                       &peer, &channel, &error);
+  const bool proved =
+      accept_handshake(fd, identity(), after_seconds(kHandshakeTimeoutS), &peer,
+                       &channel, &error);
   --handshaking_;
   // This process's index, known since listen(); me() is only set once
   // set_peers has run, and a peer may connect before that.
@@ -180,8 +188,9 @@ void TcpTransport::read_loop(int fd) {
     // A stranger, another job, or a second connection for a channel already
     // open: it goes quietly, and no process of the job is blamed.
     ::close(fd);
-    note_refusal(proved ? "a second connection from process " + std::to_string(peer) +
-                              " for channel " + std::to_string(channel)
+    note_refusal(proved ? "a second connection from process " +
+                              std::to_string(peer) + " for channel " +
+                              std::to_string(channel)
                         : error);
     return;
   }
@@ -201,7 +210,8 @@ void TcpTransport::read_loop(int fd) {
   {
     std::string declined;
     if (!answer_offer(fd, use_shm(), identity().job_id, peer, self, channel,
-                      after_seconds(kHandshakeTimeoutS), &ring, &declined, &error)) {
+                      after_seconds(kHandshakeTimeoutS), &ring, &declined,
+                      &error)) {
       ::close(fd);
       note_refusal("process " + std::to_string(peer) + ": " + error);
       return;
@@ -211,7 +221,8 @@ void TcpTransport::read_loop(int fd) {
   }
   // Drops the payload of a frame nobody wants.
   auto skip_payload = [&](const FrameHeader& h, double stall_s) {
-    if (h.kind != kShmData) return drain_payload(fd, h.payload_bytes, stall_s, &error);
+    if (h.kind != kShmData)
+      return drain_payload(fd, h.payload_bytes, stall_s, &error);
     if (!ring->next(h.payload_bytes, &error)) return ReadResult::kError;
     ring->release(h.payload_bytes);
     return ReadResult::kOk;
@@ -232,8 +243,10 @@ void TcpTransport::read_loop(int fd) {
     }
     const bool message_frame = h.kind == kAbort || h.kind == kPeerLost;
     const bool ring_frame = h.kind == kShmData;
-    if ((!message_frame && h.kind != kData && !ring_frame) || h.payload_bytes < 0 ||
-        h.payload_bytes > (message_frame ? kMaxMessageBytes : kMaxPayloadBytes) ||
+    if ((!message_frame && h.kind != kData && !ring_frame) ||
+        h.payload_bytes < 0 ||
+        h.payload_bytes >
+            (message_frame ? kMaxMessageBytes : kMaxPayloadBytes) ||
         (ring_frame && !(ring && ring->carries(h.payload_bytes)))) {
       ::close(fd);
       peer_lost(peer, "protocol error: a frame of unknown kind or size");
@@ -266,7 +279,8 @@ void TcpTransport::read_loop(int fd) {
       // peer that waited on it while it waited on a stopped process further
       // up the ring: the sender cannot tell which one stopped, so it names
       // none.
-      int points_at = h.src_rank >= 0 && h.src_rank < processes ? h.src_rank : peer;
+      int points_at =
+          h.src_rank >= 0 && h.src_rank < processes ? h.src_rank : peer;
       if (points_at == self) points_at = -1;
       std::ostringstream os;
       os << words << " [reported by process " << peer << "]";
@@ -274,7 +288,8 @@ void TcpTransport::read_loop(int fd) {
         // Only about another process of the job: a process cannot report
         // itself or this one lost.
         const int lost = h.group >= 0 && h.group < identity().processes
-                             ? static_cast<int>(h.group) : -1;
+                             ? static_cast<int>(h.group)
+                             : -1;
         if (lost >= 0 && lost != peer && lost != self) {
           peer_lost(lost, os.str(), /*tell_others=*/false);
         }
@@ -294,8 +309,9 @@ void TcpTransport::read_loop(int fd) {
       // Too many operations ahead of this process: the sender's fails, and
       // says why, instead of waiting out its timeout.
       std::ostringstream os;
-      os << "jaxring allreduce (op " << h.op_id << ", group " << h.group << ", run "
-         << h.run_id << "): process " << self << " holds " << kMaxFrameCreatedOps
+      os << "jaxring allreduce (op " << h.op_id << ", group " << h.group
+         << ", run " << h.run_id << "): process " << self << " holds "
+         << kMaxFrameCreatedOps
          << " operations that peers started and it did not, and refuses more: "
             "the processes do not run the same allreduces";
       send_abort(peer, key_of(h), FailureKind::kResource,
@@ -331,7 +347,8 @@ void TcpTransport::read_loop(int fd) {
         // The first word of an operation this process has not reached.
         try {
           ReduceOp unused;
-          if (h.elem_type < 0 || h.elem_type > static_cast<int>(ElemType::kU64) ||
+          if (h.elem_type < 0 ||
+              h.elem_type > static_cast<int>(ElemType::kU64) ||
               !reduce_op_from_int(h.reduce_op, &unused)) {
             throw std::invalid_argument("unknown element type or reduction");
           }
@@ -376,8 +393,9 @@ void TcpTransport::read_loop(int fd) {
         if (!in_plan || !from_its_process || span.count == 0 ||
             span.count * esize != h.payload_bytes ||
             o.inbox(h.dst_rank, h.ring).received.count({h.phase, unit})) {
-          mismatch = tagged(FailureKind::kMismatch, peer,
-                            o.name() + ": protocol error: a frame does not fit the plan");
+          mismatch = tagged(
+              FailureKind::kMismatch, peer,
+              o.name() + ": protocol error: a frame does not fit the plan");
           discard = true;
         } else {
           Inbox& ib = o.inbox(h.dst_rank, h.ring);
@@ -385,14 +403,16 @@ void TcpTransport::read_loop(int fd) {
           if (local != o.locals.end() && h.phase == ib.phase) {
             dest = static_cast<char*>(local->second.out) + span.offset * esize;
             if (ring_frame && plan.is_reduce_unit(h.phase, unit)) {
-              own = local->second.own_contribution(h.ring, h.phase, span.offset, esize);
+              own = local->second.own_contribution(h.ring, h.phase, span.offset,
+                                                   esize);
               own_first = plan.own_first(h.phase, h.dst_rank);
               type = o.desc.type;
               reduce_op = o.desc.op;
             }
           } else {
             try {
-              if (StagingPool::get().in_use() + h.payload_bytes > kMaxStagedFromWire) {
+              if (StagingPool::get().in_use() + h.payload_bytes >
+                  kMaxStagedFromWire) {
                 throw std::bad_alloc();
               }
               Staged staged(static_cast<size_t>(h.payload_bytes));

@@ -15,8 +15,11 @@ OutLink::OutLink(int process, int channel, std::string address,
                  JobIdentity identity, bool offer_shm,
                  std::function<void(const std::string&)> on_death,
                  std::function<void(const std::string&)> on_shm_unavailable)
-    : process_(process), channel_(channel), address_(std::move(address)),
-      identity_(std::move(identity)), offer_shm_(offer_shm),
+    : process_(process),
+      channel_(channel),
+      address_(std::move(address)),
+      identity_(std::move(identity)),
+      offer_shm_(offer_shm),
       on_death_(std::move(on_death)),
       on_shm_unavailable_(std::move(on_shm_unavailable)) {
   std::thread([this] { loop(); }).detach();
@@ -53,8 +56,9 @@ OutLink::Sent OutLink::send_data(OutFrame f) {
     // Nobody waits for it any more.
   } else if (ring_ && ring_->carries(f.header.payload_bytes)) {
     // Never waits: a full ring gives up at once, with nothing written.
-    const ShmRing::Put put = ring_->put(f.data, f.header.payload_bytes, fd, f.stall_s,
-                                        [] { return false; }, &error);
+    const ShmRing::Put put = ring_->put(
+        f.data, f.header.payload_bytes, fd, f.stall_s, [] { return false; },
+        &error);
     ok = put != ShmRing::Put::kFailed;
     taken = false;
     if (put == ShmRing::Put::kDone) {
@@ -64,14 +68,17 @@ OutLink::Sent OutLink::send_data(OutFrame f) {
     }
   } else {
     ok = write_frame_now(fd, f, &error);
-    taken = ok && f.written == static_cast<int64_t>(sizeof(f.header)) + f.header.payload_bytes;
+    taken = ok && f.written == static_cast<int64_t>(sizeof(f.header)) +
+                                   f.header.payload_bytes;
   }
-  if (ok && taken && !dropped) frames_by_caller_.fetch_add(1, std::memory_order_relaxed);
+  if (ok && taken && !dropped)
+    frames_by_caller_.fetch_add(1, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mu_);
     writing_ = false;
     if (!ok) {
-      broken_ = error.empty() ? std::string("a write to the peer failed") : error;
+      broken_ =
+          error.empty() ? std::string("a write to the peer failed") : error;
     } else if (!taken) {
       // The ring was full, or the socket took only part of the frame: the
       // link's thread writes the rest, first (whatever was queued meanwhile
@@ -151,7 +158,8 @@ int OutLink::open_connection() {
   }
   if (offer_shm_) {
     std::string why;
-    ring_ = ShmRing::create(identity_.job_id, identity_.process, process_, channel_, &why);
+    ring_ = ShmRing::create(identity_.job_id, identity_.process, process_,
+                            channel_, &why);
     if (!ring_) on_shm_unavailable_(why);
   }
   bool mapped = false;
@@ -195,7 +203,9 @@ void OutLink::loop() {
     OutFrame f;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return !broken_.empty() || (!queue_.empty() && !writing_); });
+      cv_.wait(lock, [&] {
+        return !broken_.empty() || (!queue_.empty() && !writing_);
+      });
       // This thread keeps writing_ from here on if the link dies, so that
       // no sender touches the closed connection.
       writing_ = true;
@@ -224,7 +234,8 @@ bool OutLink::write_frame(int fd, OutFrame& f, std::string* error) {
     return true;
   }
   if (f.op) frames_by_link_thread_.fetch_add(1, std::memory_order_relaxed);
-  if (f.op && f.begun()) frames_finished_for_caller_.fetch_add(1, std::memory_order_relaxed);
+  if (f.op && f.begun())
+    frames_finished_for_caller_.fetch_add(1, std::memory_order_relaxed);
   if (!f.begun() && f.op && ring_ && ring_->carries(f.header.payload_bytes)) {
     return write_through_ring(fd, f, error);
   }

@@ -38,11 +38,11 @@ constexpr double kHandshakeTimeoutS = 10.0;
 // A frame waiting to be written to one connection.
 struct OutFrame {
   FrameHeader header{};  // zeroed: no stray bytes of this process on the wire
-  const char* data = nullptr;  // points into a local rank's buffer
-  std::shared_ptr<PlanOp> op;   // null for abort frames
+  const char* data = nullptr;        // points into a local rank's buffer
+  std::shared_ptr<PlanOp> op;        // null for abort frames
   std::shared_ptr<PlanOp> abort_of;  // an abort frame's operation
-  int rank = -1;               // whose outstanding_sends this holds
-  std::string message;         // an abort frame's payload
+  int rank = -1;                     // whose outstanding_sends this holds
+  std::string message;               // an abort frame's payload
   double stall_s = kAbortSendTimeoutS;
   // Bytes of the frame (its header, then its payload unless that went
   // through the ring) the sending thread already wrote: the link's thread
@@ -85,7 +85,9 @@ class OutLink {
   // Data frames written so far by send_data's caller, and (wholly or in
   // part) by the link's thread.
   int64_t frames_by_caller() const { return frames_by_caller_.load(); }
-  int64_t frames_by_link_thread() const { return frames_by_link_thread_.load(); }
+  int64_t frames_by_link_thread() const {
+    return frames_by_link_thread_.load();
+  }
   // Of the latter, those send_data's caller began and the link's thread
   // finished (a socket that took part of the frame, or a ring payload whose
   // header it did not take).

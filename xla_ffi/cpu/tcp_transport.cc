@@ -87,7 +87,8 @@ bool TcpTransport::send(int p, int channel, OutFrame f, bool* written_here) {
       // shared-memory ring: this process is failing and may be killed
       // before the peer maps the ring, whose name would then outlive the
       // job in /dev/shm. Notices are small; TCP carries them.
-      const bool offer_shm = use_shm() && same_host_.count(p) > 0 && f.header.kind == kData;
+      const bool offer_shm =
+          use_shm() && same_host_.count(p) > 0 && f.header.kind == kData;
       try {
         l.reset(new OutLink(
             p, channel, addresses_[p], identity(), offer_shm,
@@ -171,8 +172,8 @@ std::string TcpTransport::send_remote(const std::shared_ptr<PlanOp>& op_ptr,
   return std::string();
 }
 
-int tcp_listen(const std::string& bind_host, const JobIdentity& identity, bool use_shm,
-               std::string* error) {
+int tcp_listen(const std::string& bind_host, const JobIdentity& identity,
+               bool use_shm, std::string* error) {
   return TcpTransport::get().listen(bind_host, identity, use_shm, error);
 }
 
@@ -217,7 +218,8 @@ TcpTransportInfo TcpTransport::info() {
     if (link->shared_memory()) i.shm_outbound.push_back(where);
     i.data_frames_by_device_thread += link->frames_by_caller();
     i.data_frames_by_sender_thread += link->frames_by_link_thread();
-    i.data_frames_finished_by_sender_thread += link->frames_finished_for_caller();
+    i.data_frames_finished_by_sender_thread +=
+        link->frames_finished_for_caller();
   }
   i.shm_inbound.assign(inbound_rings_.begin(), inbound_rings_.end());
   i.shm_unavailable = shm_unavailable_;
@@ -238,16 +240,18 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
   TcpTransport& tr = TcpTransport::get();
   const int me = tr.me();
   if (me < 0) {
-    done(tagged(FailureKind::kInvalid, -1,
-                op_name(key, desc) +
-                    ": the TCP transport is not set up (jaxring sets it up when it "
-                    "lowers a cross-process allreduce after "
-                    "jax.distributed.initialize)"));
+    done(tagged(
+        FailureKind::kInvalid, -1,
+        op_name(key, desc) +
+            ": the TCP transport is not set up (jaxring sets it up when it "
+            "lowers a cross-process allreduce after "
+            "jax.distributed.initialize)"));
     return;
   }
   if (static_cast<int>(process_of_rank.size()) != desc.world_size) {
     done(tagged(FailureKind::kInvalid, -1,
-                op_name(key, desc) + ": the process table does not match the world size"));
+                op_name(key, desc) +
+                    ": the process table does not match the world size"));
     return;
   }
   for (int p : process_of_rank) {
@@ -279,8 +283,10 @@ void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,
   for (int p : process_of_rank) {
     const std::string dead = tr.dead_reason(p);
     if (!dead.empty()) {
-      tr.fail(op, tagged(FailureKind::kPeerLost, p, op_name(key, desc) + ": " + dead),
-              /*tell_peers=*/true);
+      tr.fail(
+          op,
+          tagged(FailureKind::kPeerLost, p, op_name(key, desc) + ": " + dead),
+          /*tell_peers=*/true);
       break;
     }
   }

@@ -49,8 +49,8 @@ namespace jaxring {
 // (shm_link.h) with processes on its host. It is fixed here, before the
 // first connection can arrive: a peer may connect, and offer a ring, as soon
 // as it knows the port, before this process's tcp_set_peers has run.
-int tcp_listen(const std::string& bind_host, const JobIdentity& identity, bool use_shm,
-               std::string* error);
+int tcp_listen(const std::string& bind_host, const JobIdentity& identity,
+               bool use_shm, std::string* error);
 
 // Tells the transport where every process listens ("host:port", indexed by
 // process), and which processes run on this host: with tcp_listen's use_shm,

@@ -64,8 +64,8 @@ class TcpTransport final : public OpHost {
   // Opens the listener; from then on a connection is let in only after it
   // proved `identity`'s job (tcp_handshake.h), and its shared-memory offer
   // is taken when use_shm.
-  int listen(const std::string& bind_host, const JobIdentity& identity, bool use_shm,
-             std::string* error);
+  int listen(const std::string& bind_host, const JobIdentity& identity,
+             bool use_shm, std::string* error);
   // Where every process listens, and which processes run on this host
   // (their connections are offered a shared-memory ring when use_shm);
   // false (with *error) if listen() has not run or the count differs from
@@ -78,8 +78,9 @@ class TcpTransport final : public OpHost {
       return false;
     }
     if (static_cast<int>(addresses.size()) != id.processes) {
-      *error = "got " + std::to_string(addresses.size()) + " addresses for a job of " +
-               std::to_string(id.processes) + " processes";
+      *error = "got " + std::to_string(addresses.size()) +
+               " addresses for a job of " + std::to_string(id.processes) +
+               " processes";
       return false;
     }
     std::vector<EarlyMessage> early;
@@ -127,7 +128,8 @@ class TcpTransport final : public OpHost {
   // longest one seen (kDefaultTimeoutS before any).
   void note_timeout(double timeout_s) {
     double seen = frame_state_timeout_s_.load();
-    while (timeout_s > seen && !frame_state_timeout_s_.compare_exchange_weak(seen, timeout_s)) {
+    while (timeout_s > seen &&
+           !frame_state_timeout_s_.compare_exchange_weak(seen, timeout_s)) {
     }
   }
   // OpHost.
@@ -135,7 +137,8 @@ class TcpTransport final : public OpHost {
   std::string send_remote(const std::shared_ptr<PlanOp>& op, int rank, int ring,
                           int phase, int64_t u, const char* data,
                           int64_t bytes) override;
-  void fail(const std::shared_ptr<PlanOp>& op, const std::string& why) override {
+  void fail(const std::shared_ptr<PlanOp>& op,
+            const std::string& why) override {
     fail(op, why, /*tell_peers=*/true);
   }
   void forget(const std::shared_ptr<PlanOp>& op) override {
@@ -186,11 +189,11 @@ class TcpTransport final : public OpHost {
   // talk to p directly.
   void peer_lost(int p, const std::string& why, bool tell_others = true);
   // Fails op and any operation of the same slot (OpDesc::slot_id) and group
-  // in another run or under another op id whose description differs while exactly one of the two has
-  // ranks in this process, and the local one never heard from the process
-  // that sent the other although its plan has that process send data here:
-  // the processes compiled different programs. Run by a rank that has waited
-  // kMismatchProbeAfter without progress.
+  // in another run or under another op id whose description differs while
+  // exactly one of the two has ranks in this process, and the local one never
+  // heard from the process that sent the other although its plan has that
+  // process send data here: the processes compiled different programs. Run by a
+  // rank that has waited kMismatchProbeAfter without progress.
   void check_programs_agree(const std::shared_ptr<PlanOp>& op) override;
   // Fails op and tells every other process of its group. Requires op.mu not
   // held. Returns whether this call failed it (false: it already was).
@@ -198,7 +201,8 @@ class TcpTransport final : public OpHost {
             bool tell_peers);
   // Tells process p that the operation `key` failed here, for an operation
   // this process holds no state for.
-  void send_abort(int p, const OpKey& key, FailureKind kind, const std::string& why) {
+  void send_abort(int p, const OpKey& key, FailureKind kind,
+                  const std::string& why) {
     OutFrame f;
     f.header.magic = kWireMagic;
     f.header.kind = kAbort;
@@ -245,9 +249,9 @@ class TcpTransport final : public OpHost {
   std::atomic<int> me_{-1};
   std::vector<std::string> addresses_;
   std::atomic<bool> use_shm_{false};
-  std::set<int> same_host_;  // under links_mu_
+  std::set<int> same_host_;                      // under links_mu_
   std::set<std::pair<int, int>> inbound_rings_;  // under links_mu_
-  std::vector<EarlyMessage> early_messages_;  // under links_mu_
+  std::vector<EarlyMessage> early_messages_;     // under links_mu_
   std::string shm_unavailable_;  // under links_mu_: the first reason
   std::map<std::pair<int, int>, std::unique_ptr<OutLink>> links_;
   std::map<int, std::string> dead_;

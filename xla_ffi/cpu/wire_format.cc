@@ -52,8 +52,8 @@ bool same_operation(const OpDesc& a, const OpDesc& b) {
 
 std::string op_name(const OpKey& k, const OpDesc& d) {
   std::ostringstream os;
-  os << "jaxring allreduce (op " << k.op_id << ", group " << k.group
-     << ", run " << k.run_id << ", " << d.describe() << ")";
+  os << "jaxring allreduce (op " << k.op_id << ", group " << k.group << ", run "
+     << k.run_id << ", " << d.describe() << ")";
   return os.str();
 }
 
@@ -64,8 +64,8 @@ bool plausible_data_header(const FrameHeader& h) {
          h.num_rings >= 1 && h.num_rings <= 64 && h.ring >= 0 &&
          h.ring < h.num_rings && h.dst_rank >= 0 && h.dst_rank < h.world_size &&
          h.src_rank >= 0 && h.src_rank < h.world_size && h.phase >= 0 &&
-         h.count >= 0 && h.chunk_bytes >= 1 && h.chunk_bytes <= (int64_t{1} << 40) &&
-         h.unit >= 0 &&
+         h.count >= 0 && h.chunk_bytes >= 1 &&
+         h.chunk_bytes <= (int64_t{1} << 40) && h.unit >= 0 &&
          // Only these plans cross processes (direct and nccl never do).
          (h.algorithm == static_cast<int32_t>(Algorithm::kRing) ||
           h.algorithm == static_cast<int32_t>(Algorithm::kExchange));

@@ -23,7 +23,12 @@ constexpr int64_t kMaxPayloadBytes = int64_t{1} << 40;
 // kPeerLost: the process in `group` is unreachable (payload: why), sent to
 // every process; kShmData: a chunk whose payload_bytes wait in the
 // connection's shared-memory ring (shm_link.h), not on the socket.
-enum FrameKind : uint32_t { kData = 1, kAbort = 2, kPeerLost = 3, kShmData = 4 };
+enum FrameKind : uint32_t {
+  kData = 1,
+  kAbort = 2,
+  kPeerLost = 3,
+  kShmData = 4
+};
 
 // Precedes every frame. Fixed layout, native byte order: every process of a
 // job runs the same build on the same kind of machine.

@@ -8,9 +8,10 @@ namespace {
 
 __global__ void abort_check(const int* abort_flag) {
   if (*static_cast<const volatile int*>(abort_flag) != 0) {
-    printf("jaxring CUDA backend: this allreduce's NCCL communicator was "
-           "aborted (a peer died or timed out; see the message above); "
-           "stopping the computation\n");
+    printf(
+        "jaxring CUDA backend: this allreduce's NCCL communicator was "
+        "aborted (a peer died or timed out; see the message above); "
+        "stopping the computation\n");
     __trap();
   }
 }

@@ -21,16 +21,15 @@ constexpr size_t kScratchAlignment = 16;
 
 ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
                              ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> out,
-                             CudaAttrs attrs) {
+                             ffi::Result<ffi::AnyBuffer> out, CudaAttrs attrs) {
   if (out->element_type() != x.element_type() ||
       out->element_count() != x.element_count()) {
     return ffi::Error::InvalidArgument(
         "jaxring allreduce: the result must have the operand's type and size");
   }
   CudaOp op;
-  if (Status s = describe(x.element_type(), device, attrs.ring, attrs.rank_device,
-                          attrs.nccl_ids, &op)) {
+  if (Status s = describe(x.element_type(), device, attrs.ring,
+                          attrs.rank_device, attrs.nccl_ids, &op)) {
     return ffi::Error::InvalidArgument(*s);
   }
   RingIssue how;
@@ -43,7 +42,8 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
     for (void*& p : *out) {
       std::optional<void*> buf = scratch.Allocate(bytes, kScratchAlignment);
       if (!buf) {
-        return "jaxring CUDA backend: XLA gave no scratch memory for a chunk (" +
+        return "jaxring CUDA backend: XLA gave no scratch memory for a chunk "
+               "(" +
                std::to_string(bytes) + " bytes)";
       }
       p = *buf;
@@ -57,9 +57,9 @@ ffi::Error AllreduceCudaImpl(cudaStream_t stream, int32_t device,
     return std::nullopt;
   };
   how.xla_stream_waits = true;
-  if (Status s = issue_allreduce(stream, device, op, attrs.nccl_ids, x.untyped_data(),
-                                 out->untyped_data(),
-                                 static_cast<int64_t>(x.element_count()), how)) {
+  if (Status s = issue_allreduce(
+          stream, device, op, attrs.nccl_ids, x.untyped_data(),
+          out->untyped_data(), static_cast<int64_t>(x.element_count()), how)) {
     return failure_error(*s);
   }
   return ffi::Error::Success();

@@ -8,8 +8,8 @@ std::string cuda_failure(cudaError_t e, const char* call, const char* file,
                          int line) {
   std::ostringstream os;
   os << "jaxring CUDA backend: " << call << " failed with "
-     << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ") at "
-     << file << ":" << line;
+     << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ") at " << file
+     << ":" << line;
   return os.str();
 }
 

@@ -41,10 +41,14 @@ Status create(const UniqueIdBytes& id, int world_size, int rank, int device,
   c->world_size = world_size;
   JAXRING_NCCL_CHECK(
       ncclCommInitRankConfig(&c->comm, world_size, uid, rank, &config));
-  JAXRING_RETURN_IF_FAILED(wait_ready(c, timeout_s, "joining the communicator"));
-  JAXRING_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
-  JAXRING_CUDA_CHECK(cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming));
-  JAXRING_CUDA_CHECK(cudaEventCreateWithFlags(&c->join, cudaEventDisableTiming));
+  JAXRING_RETURN_IF_FAILED(
+      wait_ready(c, timeout_s, "joining the communicator"));
+  JAXRING_CUDA_CHECK(
+      cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+  JAXRING_CUDA_CHECK(
+      cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming));
+  JAXRING_CUDA_CHECK(
+      cudaEventCreateWithFlags(&c->join, cudaEventDisableTiming));
   // Host memory the device reads: set when the communicator is aborted, so
   // that work already enqueued behind it fails (watchdog.h).
   void* flag = nullptr;
@@ -95,9 +99,10 @@ Status wait_ready(Communicator* c, double timeout_s, const char* what) {
          << "); the communicator was aborted";
       if (last != nullptr && last[0] != '\0') os << ". NCCL said: " << last;
       // A remote error is another rank's failure reaching this one.
-      const std::string message = tagged(
-          state == ncclRemoteError ? FailureKind::kPeerLost : FailureKind::kInternal, -1,
-          os.str());
+      const std::string message =
+          tagged(state == ncclRemoteError ? FailureKind::kPeerLost
+                                          : FailureKind::kInternal,
+                 -1, os.str());
       abort_communicator(c, message);
       return message;
     }
@@ -146,7 +151,8 @@ Status communicator_for(const UniqueIdBytes& id, int world_size, int rank,
 
 std::string aborted_error(const Communicator* c) {
   return "jaxring CUDA backend: this communicator was aborted earlier and "
-         "cannot be used again (restart the job): " + c->abort_reason;
+         "cannot be used again (restart the job): " +
+         c->abort_reason;
 }
 
 int destroy_communicators() {

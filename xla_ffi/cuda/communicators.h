@@ -28,9 +28,9 @@ namespace jaxring::cuda {
 
 struct Communicator {
   ncclComm_t comm = nullptr;
-  cudaStream_t stream = nullptr;   // the ring's stream on `device`
-  cudaEvent_t fork = nullptr;      // XLA's stream -> the ring's stream
-  cudaEvent_t join = nullptr;      // the ring's stream -> XLA's stream
+  cudaStream_t stream = nullptr;  // the ring's stream on `device`
+  cudaEvent_t fork = nullptr;     // XLA's stream -> the ring's stream
+  cudaEvent_t join = nullptr;     // the ring's stream -> XLA's stream
   int device = -1;
   int rank = -1;
   int world_size = 0;
@@ -41,7 +41,7 @@ struct Communicator {
   // abort_flag_device (watchdog.h).
   volatile int* abort_flag_host = nullptr;
   const int* abort_flag_device = nullptr;
-  bool ready = false;    // joined, with its stream and events
+  bool ready = false;  // joined, with its stream and events
   bool aborted = false;
   std::string abort_reason;
 };

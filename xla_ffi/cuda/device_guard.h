@@ -15,7 +15,8 @@ class DeviceGuard {
   }
   ~DeviceGuard() {
     int now = -1;
-    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
+    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess &&
+        now != previous_) {
       cudaSetDevice(previous_);
     }
   }

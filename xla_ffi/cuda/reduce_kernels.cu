@@ -23,8 +23,12 @@ struct Native {
 struct Half {
   using Stored = uint16_t;
   using Value = float;
-  __device__ static Value load(Stored x) { return __half2float(__ushort_as_half(x)); }
-  __device__ static Stored store(Value v) { return __half_as_ushort(__float2half_rn(v)); }
+  __device__ static Value load(Stored x) {
+    return __half2float(__ushort_as_half(x));
+  }
+  __device__ static Stored store(Value v) {
+    return __half_as_ushort(__float2half_rn(v));
+  }
 };
 struct BFloat16 {
   using Stored = uint16_t;
@@ -44,10 +48,14 @@ struct Combine {
   __device__ S operator()(S a, S b) const {
     const V x = Elem::load(a), y = Elem::load(b);
     V r;
-    if constexpr (Op == ReduceOp::kSum) r = combine_sum(x, y);
-    else if constexpr (Op == ReduceOp::kProd) r = combine_prod(x, y);
-    else if constexpr (Op == ReduceOp::kMin) r = nan_min(x, y);
-    else r = nan_max(x, y);
+    if constexpr (Op == ReduceOp::kSum)
+      r = combine_sum(x, y);
+    else if constexpr (Op == ReduceOp::kProd)
+      r = combine_prod(x, y);
+    else if constexpr (Op == ReduceOp::kMin)
+      r = nan_min(x, y);
+    else
+      r = nan_max(x, y);
     return Elem::store(r);
   }
 };
@@ -91,7 +99,8 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 132 * 8;
 
 int64_t blocks_for(int64_t items) {
-  return std::max<int64_t>(1, std::min(kMaxBlocks, (items + kThreads - 1) / kThreads));
+  return std::max<int64_t>(
+      1, std::min(kMaxBlocks, (items + kThreads - 1) / kThreads));
 }
 
 template <typename Elem, ReduceOp Op>
@@ -110,7 +119,8 @@ cudaError_t launch_typed(void* dst_v, const void* src_v, int64_t n,
   if (aligned) {
     const int64_t packs = n / Pack<S>::kElems;
     if (packs > 0) {
-      reduce_packed<<<blocks_for(packs), kThreads, 0, stream>>>(dst, src, packs, f);
+      reduce_packed<<<blocks_for(packs), kThreads, 0, stream>>>(dst, src, packs,
+                                                                f);
       if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
       done = packs * Pack<S>::kElems;
     }
@@ -126,10 +136,14 @@ template <typename Elem>
 cudaError_t launch_op(ReduceOp op, void* dst, const void* src, int64_t n,
                       cudaStream_t stream) {
   switch (op) {
-    case ReduceOp::kSum: return launch_typed<Elem, ReduceOp::kSum>(dst, src, n, stream);
-    case ReduceOp::kProd: return launch_typed<Elem, ReduceOp::kProd>(dst, src, n, stream);
-    case ReduceOp::kMin: return launch_typed<Elem, ReduceOp::kMin>(dst, src, n, stream);
-    case ReduceOp::kMax: return launch_typed<Elem, ReduceOp::kMax>(dst, src, n, stream);
+    case ReduceOp::kSum:
+      return launch_typed<Elem, ReduceOp::kSum>(dst, src, n, stream);
+    case ReduceOp::kProd:
+      return launch_typed<Elem, ReduceOp::kProd>(dst, src, n, stream);
+    case ReduceOp::kMin:
+      return launch_typed<Elem, ReduceOp::kMin>(dst, src, n, stream);
+    case ReduceOp::kMax:
+      return launch_typed<Elem, ReduceOp::kMax>(dst, src, n, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -142,16 +156,26 @@ cudaError_t launch_reduce(ElemType type, ReduceOp op, void* dst,
   switch (type) {
     case ElemType::kF16: return launch_op<Half>(op, dst, src, n, stream);
     case ElemType::kBF16: return launch_op<BFloat16>(op, dst, src, n, stream);
-    case ElemType::kF32: return launch_op<Native<float>>(op, dst, src, n, stream);
-    case ElemType::kF64: return launch_op<Native<double>>(op, dst, src, n, stream);
-    case ElemType::kS8: return launch_op<Native<int8_t>>(op, dst, src, n, stream);
-    case ElemType::kS16: return launch_op<Native<int16_t>>(op, dst, src, n, stream);
-    case ElemType::kS32: return launch_op<Native<int32_t>>(op, dst, src, n, stream);
-    case ElemType::kS64: return launch_op<Native<int64_t>>(op, dst, src, n, stream);
-    case ElemType::kU8: return launch_op<Native<uint8_t>>(op, dst, src, n, stream);
-    case ElemType::kU16: return launch_op<Native<uint16_t>>(op, dst, src, n, stream);
-    case ElemType::kU32: return launch_op<Native<uint32_t>>(op, dst, src, n, stream);
-    case ElemType::kU64: return launch_op<Native<uint64_t>>(op, dst, src, n, stream);
+    case ElemType::kF32:
+      return launch_op<Native<float>>(op, dst, src, n, stream);
+    case ElemType::kF64:
+      return launch_op<Native<double>>(op, dst, src, n, stream);
+    case ElemType::kS8:
+      return launch_op<Native<int8_t>>(op, dst, src, n, stream);
+    case ElemType::kS16:
+      return launch_op<Native<int16_t>>(op, dst, src, n, stream);
+    case ElemType::kS32:
+      return launch_op<Native<int32_t>>(op, dst, src, n, stream);
+    case ElemType::kS64:
+      return launch_op<Native<int64_t>>(op, dst, src, n, stream);
+    case ElemType::kU8:
+      return launch_op<Native<uint8_t>>(op, dst, src, n, stream);
+    case ElemType::kU16:
+      return launch_op<Native<uint16_t>>(op, dst, src, n, stream);
+    case ElemType::kU32:
+      return launch_op<Native<uint32_t>>(op, dst, src, n, stream);
+    case ElemType::kU64:
+      return launch_op<Native<uint64_t>>(op, dst, src, n, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -39,7 +39,8 @@ std::optional<ncclDataType_t> nccl_type(ElemType t) {
     case ElemType::kU32: return ncclUint32;
     case ElemType::kS64: return ncclInt64;
     case ElemType::kU64: return ncclUint64;
-    case ElemType::kS16: case ElemType::kU16: return std::nullopt;
+    case ElemType::kS16:
+    case ElemType::kU16: return std::nullopt;
   }
   return std::nullopt;
 }
@@ -53,7 +54,6 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   }
   return ncclSum;
 }
-
 
 // Finds this device's (group, rank): the one rank whose process is this
 // one and whose device ordinal is `device`, world_size ranks per group.
@@ -85,15 +85,16 @@ Status describe(ffi::DataType dtype, int device, const RingAttrs& a,
                 ffi::Span<const int64_t> nccl_ids, CudaOp* op) {
   const int64_t world_size = a.world_size;
   const int64_t num_rings = a.num_rings;
-  if (auto error = check_allreduce_attrs(dtype, a.reduce_op, world_size, num_rings,
-                                         a.chunk_bytes, a.timeout_s, &op->type,
-                                         &op->op)) {
+  if (auto error = check_allreduce_attrs(dtype, a.reduce_op, world_size,
+                                         num_rings, a.chunk_bytes, a.timeout_s,
+                                         &op->type, &op->op)) {
     return error;
   }
   if (!algorithm_from_int(a.algorithm, &op->algorithm)) {
     return "jaxring allreduce: unknown algorithm";
   }
-  if (op->algorithm == Algorithm::kDirect || op->algorithm == Algorithm::kExchange) {
+  if (op->algorithm == Algorithm::kDirect ||
+      op->algorithm == Algorithm::kExchange) {
     return std::string("jaxring allreduce: algorithm '") +
            algorithm_name(op->algorithm) + "' exists on the CPU backend only";
   }
@@ -103,7 +104,8 @@ Status describe(ffi::DataType dtype, int device, const RingAttrs& a,
     return "jaxring allreduce: the CUDA backend runs rings of one size, "
            "without emulated links";
   }
-  if (auto error = check_topology(a.topology, world_size, &op->dims)) return error;
+  if (auto error = check_topology(a.topology, world_size, &op->dims))
+    return error;
   if (op->algorithm == Algorithm::kNccl && !op->dims.empty()) {
     return "jaxring allreduce: algorithm 'nccl' runs NCCL's own allreduce, "
            "which has no tiers";
@@ -136,7 +138,8 @@ UniqueIdBytes id_of(ffi::Span<const int64_t> nccl_ids, int group, int ring,
                     int num_rings) {
   constexpr int64_t kIdWords = NCCL_UNIQUE_ID_BYTES / sizeof(int64_t);
   UniqueIdBytes id;
-  const int64_t* words = nccl_ids.begin() + (group * num_rings + ring) * kIdWords;
+  const int64_t* words =
+      nccl_ids.begin() + (group * num_rings + ring) * kIdWords;
   std::memcpy(id.data(), words, NCCL_UNIQUE_ID_BYTES);
   return id;
 }
@@ -170,17 +173,20 @@ Status enqueue_ring(const CudaOp& op, const TieredPlan& plan, int r,
       result = ncclSend(at(out, x.send.offset, esize), x.send.count * esize,
                         ncclUint8, x.to, c->comm, c->stream);
     }
-    if (x.recv.count > 0 && (result == ncclSuccess || result == ncclInProgress)) {
-      result = ncclRecv(recv_into, x.recv.count * esize, ncclUint8, x.from, c->comm,
-                        c->stream);
+    if (x.recv.count > 0 &&
+        (result == ncclSuccess || result == ncclInProgress)) {
+      result = ncclRecv(recv_into, x.recv.count * esize, ncclUint8, x.from,
+                        c->comm, c->stream);
     }
     const ncclResult_t end = ncclGroupEnd();
     JAXRING_NCCL_CHECK_AS(result, "ncclSend/ncclRecv of a ring step");
     JAXRING_NCCL_CHECK_AS(end, "ncclGroupEnd of a ring step");
-    JAXRING_RETURN_IF_FAILED(wait_ready(c, op.timeout_s, "enqueueing a ring step"));
+    JAXRING_RETURN_IF_FAILED(
+        wait_ready(c, op.timeout_s, "enqueueing a ring step"));
     if (x.reduce && x.recv.count > 0) {
-      JAXRING_CUDA_CHECK(launch_reduce(op.type, op.op, at(out, x.recv.offset, esize),
-                                       scratch, x.recv.count, c->stream));
+      JAXRING_CUDA_CHECK(launch_reduce(op.type, op.op,
+                                       at(out, x.recv.offset, esize), scratch,
+                                       x.recv.count, c->stream));
     }
   }
   return std::nullopt;
@@ -200,9 +206,9 @@ Status enqueue_nccl(const CudaOp& op, const TieredPlan& plan, int r,
        (result == ncclSuccess || result == ncclInProgress);
        off += step) {
     const int64_t n = std::min(step, part.offset + part.count - off);
-    result = ncclAllReduce(at(const_cast<void*>(in), off, esize), at(out, off, esize),
-                           n, *nccl_type(op.type), nccl_op(op.op), c->comm,
-                           c->stream);
+    result = ncclAllReduce(at(const_cast<void*>(in), off, esize),
+                           at(out, off, esize), n, *nccl_type(op.type),
+                           nccl_op(op.op), c->comm, c->stream);
   }
   const ncclResult_t end = ncclGroupEnd();  // closed also after a failure
   JAXRING_NCCL_CHECK_AS(result, "ncclAllReduce");
@@ -220,8 +226,9 @@ Status enqueue_work(const CudaOp& op, const TieredPlan& plan, int r,
   const Span part = ring_part(plan, r);
   if (out != in && part.count > 0) {
     JAXRING_CUDA_CHECK(cudaMemcpyAsync(
-        at(out, part.offset, esize), at(const_cast<void*>(in), part.offset, esize),
-        part.count * esize, cudaMemcpyDeviceToDevice, c->stream));
+        at(out, part.offset, esize),
+        at(const_cast<void*>(in), part.offset, esize), part.count * esize,
+        cudaMemcpyDeviceToDevice, c->stream));
   }
   return enqueue_ring(op, plan, r, c, out, scratch);
 }
@@ -231,8 +238,9 @@ Status enqueue_work(const CudaOp& op, const TieredPlan& plan, int r,
 // sequence no longer matches the peers'. Every ring of the operation is
 // aborted, and XLA's stream still waits for the forked ones, so that XLA
 // does not free or reuse buffers they touch.
-void fail_rings(cudaStream_t xla_stream, const std::vector<Communicator*>& comms,
-                int forked, const std::string& why) {
+void fail_rings(cudaStream_t xla_stream,
+                const std::vector<Communicator*>& comms, int forked,
+                const std::string& why) {
   for (size_t r = 0; r < comms.size(); ++r) {
     Communicator* c = comms[r];
     abort_communicator(c, why);
@@ -289,9 +297,9 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
   // allocation is not promised to succeed.
   std::vector<void*> scratch_of(op.num_rings, nullptr);
   if (op.algorithm == Algorithm::kRing && op.world_size > 1) {
-    JAXRING_RETURN_IF_FAILED(
-        how.scratch(std::max<int64_t>(1, largest_reduce_receive(*plan, op.rank)) * esize,
-                    &scratch_of));
+    JAXRING_RETURN_IF_FAILED(how.scratch(
+        std::max<int64_t>(1, largest_reduce_receive(*plan, op.rank)) * esize,
+        &scratch_of));
   }
   // One fork for every ring, recorded before any ring is issued: recording
   // it per ring after the previous ring's join would make each ring wait
@@ -303,14 +311,15 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
     // Built for every ring of every call (the watchdog keeps it for its
     // messages): plain concatenation, no stream.
     const std::string what =
-        "allreduce op " + std::to_string(op.op_id) + ", ring " + std::to_string(r) +
-        " (rank " + std::to_string(op.rank) + " of " + std::to_string(op.world_size) +
-        ", group " + std::to_string(op.group) + ", device " + std::to_string(device) + ")";
+        "allreduce op " + std::to_string(op.op_id) + ", ring " +
+        std::to_string(r) + " (rank " + std::to_string(op.rank) + " of " +
+        std::to_string(op.world_size) + ", group " + std::to_string(op.group) +
+        ", device " + std::to_string(device) + ")";
     if (const cudaError_t e = cudaStreamWaitEvent(c->stream, fork, 0);
         e != cudaSuccess) {
       // Rings 0..r-1 already run: abort them and still join them.
-      const std::string why = cuda_failure(
-          e, "cudaStreamWaitEvent of the fork", __FILE__, __LINE__);
+      const std::string why = cuda_failure(e, "cudaStreamWaitEvent of the fork",
+                                           __FILE__, __LINE__);
       fail_rings(xla_stream, comms, r, what + ": " + why);
       return why;
     }
@@ -335,8 +344,8 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
     for (Communicator* c : comms) {
       if (const cudaError_t e = cudaStreamWaitEvent(xla_stream, c->join, 0);
           e != cudaSuccess) {
-        const std::string why = cuda_failure(
-            e, "cudaStreamWaitEvent of a join", __FILE__, __LINE__);
+        const std::string why = cuda_failure(e, "cudaStreamWaitEvent of a join",
+                                             __FILE__, __LINE__);
         fail_rings(xla_stream, comms, op.num_rings,
                    "allreduce op " + std::to_string(op.op_id) + ": " + why);
         return why;
@@ -345,7 +354,6 @@ Status issue_allreduce(cudaStream_t xla_stream, int device, const CudaOp& op,
   }
   return std::nullopt;
 }
-
 
 void set_process_index(int index) { process_index.store(index); }
 

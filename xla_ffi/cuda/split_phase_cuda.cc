@@ -26,9 +26,9 @@ namespace jaxring::cuda {
 namespace {
 
 struct Started {
-  void* buffer = nullptr;            // the operands, reduced in place
-  std::vector<void*> scratch;        // one chunk per ring (ring algorithm)
-  std::vector<cudaEvent_t> joins;    // one per ring, recorded after its work
+  void* buffer = nullptr;          // the operands, reduced in place
+  std::vector<void*> scratch;      // one chunk per ring (ring algorithm)
+  std::vector<cudaEvent_t> joins;  // one per ring, recorded after its work
   int64_t bytes = 0;
 };
 
@@ -61,8 +61,8 @@ Status pool_for(int device, cudaMemPool_t* out) {
     cudaMemPool_t pool = nullptr;
     JAXRING_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
     uint64_t keep_all = UINT64_MAX;
-    JAXRING_CUDA_CHECK(
-        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
+    JAXRING_CUDA_CHECK(cudaMemPoolSetAttribute(
+        pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
     it = pools.emplace(device, pool).first;
   }
   *out = it->second;
@@ -88,7 +88,8 @@ void release(Started& s, cudaStream_t stream) {
 Status wait_for_rings(const Started& s, cudaStream_t stream,
                       const DeviceGuard& guard) {
   JAXRING_CUDA_CHECK(guard.status());
-  for (cudaEvent_t e : s.joins) JAXRING_CUDA_CHECK(cudaStreamWaitEvent(stream, e, 0));
+  for (cudaEvent_t e : s.joins)
+    JAXRING_CUDA_CHECK(cudaStreamWaitEvent(stream, e, 0));
   return std::nullopt;
 }
 
@@ -125,19 +126,23 @@ Status start(cudaStream_t stream, int device, ffi::RemainingArgs args,
   std::vector<std::pair<const void*, int64_t>> parts;
   for (size_t i = static_cast<size_t>(num_deps); i < args.size(); ++i) {
     auto buf = args.get<ffi::AnyBuffer>(i);
-    if (!buf.has_value()) return "jaxring allreduce start: an operand is not a buffer";
-    parts.emplace_back(buf->untyped_data(), static_cast<int64_t>(buf->size_bytes()));
+    if (!buf.has_value())
+      return "jaxring allreduce start: an operand is not a buffer";
+    parts.emplace_back(buf->untyped_data(),
+                       static_cast<int64_t>(buf->size_bytes()));
     s->bytes += static_cast<int64_t>(buf->size_bytes());
   }
   const int64_t esize = elem_bytes(op.type);
   if (s->bytes == 0) return std::nullopt;
   cudaMemPool_t pool = nullptr;
   JAXRING_RETURN_IF_FAILED(pool_for(device, &pool));
-  JAXRING_CUDA_CHECK(cudaMallocFromPoolAsync(&s->buffer, s->bytes, pool, stream));
+  JAXRING_CUDA_CHECK(
+      cudaMallocFromPoolAsync(&s->buffer, s->bytes, pool, stream));
   int64_t offset = 0;
   for (const auto& [ptr, n] : parts) {
-    JAXRING_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(s->buffer) + offset, ptr,
-                                       n, cudaMemcpyDeviceToDevice, stream));
+    JAXRING_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(s->buffer) + offset,
+                                       ptr, n, cudaMemcpyDeviceToDevice,
+                                       stream));
     offset += n;
   }
   RingIssue how;
@@ -189,7 +194,8 @@ ffi::Error AllreduceStartCudaImpl(cudaStream_t stream, int32_t device,
   // On a failure, issue_allreduce has already made XLA's stream wait for
   // the rings it forked; after the memset, the rings have only recorded
   // their joins. Either way the buffers are freed behind every join.
-  if (Status e = start(stream, device, args, num_deps, op, attrs.nccl_ids, &s)) {
+  if (Status e =
+          start(stream, device, args, num_deps, op, attrs.nccl_ids, &s)) {
     wait_and_release(s, device, stream);
     return failure_error(*e);
   }
@@ -198,7 +204,8 @@ ffi::Error AllreduceStartCudaImpl(cudaStream_t stream, int32_t device,
   if (cudaMemsetAsync(handle->untyped_data(), 0, sizeof(int32_t), stream) !=
       cudaSuccess) {
     wait_and_release(s, device, stream);
-    return ffi::Error::Internal("jaxring allreduce start: cudaMemsetAsync failed");
+    return ffi::Error::Internal(
+        "jaxring allreduce start: cudaMemsetAsync failed");
   }
   std::lock_guard<std::mutex> lock(mu);
   started[{run_id.run_id, device, op_id}].push_back(std::move(s));
@@ -213,15 +220,16 @@ Status copy_out(cudaStream_t stream, const Started& s,
   int64_t offset = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     auto out = results.get<ffi::AnyBuffer>(i);
-    if (!out.has_value()) return "jaxring allreduce done: a result is not a buffer";
+    if (!out.has_value())
+      return "jaxring allreduce done: a result is not a buffer";
     const int64_t n = static_cast<int64_t>((*out)->size_bytes());
     if (offset + n > s.bytes) {
       return "jaxring allreduce done: the results are larger than the operands";
     }
     if (n > 0) {
       JAXRING_CUDA_CHECK(cudaMemcpyAsync((*out)->untyped_data(),
-                                         static_cast<char*>(s.buffer) + offset, n,
-                                         cudaMemcpyDeviceToDevice, stream));
+                                         static_cast<char*>(s.buffer) + offset,
+                                         n, cudaMemcpyDeviceToDevice, stream));
     }
     offset += n;
   }
@@ -232,7 +240,8 @@ Status copy_out(cudaStream_t stream, const Started& s,
 }
 
 ffi::Error AllreduceDoneCudaImpl(cudaStream_t stream, int32_t device,
-                                 ffi::RunId run_id, ffi::Buffer<ffi::S32> handle,
+                                 ffi::RunId run_id,
+                                 ffi::Buffer<ffi::S32> handle,
                                  ffi::RemainingArgs deps,
                                  ffi::RemainingRets results, int64_t op_id) {
   (void)handle;

@@ -27,8 +27,8 @@ struct Watch {
   cudaEvent_t finished;
   double timeout_s;
   std::string what;
-  bool running = false;         // `started` has completed
-  Clock::time_point deadline;   // set once running
+  bool running = false;          // `started` has completed
+  Clock::time_point deadline{};  // set once running
 };
 
 std::mutex mu;
@@ -98,7 +98,8 @@ bool poll(Watch& w) {
   ncclResult_t state = ncclSuccess;
   if (ncclCommGetAsyncError(w.comm->comm, &state) == ncclSuccess &&
       state != ncclSuccess && state != ncclInProgress) {
-    abort_for(w, std::string("failed with NCCL error ") + ncclGetErrorString(state));
+    abort_for(
+        w, std::string("failed with NCCL error ") + ncclGetErrorString(state));
     return true;
   }
   if (w.running && Clock::now() > w.deadline) {
@@ -148,7 +149,8 @@ Status watch_start(Communicator* c, int device, cudaEvent_t* started) {
   const cudaError_t e = cudaEventRecord(*started, c->stream);
   if (e != cudaSuccess) {
     watch_cancel(device, *started);
-    return cuda_failure(e, "cudaEventRecord of the start event", __FILE__, __LINE__);
+    return cuda_failure(e, "cudaEventRecord of the start event", __FILE__,
+                        __LINE__);
   }
   return std::nullopt;
 }
