@@ -1,6 +1,7 @@
 """The build and the JAX versions: what build_info reports, the tested range,
 and the errors and warnings at the edges of that range."""
 
+import ast
 import pathlib
 import re
 import shutil
@@ -145,6 +146,75 @@ def test_every_jax_internal_goes_through_jax_compat():
             if re.search(r"\bjax\._src\b|from jax import core\b", line):
                 offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
     assert not offenders, offenders
+
+
+_EXTENSIONS = {"_jaxring", "_jaxring_cuda", "_build_config"}
+
+
+def test_only_lib_imports_the_compiled_extensions():
+    # One door (jaxring/_src/lib.py): no module imports the extensions
+    # itself, at its top or inside a function (the package's __init__ checks
+    # that the build is there, with an error that says what to do).
+    offenders = []
+    for path in (ROOT / "jaxring").rglob("*.py"):
+        if path.name == "lib.py" or path == ROOT / "jaxring" / "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "jaxring":
+                names = {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = {node.module.removeprefix("jaxring.")}
+            elif isinstance(node, ast.Import):
+                names = {a.name.removeprefix("jaxring.") for a in node.names}
+            else:
+                continue
+            if names & _EXTENSIONS:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def _stub_names(stub: pathlib.Path) -> dict:
+    """{top-level name: set of member names (classes) or None}."""
+    out = {}
+    for node in ast.parse(stub.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = {
+                n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AnnAssign))
+            }
+        elif isinstance(node, ast.FunctionDef):
+            out[node.name] = None
+        elif isinstance(node, ast.AnnAssign):
+            out[node.target.id] = None
+    return out
+
+
+def _module_names(module) -> dict:
+    out = {}
+    for name, value in vars(module).items():
+        if name.startswith("__"):
+            continue
+        if isinstance(value, type):
+            out[name] = {
+                m for m in vars(value) if not m.startswith("_") or m in ("__init__", "__repr__")
+            }
+        else:
+            out[name] = None
+    return out
+
+
+@pytest.mark.parametrize("name", ["_jaxring", "_jaxring_cuda"])
+def test_the_extension_stubs_name_what_the_extensions_have(name):
+    # The stubs beside the installed package (so they ship in the wheel)
+    # list exactly the extension's functions, classes, their members and
+    # constants. Regenerate: python -m nanobind.stubgen -m jaxring.NAME.
+    from jaxring._src import lib
+
+    module = lib.cpu if name == "_jaxring" else lib.cuda()
+    if module is None:
+        pytest.skip(f"the CUDA extension is {lib.cuda_status()}")
+    stub = pathlib.Path(jaxring.__file__).parent / f"{name}.pyi"
+    assert stub.exists(), f"{stub} is not installed"
+    assert _stub_names(stub) == _module_names(module)
 
 
 @pytest.mark.slow

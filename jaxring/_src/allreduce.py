@@ -37,6 +37,7 @@ from jaxring._src import (
     distributed,
     host_segment,
     jax_compat as compat,
+    lib,
     runtime,
     timeline,
     topology as _topology,
@@ -579,17 +580,15 @@ def link_attributes(link: tuple, world: int, uneven_groups: bool) -> dict:
 def _algorithm_id(algorithm: str) -> np.int64:
     """The custom calls' algorithm attribute, as the C++ side names its
     values for both backends (Algorithm in xla_ffi/algorithm.h)."""
-    from jaxring import _jaxring
 
-    return np.int64(_jaxring.ALGORITHMS[algorithm])
+    return np.int64(lib.cpu.ALGORITHMS[algorithm])
 
 
 def _reduce_op_id(op: str) -> np.int64:
     """The custom calls' reduce_op attribute for op, as the C++ side names
     its values (ReduceOp in xla_ffi/reduce.h)."""
-    from jaxring import _jaxring
 
-    return np.int64(_jaxring.REDUCE_OPS[op])
+    return np.int64(lib.cpu.REDUCE_OPS[op])
 
 
 def resolve_algorithm(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jaxring._src import lib
+
 
 def build_info() -> dict:
     """Version, the jax/jaxlib versions built and run with, and which
@@ -20,30 +22,28 @@ def build_info() -> dict:
     import jax
     import jaxlib
 
-    from jaxring import _build_config, _jaxring
     from jaxring._src import cuda_backend, jax_compat
 
     cuda_status = cuda_backend.status()
     info = {
-        "version": _build_config.VERSION,
-        "built_with_jaxlib": _build_config.BUILT_WITH_JAXLIB,
-        "ffi_api": _build_config.FFI_API_VERSION,
+        "version": lib.build_config.VERSION,
+        "built_with_jaxlib": lib.build_config.BUILT_WITH_JAXLIB,
+        "ffi_api": lib.build_config.FFI_API_VERSION,
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "tested_jax": jax_compat.SUPPORTED_JAX_TEXT,
         "jax_tested": jax_compat.in_tested_range(),
-        "backends": {"cpu": hasattr(_jaxring, "registrations"), "cuda": cuda_status == "built"},
+        "backends": {"cpu": hasattr(lib.cpu, "registrations"), "cuda": cuda_status == "built"},
         "cuda": cuda_status,
         # What authenticates the TCP transport's peers (None: not built in,
         # and the transport refuses to start).
-        "tcp_auth": _jaxring.tcp_auth_library() or None,
+        "tcp_auth": lib.cpu.tcp_auth_library() or None,
     }
     if cuda_status == "built":
-        from jaxring import _jaxring_cuda
-
-        info["nccl"] = _nccl_version_string(_jaxring_cuda.nccl_version())
-        info["nccl_headers"] = _nccl_version_string(_jaxring_cuda.NCCL_HEADER_VERSION)
-        info["cuda_runtime"] = _jaxring_cuda.cuda_runtime_version()
+        cuda = lib.cuda()
+        info["nccl"] = _nccl_version_string(cuda.nccl_version())
+        info["nccl_headers"] = _nccl_version_string(cuda.NCCL_HEADER_VERSION)
+        info["cuda_runtime"] = cuda.cuda_runtime_version()
     return info
 
 

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxring._src import lib
+
 _KEY = "jaxring/nccl/v1/{}/{}"
 _ID_WORDS = 16  # NCCL_UNIQUE_ID_BYTES / 8
 
@@ -32,24 +34,12 @@ _registered = False
 
 
 def _module():
-    try:
-        from jaxring import _jaxring_cuda
-    except ImportError:
-        return None
-    return _jaxring_cuda
+    return lib.cuda()
 
 
 def status() -> str:
     """ "built", or why the CUDA backend is not available."""
-    from jaxring import _build_config
-
-    if _build_config.CUDA_STATUS != "built":
-        return _build_config.CUDA_STATUS
-    try:
-        from jaxring import _jaxring_cuda  # noqa: F401
-    except ImportError as e:
-        return f"built but not loadable: {e}"
-    return "built"
+    return lib.cuda_status()
 
 
 def require(what: str):

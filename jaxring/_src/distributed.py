@@ -41,7 +41,7 @@ import threading
 
 import numpy as np
 
-from jaxring._src import crowding, host_segment, settings_agreement
+from jaxring._src import crowding, host_segment, lib, settings_agreement
 
 _PREFIX = "jaxring/tcp/v2/"
 _ADDRESS_KEY = _PREFIX + "address/{}"
@@ -295,14 +295,13 @@ def _set_up_tcp_transport(timeout_s: float, check_settings: bool) -> None:
     global _ready, _secret_source, _cores_per_rank
     import jax
 
-    from jaxring import _jaxring
     from jaxring._src import jax_compat
 
     client = jax_compat.distributed_client()
     me, n, coordinator = jax_compat.distributed_state()
     timeout_ms = int(timeout_s * 1000)
     use_shm = transport_choice() == "auto"
-    _jaxring.tcp_set_socket_buffer(socket_buffer_choice())
+    lib.cpu.tcp_set_socket_buffer(socket_buffer_choice())
     if use_shm:
         # Before this job makes segments of its own: what jobs killed
         # outright left would take the room this one needs.
@@ -312,7 +311,7 @@ def _set_up_tcp_transport(timeout_s: float, check_settings: bool) -> None:
     host = _local_host(coordinator)
     # The shared-memory choice goes with the listener: a peer may connect
     # and offer a ring before this process has every address.
-    port = _jaxring.tcp_listen(host, me, n, secret, job_id, use_shm)
+    port = lib.cpu.tcp_listen(host, me, n, secret, job_id, use_shm)
     address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
     mine = secret_fingerprint(secret, job_id)
     my_settings = settings_agreement.record() if check_settings else None
@@ -362,7 +361,7 @@ def _set_up_tcp_transport(timeout_s: float, check_settings: bool) -> None:
         for q in same_host:
             if records[q].get("settings") is not None:
                 settings_agreement.check(my_settings, records[q]["settings"], me, q)
-    _jaxring.tcp_set_peers(addresses, same_host)
+    lib.cpu.tcp_set_peers(addresses, same_host)
     host_segment.set_up(
         client,
         me,
@@ -422,9 +421,8 @@ def transport_info() -> dict:
         >>> jaxring.transport_info()["listening"]
         False
     """
-    from jaxring import _jaxring
 
-    raw = _jaxring.tcp_transport_info()
+    raw = lib.cpu.tcp_transport_info()
     host = raw["host"]
     with _lock:
         source = _secret_source
@@ -465,9 +463,8 @@ def transport_info() -> dict:
 
 def _host_direct_info() -> dict:
     """transport_info()["host_direct"]."""
-    from jaxring import _jaxring
 
-    raw = _jaxring.host_segment_info()
+    raw = lib.cpu.host_segment_info()
     return {
         "available": raw["available"],
         "unavailable": host_segment.unavailable(),

@@ -20,6 +20,8 @@ import json
 import threading
 import time
 
+from jaxring._src import lib
+
 _PREFIX = "jaxring/host_segment/v1/"
 _NAME_KEY = _PREFIX + "name"
 _STATUS_KEY = _PREFIX + "status/{}"
@@ -50,7 +52,6 @@ def set_up(
     0's decision, or raises: a process that ran direct while another ran a
     ring would wait on it until the timeout."""
     global _missing
-    from jaxring import _jaxring
 
     if not one_host:
         why = "the job's processes run on more than one host"
@@ -60,9 +61,9 @@ def set_up(
         except BaseException:
             # Cut short (an error, KeyboardInterrupt, a SystemExit from a
             # signal handler): the segment is dropped, its name removed.
-            _jaxring.host_segment_abandon()
+            lib.cpu.host_segment_abandon()
             raise
-    _jaxring.host_segment_commit(me, why)
+    lib.cpu.host_segment_commit(me, why)
     with _lock:
         _missing = why or None
 
@@ -70,14 +71,13 @@ def set_up(
 def _agree(client, me, processes, ranks, job_id, use_shm, timeout_ms) -> str:
     """Creates (process 0) or maps the segment, then learns whether every
     process has it. Returns "" when all do, else why not."""
-    from jaxring import _jaxring
 
     mine = "" if use_shm else TCP_ONLY
     if me == 0:
         record = {"error": mine}
         if use_shm:
             try:
-                record = {"name": _jaxring.host_segment_attach(job_id, me, processes, ranks, "")}
+                record = {"name": lib.cpu.host_segment_attach(job_id, me, processes, ranks, "")}
             except RuntimeError as e:
                 mine = str(e)
                 record = {"error": mine}
@@ -91,7 +91,7 @@ def _agree(client, me, processes, ranks, job_id, use_shm, timeout_ms) -> str:
     # process 0 offers.
     if not mine and "name" in record:
         try:
-            _jaxring.host_segment_attach(job_id, me, processes, ranks, str(record["name"]))
+            lib.cpu.host_segment_attach(job_id, me, processes, ranks, str(record["name"]))
         except RuntimeError as e:
             mine = str(e)
     elif not mine:
@@ -115,7 +115,6 @@ def _decide(client, processes: int, mine: str, timeout_ms: int) -> str:
     """Process 0's decision for every process, published: "" (every
     process has the segment) or why not. It waits for the statuses under
     one deadline, so that it decides within timeout_ms of offering."""
-    from jaxring import _jaxring
 
     deadline = time.monotonic() + timeout_ms / 1000
     for q in range(1, processes):
@@ -128,7 +127,7 @@ def _decide(client, processes: int, mine: str, timeout_ms: int) -> str:
             mine = f"process {q}: {theirs}"
     # Every process has mapped the segment or never will: its name goes now,
     # not after the decision's round trip.
-    _jaxring.host_segment_unlink()
+    lib.cpu.host_segment_unlink()
     client.key_value_set(_DECISION_KEY, mine or "ok")
     return mine
 
@@ -138,9 +137,8 @@ def remove_stale() -> list[str]:
     of this user left when their creator was killed outright (SIGKILL, a
     crash): only those whose creator ran in this pid namespace and is gone.
     Returns their names."""
-    from jaxring import _jaxring
 
-    return _jaxring.shm_remove_stale_segments()
+    return lib.cpu.shm_remove_stale_segments()
 
 
 def unavailable() -> str | None:

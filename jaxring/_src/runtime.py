@@ -19,6 +19,8 @@ import re
 import sys
 import warnings
 
+from jaxring._src import lib
+
 # Threads for the XLA CPU pool when jaxring sets it. Measured: 16 threads let
 # 500 back-to-back calls of psum and of jaxring.allreduce finish on 8 devices.
 _MIN_CPU_THREADS = 32
@@ -145,9 +147,8 @@ def register_ffi_targets() -> None:
     global _registered
     if _registered:
         return
-    from jaxring import _jaxring
 
-    register_targets(_jaxring.registrations(), platform="cpu")
+    register_targets(lib.cpu.registrations(), platform="cpu")
     # Registered after JAX's own exit handler (at `import jax`), so it runs
     # before JAX destroys its backends.
     atexit.register(_let_completions_finish)
@@ -173,14 +174,13 @@ def _let_completions_finish() -> None:
     visible to Python; JAX's exit handler destroys the CPU client, so it must
     wait for them, or the client may be torn down under a thread still
     running its code."""
-    from jaxring import _jaxring
 
-    if not _jaxring.close_handshakes(_EXIT_WAIT_S):
+    if not lib.cpu.close_handshakes(_EXIT_WAIT_S):
         sys.stderr.write(
             "jaxring: a TCP handshake was still in OpenSSL "
             f"{_EXIT_WAIT_S:g} s into interpreter exit; exiting anyway\n"
         )
-    if not _jaxring.wait_for_completions(_EXIT_WAIT_S):
+    if not lib.cpu.wait_for_completions(_EXIT_WAIT_S):
         sys.stderr.write(
             f"jaxring: a transport thread was still completing an XLA "
             f"computation {_EXIT_WAIT_S:g} s into interpreter exit; exiting "
@@ -197,8 +197,6 @@ def register_targets(registrations: dict, platform: str) -> None:
     import jax
     import jaxlib
 
-    from jaxring import _build_config
-
     for name, capsule in registrations.items():
         try:
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
@@ -207,8 +205,8 @@ def register_targets(registrations: dict, platform: str) -> None:
                 raise
             raise RuntimeError(
                 f"jaxring's {platform} handlers were built against the XLA FFI "
-                f"headers of jaxlib {_build_config.BUILT_WITH_JAXLIB} (FFI API "
-                f"{_build_config.FFI_API_VERSION}), which this jaxlib "
+                f"headers of jaxlib {lib.build_config.BUILT_WITH_JAXLIB} (FFI API "
+                f"{lib.build_config.FFI_API_VERSION}), which this jaxlib "
                 f"{jaxlib.__version__} is too old to load. Reinstall jaxring "
                 "with pip's default build isolation (it builds against the "
                 "oldest supported jaxlib), or with --no-build-isolation "

@@ -28,6 +28,8 @@ import json
 import os
 import threading
 
+from jaxring._src import lib
+
 _lock = threading.Lock()
 _names: dict[int, tuple[str, dict]] = {}  # op id -> (span name, extra args)
 _events: list[tuple] = []
@@ -43,9 +45,8 @@ def name_op(op_id: int, name: str, **args) -> None:
 
 
 def _collect() -> None:
-    from jaxring import _jaxring
 
-    got = _jaxring.timeline_take()
+    got = lib.cpu.timeline_take()
     with _lock:
         _events.extend(got)
 
@@ -54,36 +55,33 @@ def _collect() -> None:
 def host_span(name: str):
     """Marks a span of host time (e.g. one step, dispatch to results) on the
     trace's host track, to compare with the transfers."""
-    from jaxring import _jaxring
 
-    begin = _jaxring.timeline_now_ns()
+    begin = lib.cpu.timeline_now_ns()
     try:
         yield
     finally:
         if _recording:
             with _lock:
-                _host_spans.append((name, begin, _jaxring.timeline_now_ns()))
+                _host_spans.append((name, begin, lib.cpu.timeline_now_ns()))
 
 
 def start() -> None:
     """Starts recording (events before this call are dropped)."""
     global _recording
-    from jaxring import _jaxring
 
-    _jaxring.timeline_take()
+    lib.cpu.timeline_take()
     with _lock:
         _events.clear()
         _host_spans.clear()
         _recording = True
-    _jaxring.timeline_enable(True)
+    lib.cpu.timeline_enable(True)
 
 
 def stop(path: str | os.PathLike) -> str:
     """Stops recording and writes the trace to path; returns path."""
     global _recording
-    from jaxring import _jaxring
 
-    _jaxring.timeline_enable(False)
+    lib.cpu.timeline_enable(False)
     _collect()
     with _lock:
         _recording = False
