@@ -21,7 +21,7 @@ Prints, from one run:
    (1, 4, 16 MiB) against NCCL's, world 2, 16 to 256 MiB.
 
 With NCCL older than 2.30 the ranks sharing the GPU talk over loopback
-sockets (jaxring/_src/gpu_job.py, gpu_env), so busbw there measures NCCL's
+sockets (tests/gpu/gpu_job.py, gpu_env), so busbw there measures NCCL's
 socket transport, not NVLink. Each job runs benchmarks/gpu_bench_worker.py.
 """
 

@@ -3,7 +3,7 @@
     python gpu_bench_worker.py PROCESS NUM_PROCESSES PORT MODE
 
 The job itself (launch, the environment by NCCL version, Job) is
-jaxring/_src/gpu_job.py, shared with the checks in tests/gpu. MODE:
+tests/gpu/gpu_job.py, shared with the checks there. MODE:
 
 * ``bench``: busbw of jaxring's ring and of NCCL's allreduce on the same
   communicators, 1 MiB to 256 MiB, in alternating rounds; prints a table.
@@ -13,10 +13,15 @@ jaxring/_src/gpu_job.py, shared with the checks in tests/gpu. MODE:
   ``jaxring.overlap``, in alternating rounds.
 """
 
+import pathlib
+import sys
+
 import numpy as np
 
-from jaxring._src import gpu_job
-from jaxring._src.gpu_job import Job, median_seconds, mlp_inputs, mlp_step, serve
+# The job harness lives with the GPU checks, which share it.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+import gpu_job
+from gpu_job import Job, median_seconds, mlp_inputs, mlp_step, serve
 
 
 def launch(

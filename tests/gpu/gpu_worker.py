@@ -3,7 +3,7 @@
     python gpu_worker.py PROCESS NUM_PROCESSES PORT MODE
 
 The job itself (launch, the environment by NCCL version, Job) is
-jaxring/_src/gpu_job.py, shared with the GPU benchmark. MODE:
+gpu_job.py beside it, shared with the GPU benchmark. MODE:
 
 * ``correctness``: every dtype and op, both algorithms, random sizes, ring
   and chunk counts, against numpy on the same inputs (which every process
@@ -35,8 +35,8 @@ import time
 
 import numpy as np
 
-from jaxring._src import gpu_job
-from jaxring._src.gpu_job import Job, gpu_env, mlp_inputs, mlp_step, serve, sharing_mode  # noqa: F401  (gpu_env, sharing_mode: for the checks)
+import gpu_job
+from gpu_job import Job, gpu_env, mlp_inputs, mlp_step, serve, sharing_mode  # noqa: F401  (gpu_env, sharing_mode: for the checks)
 
 
 def launch(

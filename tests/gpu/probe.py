@@ -117,7 +117,8 @@ def after_build() -> int:
         print("the CUDA backend is not built:", cuda_backend.status())
         return 1
     from jaxring import _jaxring_cuda
-    from jaxring._src import gpu_job
+
+    import gpu_job
 
     nccl = gpu_job.installed_nccl_version()
     print(

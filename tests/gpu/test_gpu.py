@@ -5,7 +5,7 @@ on a machine with one GPU.
 Several ranks share the one GPU as separate processes, each with a slice of
 its memory, so worlds of 2 and 4 run without a multi-GPU machine (with
 NCCL_MULTI_RANK_GPU_ENABLE=1 from NCCL 2.30 on, as separate "hosts" over
-loopback before; see gpu_env in jaxring/_src/gpu_job.py). tests/test_gpu_harness.py checks
+loopback before; see gpu_env in tests/gpu/gpu_job.py). tests/test_gpu_harness.py checks
 the launcher and the comparisons on CPU.
 """
 

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jaxring._src import lib
+
 # NCCL lets several ranks share one GPU with this setting from 2.30 on.
 _MULTI_RANK_NCCL = (2, 30, 0)
 
@@ -30,11 +32,10 @@ _MULTI_RANK_NCCL = (2, 30, 0)
 def installed_nccl_version() -> tuple | None:
     """(major, minor, patch) of the NCCL jaxring loads, or None without the
     CUDA backend."""
-    try:
-        from jaxring import _jaxring_cuda
-    except ImportError:
+    cuda = lib.cuda()
+    if cuda is None:
         return None
-    code = _jaxring_cuda.nccl_version()
+    code = cuda.nccl_version()
     return (code // 10000, code // 100 % 100, code % 100)
 
 
