@@ -687,7 +687,7 @@ def test_config_update_and_validation():
         jaxring.config.rings = 2
 
 
-@pytest.mark.slow  # the settings' parsing, in new processes: on the newest jax only
+@pytest.mark.jax_independent  # the settings' parsing, in new processes
 def test_environment_variables(script):
     res = script(
         """

@@ -41,7 +41,7 @@ def test_bench_prints_the_table_and_writes_the_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow  # processes and transports: on the newest jax only
+@pytest.mark.jax_independent  # processes and transports
 def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path):
     """benchmarks/tcp_allreduce.py on two small sizes: the shared-memory,
     TCP and in-process jobs each give a row per size (with --exchange, the
@@ -89,7 +89,7 @@ def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path)
         assert len(r[1].split()) == 10 and all(float(v) > 0 for v in r[1].split()), r
 
 
-@pytest.mark.slow  # the script's table: on the newest jax only
+@pytest.mark.jax_independent  # the script's table
 def test_overlap_benchmark_prints_every_variant_and_the_bound(tmp_path):
     """benchmarks/overlap_cnn.py on a small CNN: every variant is timed and
     the ratios (with and without gang start) and the bound are printed."""
@@ -142,7 +142,7 @@ def test_overlap_benchmark_prints_every_variant_and_the_bound(tmp_path):
     assert (tmp_path / "t.json").stat().st_size > 0
 
 
-@pytest.mark.slow  # jaxring's own script: on the newest jax only
+@pytest.mark.jax_independent  # jaxring's own script
 def test_exchange_crossover_prints_measured_and_modelled_ratios(tmp_path):
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "exchange_crossover.py"
     res = subprocess.run(

@@ -23,7 +23,7 @@ sys.path.insert(0, GPU_DIR)
 import gpu_worker  # noqa: E402
 
 
-@pytest.mark.slow  # the harness's own code: on the newest jax only
+@pytest.mark.jax_independent  # the harness's own code
 def test_a_hanging_rank_is_stopped_at_the_deadline_with_its_stack(tmp_path):
     t0 = time.monotonic()
     # 15 s: each rank imports jaxring (and JAX) before it reaches its mode.

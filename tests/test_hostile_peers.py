@@ -27,9 +27,8 @@ import time
 import pytest
 from test_multiprocess import Job
 
-# The TCP transport's own code, whatever the jax: with the slow tier, on the
-# newest jax only.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+# The TCP transport's own code, whatever the jax: on the newest jax only.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.jax_independent]
 
 MAGIC = 0x4A52494E
 VERSION = 6

@@ -21,7 +21,7 @@ pytestmark = [
         not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
         reason="this kernel has no transparent huge pages",
     ),
-    pytest.mark.slow,  # the C++ buffers' own code: on the newest jax only
+    pytest.mark.jax_independent,  # the C++ buffers' own code
 ]
 
 PROBE = r"""

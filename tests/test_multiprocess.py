@@ -71,8 +71,8 @@ def lines_by_rank(stdout: str) -> dict[int, list[str]]:
 # The older supported jax releases run one case of each kind (flat, tiered,
 # exchange, one fault of each sort, ...); the others differ only in the
 # plan, the links, the launcher or the fault, which are jaxring's own code
-# whatever the jax, and run with the slow tier on the newest jax.
-newest_jax_only = pytest.mark.slow
+# whatever the jax, and run on the newest jax only.
+newest_jax_only = pytest.mark.jax_independent
 
 # (processes, devices per process, seed, topology setting, tiers lowered,
 # JAXRING_TRANSPORT)

@@ -47,7 +47,7 @@ def test_tiered_plan_scales_better_at_thousands_of_gpus():
     )
 
 
-@pytest.mark.slow  # jaxring's own script: on the newest jax only
+@pytest.mark.jax_independent  # jaxring's own script
 def test_command_prints_predictions_and_writes_plot(tmp_path):
     png, js = tmp_path / "s.png", tmp_path / "s.json"
     res = subprocess.run(

@@ -102,7 +102,7 @@ def test_topology_setting():
     assert topology.parse(" 4x2X8 ") == (4, 2, 8)
 
 
-@pytest.mark.slow  # processes and jaxring's own parsing: on the newest jax only
+@pytest.mark.jax_independent  # processes and jaxring's own parsing
 def test_topology_from_the_environment(script):
     res = script("import jaxring; print(jaxring.config.topology)", env={"JAXRING_TOPOLOGY": "4x2"})
     assert res.returncode == 0, res.stderr

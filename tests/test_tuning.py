@@ -392,7 +392,7 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
         jaxring.config.reset("tuning")
 
 
-@pytest.mark.slow  # the command's measuring loop: on the newest jax only
+@pytest.mark.jax_independent  # the command's measuring loop
 def test_tune_command_measures_fits_and_writes_a_table(tmp_path):
     out = tmp_path / "tuning.json"
     res = subprocess.run(
@@ -446,7 +446,7 @@ def test_tune_command_measures_fits_and_writes_a_table(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # processes and plans: on the newest jax only
+@pytest.mark.jax_independent  # processes and plans
 def test_tune_across_processes_measures_both_plans_and_the_job_uses_its_table(tmp_path):
     """Under the launcher (2 processes x 2 devices, one host: tiers 2x2) the
     tuner measures flat, tiered, exchange and direct candidates (direct
