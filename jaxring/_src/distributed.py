@@ -11,14 +11,14 @@ The first cross-process lowering does this, so it works whether jaxring was
 imported before or after ``jax.distributed.initialize``.
 
 A peer is let in only after it proved, by an HMAC handshake
-(``xla_ffi/cpu/tcp_handshake.h``), that it holds the job's secret and the
+(``xla_ffi/cpu/net/tcp_handshake.h``), that it holds the job's secret and the
 job's id. The secret comes from ``JAXRING_JOB_SECRET`` when set (the
 launcher always sets one); otherwise process 0 makes one and shares it
 through the key-value store, which is then only as private as the
 coordinator's port. Process 0 makes the job id for every job.
 
 Processes on one host move their data through shared-memory rings
-(``xla_ffi/cpu/shm_link.h``) instead of TCP loopback. Which processes share
+(``xla_ffi/cpu/net/shm_link.h``) instead of TCP loopback. Which processes share
 a host is read from the records they publish (the kernel's boot id and the
 device of ``/dev/shm``), and then proved per connection: the receiver must
 map the segment the sender made, or the two use TCP. ``JAXRING_TRANSPORT``

@@ -1,6 +1,6 @@
 """The host segment: the shared memory on which algorithm="direct" runs
 across the processes of a job that all run on one host
-(xla_ffi/cpu/host_segment.h).
+(xla_ffi/cpu/direct/host_segment.h).
 
 Set up once, with the TCP transport, through the job's key-value store:
 process 0 creates the segment and publishes its name, every other process

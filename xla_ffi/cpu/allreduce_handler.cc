@@ -1,4 +1,4 @@
-#include "allreduce_handler.h"
+#include "cpu/allreduce_handler.h"
 
 #include <atomic>
 #include <chrono>
@@ -10,12 +10,12 @@
 #include <thread>
 #include <vector>
 
-#include "../ffi_common.h"
-#include "../reduce.h"
-#include "inprocess_transport.h"
-#include "../ring_attrs.h"
-#include "ring_transport.h"
-#include "split_phase.h"
+#include "ffi_common.h"
+#include "reduce.h"
+#include "cpu/inprocess/inprocess_transport.h"
+#include "ring_attrs.h"
+#include "cpu/ring_transport.h"
+#include "cpu/split_phase.h"
 
 namespace ffi = xla::ffi;
 

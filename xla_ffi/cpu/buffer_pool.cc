@@ -1,10 +1,10 @@
-#include "buffer_pool.h"
+#include "cpu/buffer_pool.h"
 
 #include <map>
 #include <mutex>
 #include <vector>
 
-#include "huge_pages.h"
+#include "cpu/huge_pages.h"
 
 namespace jaxring {
 

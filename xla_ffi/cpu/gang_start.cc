@@ -1,4 +1,4 @@
-#include "gang_start.h"
+#include "cpu/gang_start.h"
 
 #include <chrono>
 #include <condition_variable>

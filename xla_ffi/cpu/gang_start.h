@@ -25,7 +25,7 @@
 
 #include <cstdint>
 
-#include "inprocess_transport.h"
+#include "cpu/inprocess/inprocess_transport.h"
 
 namespace jaxring {
 

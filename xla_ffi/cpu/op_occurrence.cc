@@ -1,4 +1,4 @@
-#include "op_occurrence.h"
+#include "cpu/op_occurrence.h"
 
 #include <map>
 #include <mutex>

@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "operation.h"
+#include "cpu/operation.h"
 
 namespace jaxring {
 

@@ -1,4 +1,4 @@
-#include "op_plan.h"
+#include "cpu/op_plan.h"
 
 #include <stdexcept>
 #include <vector>

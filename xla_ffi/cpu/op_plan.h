@@ -4,8 +4,8 @@
 // that they agree on what a description means.
 #pragma once
 
-#include "../tiered_plan.h"
-#include "operation.h"
+#include "tiered_plan.h"
+#include "cpu/operation.h"
 
 namespace jaxring {
 

@@ -1,4 +1,4 @@
-#include "operation.h"
+#include "cpu/operation.h"
 
 #include <sstream>
 

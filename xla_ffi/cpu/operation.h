@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "../algorithm.h"
-#include "../reduce.h"
+#include "algorithm.h"
+#include "reduce.h"
 
 namespace jaxring {
 

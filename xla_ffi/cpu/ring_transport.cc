@@ -1,14 +1,14 @@
-#include "ring_transport.h"
+#include "cpu/ring_transport.h"
 
 #include <algorithm>
 
-#include "../failure.h"
-#include "../reduce.h"
-#include "host_direct.h"
-#include "inprocess_plan_host.h"
-#include "op_occurrence.h"
-#include "tcp_transport.h"
-#include "timeline.h"
+#include "failure.h"
+#include "reduce.h"
+#include "cpu/direct/host_direct.h"
+#include "cpu/plan/inprocess_plan_host.h"
+#include "cpu/op_occurrence.h"
+#include "cpu/net/tcp_transport.h"
+#include "cpu/timeline.h"
 
 namespace jaxring {
 

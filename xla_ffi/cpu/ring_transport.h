@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "inprocess_transport.h"
+#include "cpu/inprocess/inprocess_transport.h"
 
 namespace jaxring {
 

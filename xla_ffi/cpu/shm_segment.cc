@@ -1,4 +1,4 @@
-#include "shm_segment.h"
+#include "cpu/shm_segment.h"
 
 #include <dirent.h>
 #include <fcntl.h>

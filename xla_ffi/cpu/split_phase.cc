@@ -1,4 +1,4 @@
-#include "split_phase.h"
+#include "cpu/split_phase.h"
 
 #include <algorithm>
 #include <cstring>
@@ -10,9 +10,9 @@
 #include <tuple>
 #include <utility>
 
-#include "../failure.h"
-#include "buffer_pool.h"
-#include "gang_start.h"
+#include "failure.h"
+#include "cpu/buffer_pool.h"
+#include "cpu/gang_start.h"
 
 namespace jaxring {
 

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "ring_transport.h"
+#include "cpu/ring_transport.h"
 
 namespace jaxring {
 

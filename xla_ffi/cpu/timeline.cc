@@ -1,4 +1,4 @@
-#include "timeline.h"
+#include "cpu/timeline.h"
 
 #include <atomic>
 #include <chrono>
