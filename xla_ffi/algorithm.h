@@ -9,10 +9,12 @@ namespace jaxring {
 
 enum class Algorithm : int {
   // The ring plan: 2(p-1) steps of neighbour transfers (or the tiered
-  // plan's phases). Both backends; the only one across processes and under
-  // link emulation on the CPU.
+  // plan's phases). Both backends; on the CPU, in one process or across
+  // processes, and under link emulation. Which CPU executor runs each
+  // algorithm where: the table in cpu/dispatch.cc.
   kRing = 0,
-  // CPU, in one process only: rank i reduces segment i of every rank's
+  // CPU, in one process or across the processes of one host (over the
+  // host segment they all map): rank i reduces segment i of every rank's
   // input and writes it into every rank's output. Each byte is read once
   // and written once per rank, against about five times for a ring over
   // shared memory, and there are two synchronisations instead of 2(p-1).

@@ -43,7 +43,7 @@
 #include "cpu/plan/inprocess_plan_host.h"
 #include "cpu/inprocess/link_pacing.h"
 #include "cpu/inprocess/inprocess_transport.h"
-#include "cpu/ring_transport.h"
+#include "cpu/dispatch.h"
 #include "cpu/net/shm_link.h"
 #include "cpu/shm_segment.h"
 #include "cpu/net/tcp_transport.h"
@@ -107,13 +107,13 @@ std::vector<std::string> run_ranks(const std::vector<int>& order,
   std::vector<std::thread> threads;
   for (int r : order) {
     threads.emplace_back([&, r] {
-      jaxring::ring_allreduce(key, desc, r, /*device=*/r,
-                              /*process_of_rank=*/{}, in[r], out[r], timeout_s,
-                              [&](const std::optional<std::string>& err) {
-                                std::lock_guard<std::mutex> lock(done.mu);
-                                if (err) done.errors.push_back(*err);
-                                if (--done.remaining == 0) done.cv.notify_all();
-                              });
+      jaxring::cpu_allreduce(key, desc, r, /*device=*/r,
+                             /*process_of_rank=*/{}, in[r], out[r], timeout_s,
+                             [&](const std::optional<std::string>& err) {
+                               std::lock_guard<std::mutex> lock(done.mu);
+                               if (err) done.errors.push_back(*err);
+                               if (--done.remaining == 0) done.cv.notify_all();
+                             });
     });
   }
   for (auto& t : threads) t.join();
@@ -537,6 +537,53 @@ int tcp_process(int me, int port_out_fd, int ports_in_fd) {
 }
 
 // Forks the two processes of the TCP test and relays their ports.
+// The dispatch table (cpu/dispatch.cc) against the rules it encodes, for
+// every algorithm, place, link and tiering: refused combinations name
+// what is wrong, and each other one has exactly its executor.
+void run_dispatch_tests() {
+  using jaxring::Algorithm;
+  using jaxring::Executor;
+  for (Algorithm a : {Algorithm::kRing, Algorithm::kDirect,
+                      Algorithm::kExchange, Algorithm::kNccl})
+    for (bool one_process : {true, false})
+      for (bool emulated : {true, false})
+        for (bool tiered : {true, false}) {
+          jaxring::OpDesc desc;
+          desc.algorithm = a;
+          desc.world_size = 4;
+          if (emulated) desc.link = {jaxring::EmulatedTier{4, 1e9, 1e-6}};
+          if (tiered) desc.topology = {2, 2};
+          const jaxring::Route r = jaxring::route(desc, one_process);
+          std::optional<Executor> want;
+          std::string refused;
+          if (a == Algorithm::kNccl) {
+            refused = "no CPU executor";
+          } else if (a == Algorithm::kDirect && emulated) {
+            refused = "no transfers for link emulation";
+          } else if (a == Algorithm::kDirect && tiered) {
+            refused = "direct has no tiers";
+          } else if (a == Algorithm::kExchange && tiered) {
+            refused = "picks its own tiers";
+          } else if (!one_process && emulated) {
+            refused = "in-process transport only";
+          } else if (a == Algorithm::kDirect) {
+            want = one_process ? Executor::kInProcessDirect
+                               : Executor::kHostDirect;
+          } else if (!one_process) {
+            want = Executor::kTcpPlan;
+          } else if (emulated) {
+            want = Executor::kInProcessEmulation;
+          } else if (tiered || a == Algorithm::kExchange) {
+            want = Executor::kInProcessPlan;
+          } else {
+            want = Executor::kInProcessRing;
+          }
+          CHECK(r.executor == want);
+          CHECK(want || r.refusal.find(refused) != std::string::npos);
+          CHECK(!want || r.refusal.empty());
+        }
+}
+
 void run_tcp_test() {
   int to_parent[2][2], to_child[2][2];
   pid_t pids[2];
@@ -1307,6 +1354,7 @@ void run_shm_ring_tests() {
 
 int main() {
   // First: forking is only safe before any thread exists.
+  run_dispatch_tests();
   run_host_direct_test();
   run_tcp_test();
   run_shm_ring_tests();

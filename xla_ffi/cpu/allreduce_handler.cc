@@ -14,7 +14,7 @@
 #include "reduce.h"
 #include "cpu/inprocess/inprocess_transport.h"
 #include "ring_attrs.h"
-#include "cpu/ring_transport.h"
+#include "cpu/dispatch.h"
 #include "cpu/split_phase.h"
 
 namespace ffi = xla::ffi;
@@ -256,9 +256,9 @@ ffi::Future AllreduceCpuImpl(ffi::RunId run_id, int32_t device,
     return future;
   }
   return future_for([&](Completion done) {
-    ring_allreduce(op.key, op.desc, op.rank, device, op.processes,
-                   x.untyped_data(), out->untyped_data(), attrs.timeout_s,
-                   std::move(done));
+    cpu_allreduce(op.key, op.desc, op.rank, device, op.processes,
+                  x.untyped_data(), out->untyped_data(), attrs.timeout_s,
+                  std::move(done));
   });
 }
 

@@ -131,11 +131,11 @@ std::optional<std::string> split_phase_start(
   s->out = acquire_buffer(s->bytes);
   // The completion holds the entry, so the buffers outlive every peer read
   // even if finish never comes.
-  ring_allreduce(key, desc, rank, device, process_of_rank, s->in.get(),
-                 s->out.get(), timeout_s,
-                 [s](const std::optional<std::string>& error) {
-                   mark_complete(*s, error);
-                 });
+  cpu_allreduce(key, desc, rank, device, process_of_rank, s->in.get(),
+                s->out.get(), timeout_s,
+                [s](const std::optional<std::string>& error) {
+                  mark_complete(*s, error);
+                });
   const bool one_process =
       std::all_of(process_of_rank.begin(), process_of_rank.end(),
                   [&](int p) { return p == process_of_rank.front(); });

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/ring_transport.h"
+#include "cpu/dispatch.h"
 
 namespace jaxring {
 

@@ -95,7 +95,7 @@ struct Op {
   const OpKey key;
   const OpDesc desc;
   // The plan desc names (op_plan.h). Without link emulation it is always
-  // the flat ring (ring_transport.cc sends other plans to the plan
+  // the flat ring (dispatch.cc sends other plans to the plan
   // executor): the tiered plan of one tier, whose one phase (none in a
   // world of one) is the whole 2(p-1)-step allreduce. Its units are the
   // CPU executor's and the CUDA stream schedule's. Under emulation any

@@ -225,7 +225,7 @@ class Registry {
         return nullptr;
       }
       if (!slot->flat && !desc.emulated()) {
-        // Only link emulation runs other plans here (ring_transport.cc).
+        // Only link emulation runs other plans here (dispatch.cc).
         ops_.erase(key);
         *error = tagged(FailureKind::kInternal, -1,
                         "jaxring allreduce: a plan other than the flat ring "

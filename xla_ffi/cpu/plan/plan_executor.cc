@@ -299,7 +299,7 @@ void Pass::consume(int r, int j, int64_t u) {
 }
 
 bool Pass::complete(const std::optional<std::string>& result, bool* finished) {
-  // Where every rank runs here: across processes ring_transport records the
+  // Where every rank runs here: across processes dispatch.cc records the
   // span, under the call site's op id rather than this operation's.
   if (!result && timeline_enabled() &&
       static_cast<int>(op_.locals.size()) == op_.desc.world_size) {
