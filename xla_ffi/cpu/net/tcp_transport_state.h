@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "failure.h"
+#include "cpu/net/socket_io.h"
 #include "cpu/plan/plan_op.h"
 #include "cpu/net/tcp_handshake.h"
 #include "cpu/net/tcp_out_link.h"
@@ -218,7 +219,31 @@ class TcpTransport final : public OpHost {
 
  private:
   void accept_loop(int listen_fd);
+
+  // tcp_inbound.cc: one accepted connection, frame by frame.
+  struct Inbound;
+  struct Landing;
+  enum class Next { kContinue, kLost, kQuiet };  // after a frame
   void read_loop(int fd);
+  bool admit(Inbound& in);       // the handshake; false: closed quietly
+  bool take_offer(Inbound& in);  // the shared-memory offer; same
+  static bool frame_fits(const Inbound& in, const FrameHeader& h);
+  ReadResult skip_payload(Inbound& in, const FrameHeader& h, double stall_s);
+  Next on_message_frame(Inbound& in, const FrameHeader& h);
+  Next on_data_frame(Inbound& in, const FrameHeader& h);
+  Landing land(const Inbound& in, const FrameHeader& h, PlanOp& o);
+  // Under o.mu: the frame names the operation this process knows (or
+  // gives it its description), and a unit its plan expects from there.
+  static bool agrees(const Inbound& in, const FrameHeader& h, PlanOp& o,
+                     Landing* at);
+  static bool fits_plan(const Inbound& in, const FrameHeader& h, PlanOp& o,
+                        Span* span, Landing* at);
+  bool stage(const Inbound& in, const FrameHeader& h, PlanOp& o, Inbox& ib,
+             Landing* at);
+  ReadResult take_from_ring(Inbound& in, const FrameHeader& h,
+                            const Landing& at);
+  void arrived(const FrameHeader& h, PlanOp& o, const Landing& at, bool ok,
+               bool released);
   void collect_garbage();  // requires mu_
 
   // Lock order: mu_ may be held while taking an operation's mu (garbage
