@@ -104,6 +104,13 @@ class Pass {
   void start();
   void send(int r, int j, int64_t u, const char* data, int64_t bytes);
   bool enter_next_ring();
+  // The parts of run(): completing a failed operation once nothing touches
+  // its buffers; consuming the units that arrived, ring by ring; and, with
+  // nothing to do, probing for a peer in another program or timing out.
+  bool complete_failed(bool* finished);
+  bool advance_rings();
+  bool advance_ring(int r);
+  bool waited(bool progressed, bool all_done);
   void enter_phase(int r, int j);
   void consume(int r, int j, int64_t u);
   bool complete(const std::optional<std::string>& result, bool* finished);
@@ -359,52 +366,13 @@ std::string Pass::timeout_message(bool all_done) {
 }
 
 bool Pass::run(bool* finished) {
-  if (op_.failed) {
-    // Complete once no I/O thread still touches this rank's buffers.
-    if (op_.writers > 0 || me_.outstanding_sends > 0) return false;
-    if (op_.aborts_in_flight.load() > 0 &&
-        Clock::now() < op_.failed_at + kAbortFlush) {
-      return false;
-    }
-    return complete(op_.error, finished);
-  }
+  if (op_.failed) return complete_failed(finished);
   bool progressed = false;
   if (!task_.started) {
     start();
     progressed = true;
   }
-  for (int r = 0; r < task_.entered && going(); ++r) {
-    Inbox& ib = op_.inbox(task_.rank, r);
-    bool ring_progressed = false;
-    while (task_.phase[r] < phases_ && going()) {
-      const int j = task_.phase[r];
-      std::deque<int64_t>& ready = ib.ready[j];
-      while (!ready.empty() && going()) {
-        const int64_t u = ready.front();
-        ready.pop_front();
-        consume(r, j, u);
-        --task_.remaining[r];
-        ring_progressed = true;
-      }
-      if (task_.remaining[r] > 0) break;
-      // An exchange phase sent its whole shard from the rank's copy, which
-      // the next phase overwrites: frames to other processes that still
-      // read it must be out first (their release wakes this worker). A
-      // nested plan's next phase copies only the segment the rank kept,
-      // which its sends never read.
-      if (j + 1 < phases_ && plan_.shape() == PlanShape::kExchange &&
-          me_.outstanding_sends > 0) {
-        break;
-      }
-      enter_phase(r, j + 1);
-      ring_progressed = true;
-    }
-    progressed |= ring_progressed;
-    // A tiered plan's rings take turns by priority, the first ring first
-    // (the reason is Pass::start's): a rank that has work on a ring leaves
-    // the later rings for the next pass.
-    if (phases_ > 1 && ring_progressed) break;
-  }
+  progressed |= advance_rings();
   if (phases_ > 1) progressed |= enter_next_ring();
   bool all_done = true;
   for (int r = 0; r < plan_.num_rings(); ++r)
@@ -413,7 +381,62 @@ bool Pass::run(bool* finished) {
   if (op_.failed) return true;  // completes through the failure, next pass
   if (all_done && me_.outstanding_sends == 0)
     return complete(std::nullopt, finished);
+  return waited(progressed, all_done);
+}
 
+bool Pass::complete_failed(bool* finished) {
+  // Complete once no I/O thread still touches this rank's buffers.
+  if (op_.writers > 0 || me_.outstanding_sends > 0) return false;
+  if (op_.aborts_in_flight.load() > 0 &&
+      Clock::now() < op_.failed_at + kAbortFlush) {
+    return false;
+  }
+  return complete(op_.error, finished);
+}
+
+bool Pass::advance_rings() {
+  bool progressed = false;
+  for (int r = 0; r < task_.entered && going(); ++r) {
+    const bool ring_progressed = advance_ring(r);
+    progressed |= ring_progressed;
+    // A tiered plan's rings take turns by priority, the first ring first
+    // (the reason is Pass::start's): a rank that has work on a ring leaves
+    // the later rings for the next pass.
+    if (phases_ > 1 && ring_progressed) break;
+  }
+  return progressed;
+}
+
+bool Pass::advance_ring(int r) {
+  Inbox& ib = op_.inbox(task_.rank, r);
+  bool progressed = false;
+  while (task_.phase[r] < phases_ && going()) {
+    const int j = task_.phase[r];
+    std::deque<int64_t>& ready = ib.ready[j];
+    while (!ready.empty() && going()) {
+      const int64_t u = ready.front();
+      ready.pop_front();
+      consume(r, j, u);
+      --task_.remaining[r];
+      progressed = true;
+    }
+    if (task_.remaining[r] > 0) break;
+    // An exchange phase sent its whole shard from the rank's copy, which
+    // the next phase overwrites: frames to other processes that still read
+    // it must be out first (their release wakes this worker). A nested
+    // plan's next phase copies only the segment the rank kept, which its
+    // sends never read.
+    if (j + 1 < phases_ && plan_.shape() == PlanShape::kExchange &&
+        me_.outstanding_sends > 0) {
+      break;
+    }
+    enter_phase(r, j + 1);
+    progressed = true;
+  }
+  return progressed;
+}
+
+bool Pass::waited(bool progressed, bool all_done) {
   const auto now = Clock::now();
   if (progressed) task_.last_progress = now;
   if (!progressed && now > task_.last_progress + kMismatchProbeAfter &&
