@@ -1283,38 +1283,58 @@ def allreduce(
         )
     axes = _axes_tuple(axis_name)
     groups = _groups_tuple(axis_index_groups)
-    tunable = tunable_settings(
-        rings=rings, chunk_bytes=chunk_bytes, algorithm=algorithm, topology=topology
-    )
-    rings = validate("rings", config.rings if rings is None else rings, "jaxring.allreduce")
-    chunk_bytes = validate(
-        "chunk_bytes",
-        config.chunk_bytes if chunk_bytes is None else chunk_bytes,
-        "jaxring.allreduce",
-    )
-    timeout_s = validate(
-        "timeout_s", config.timeout_s if timeout_s is None else timeout_s, "jaxring.allreduce"
-    )
-    algorithm = validate(
-        "algorithm", config.algorithm if algorithm is None else algorithm, "jaxring.allreduce"
-    )
-    if isinstance(topology, list):
-        topology = tuple(topology)
-    topology = validate(
-        "topology", config.topology if topology is None else topology, "jaxring.allreduce"
+    settings = _Settings.of(
+        rings=rings,
+        chunk_bytes=chunk_bytes,
+        timeout_s=timeout_s,
+        algorithm=algorithm,
+        topology=topology,
     )
     runtime.register_ffi_targets()
-
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if not leaves:
         return x
     _check_bound(axes)
     _check_groups_cover(axes, groups)
     leaves = [jax.numpy.asarray(l) for l in leaves]
+    return jax.tree_util.tree_unflatten(
+        treedef, _reduce_leaves(leaves, axes, groups, op, wire, settings)
+    )
+
+
+class _Settings(NamedTuple):
+    """One call's settings: its arguments, config's values for those left
+    out, and which of them a tuning table may fill in."""
+
+    rings: int
+    chunk_bytes: int
+    timeout_s: float
+    algorithm: str
+    topology: Any
+    tunable: frozenset
+
+    @classmethod
+    def of(cls, **passed) -> _Settings:
+        tunable = frozenset(
+            tunable_settings(
+                **{k: passed[k] for k in ("rings", "chunk_bytes", "algorithm", "topology")}
+            )
+        )
+        if isinstance(passed["topology"], list):
+            passed["topology"] = tuple(passed["topology"])
+        values = {
+            name: validate(name, getattr(config, name) if arg is None else arg, "jaxring.allreduce")
+            for name, arg in passed.items()
+        }
+        return cls(**values, tunable=tunable)
+
+
+def _reduce_leaves(leaves: list, axes: tuple, groups, op: str, wire, settings: _Settings):
+    """The reduction of each leaf. A value every rank already holds
+    (invariant over the axes, e.g. a gradient autodiff summed under
+    check_vma) is reduced where it is, to lax's result: sending it would
+    only move copies of one value."""
     out: list[Any] = [None] * len(leaves)
-    # A value every rank already holds (invariant over the axes, e.g. a
-    # gradient autodiff summed under check_vma) is reduced where it is, to
-    # lax's result: sending it would only move copies of one value.
     ring_op = "sum" if op == "mean" else op
     sent = []
     for i, leaf in enumerate(leaves):
@@ -1324,56 +1344,65 @@ def allreduce(
         else:
             sent.append(i)
     if not sent:
-        return jax.tree_util.tree_unflatten(treedef, out)
+        return out
+    reduced = _send([leaves[i] for i in sent], axes, groups, ring_op, wire, settings)
+    if op == "mean":
+        n = _mean_divisor(axes, groups)
+        reduced = [v / n for v in reduced]
+    for i, v in zip(sent, reduced):
+        out[i] = v
+    return out
+
+
+def _send(leaves: list, axes: tuple, groups, ring_op: str, wire, settings: _Settings) -> list:
+    """The ring reductions of leaves that vary over some of the axes: fused
+    by the axes they travel over and their dtype (_operations), each
+    operation with the settings the tuning table gives its size."""
     # A value that varies over only some of the axes travels only over
     # those: what the others would add is copies of it, counted locally.
-    send_axes = [axes_to_send(leaves[i], axes, groups) for i in sent]
-    sent_leaves, restore = zip(*(_to_ring_form(leaves[i], ring_op) for i in sent))
-    leaves = list(sent_leaves)
+    send_axes = [axes_to_send(leaf, axes, groups) for leaf in leaves]
+    leaves, restore = zip(*(_to_ring_form(leaf, ring_op) for leaf in leaves))
     if wire is not None:
         leaves, restore = zip(*(_to_wire_form(l, r, wire) for l, r in zip(leaves, restore)))
     by_kind: dict[tuple[tuple, np.dtype], list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_kind.setdefault((send_axes[i], _check_dtype(leaf)), []).append(i)
-    reduced_sent: list[Any] = [None] * len(leaves)
-    operations = [
-        (over, dtype, idx)
-        for (over, dtype), group in by_kind.items()
-        for idx in _operations(group, leaves, dtype)
-    ]
-    for over, dtype, idx in operations:
-        world = (
-            math.prod(compat.axis_size(a) for a in over)
-            if groups is None
-            else max(len(g) for g in groups)
-        )
-        nbytes = sum(math.prod(leaves[i].shape) for i in idx) * dtype.itemsize
-        g_rings, g_chunk, g_algorithm, g_topology, tabled = tuned_settings(
-            tunable, world, nbytes, rings, chunk_bytes, algorithm, topology
-        )
-        reduced = _reduce_leaf_group(
-            [leaves[i] for i in idx],
-            over,
-            groups,
-            ring_op,
-            g_rings,
-            g_chunk,
-            timeout_s,
-            g_algorithm,
-            g_topology,
-            rings_from_default="rings" in tunable and not tabled,
-        )
-        held = tuple(a for a in axes if a not in over)
-        for i, r in zip(idx, reduced):
-            reduced_sent[i] = restore[i](r)
-            if held:
-                reduced_sent[i] = _reduce_invariant(reduced_sent[i], ring_op, held)
-    if op == "mean":
-        n = _mean_divisor(axes, groups)
-        reduced_sent = [v / n for v in reduced_sent]
-    for i, v in zip(sent, reduced_sent):
-        out[i] = v
-    return jax.tree_util.tree_unflatten(treedef, out)
+    out: list[Any] = [None] * len(leaves)
+    for (over, dtype), group in by_kind.items():
+        for idx in _operations(group, leaves, dtype):
+            world = (
+                math.prod(compat.axis_size(a) for a in over)
+                if groups is None
+                else max(len(g) for g in groups)
+            )
+            nbytes = sum(math.prod(leaves[i].shape) for i in idx) * dtype.itemsize
+            rings, chunk, algorithm, topology, tabled = tuned_settings(
+                settings.tunable,
+                world,
+                nbytes,
+                settings.rings,
+                settings.chunk_bytes,
+                settings.algorithm,
+                settings.topology,
+            )
+            reduced = _reduce_leaf_group(
+                [leaves[i] for i in idx],
+                over,
+                groups,
+                ring_op,
+                rings,
+                chunk,
+                settings.timeout_s,
+                algorithm,
+                topology,
+                rings_from_default="rings" in settings.tunable and not tabled,
+            )
+            held = tuple(a for a in axes if a not in over)
+            for i, r in zip(idx, reduced):
+                out[i] = restore[i](r)
+                if held:
+                    out[i] = _reduce_invariant(out[i], ring_op, held)
+    return out
 
 
 def already_reduced(leaf, axes: tuple, groups) -> bool:
