@@ -82,11 +82,11 @@ def no_jaxring_state_left_behind():
     # give the last step a moment to finish everywhere.
     deadline = time.monotonic() + 30
     while (
-        _jaxring.split_phase_unfinished_starts()
-        or _jaxring.inprocess_pending_ops()
-        or _jaxring.gang_start_pending()
+        _jaxring.testing.split_phase_unfinished_starts()
+        or _jaxring.testing.inprocess_pending_ops()
+        or _jaxring.testing.gang_start_pending()
     ) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _jaxring.split_phase_unfinished_starts() == 0
-    assert _jaxring.inprocess_pending_ops() == 0
-    assert _jaxring.gang_start_pending() == 0
+    assert _jaxring.testing.split_phase_unfinished_starts() == 0
+    assert _jaxring.testing.inprocess_pending_ops() == 0
+    assert _jaxring.testing.gang_start_pending() == 0

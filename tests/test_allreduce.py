@@ -655,16 +655,16 @@ def test_transport_holds_nothing_after_operations():
     _in_mesh(lambda v: jaxring.allreduce(v, "i"))
     # Failed ops from other tests may linger for their grace period only;
     # successful ones are dropped as soon as every rank has joined.
-    before = _jaxring.inprocess_pending_ops()
+    before = _jaxring.testing.inprocess_pending_ops()
     for _ in range(5):
         _in_mesh(lambda v: jaxring.allreduce(v, "i"))
     # An operation is held only while its ranks are still joining; one that
     # an earlier test dispatched and did not wait for may be in that window
     # just now, so the count is given a moment to settle (a leak would not).
     deadline = time.monotonic() + 5.0
-    while _jaxring.inprocess_pending_ops() > before and time.monotonic() < deadline:
+    while _jaxring.testing.inprocess_pending_ops() > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _jaxring.inprocess_pending_ops() <= before
+    assert _jaxring.testing.inprocess_pending_ops() <= before
 
 
 # ---- configuration ----------------------------------------------------------

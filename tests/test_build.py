@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import types
 
 import jax
 import jaxlib
@@ -185,6 +186,8 @@ def _stub_names(stub: pathlib.Path) -> dict:
             out[node.name] = None
         elif isinstance(node, ast.AnnAssign):
             out[node.target.id] = None
+        elif isinstance(node, ast.ImportFrom) and node.module is None:  # a submodule
+            out.update({a.asname or a.name: None for a in node.names})
     return out
 
 
@@ -202,19 +205,32 @@ def _module_names(module) -> dict:
     return out
 
 
+def _stubs_match(module, stub: pathlib.Path) -> None:
+    """The stub names what the module has; a submodule, what its own stub
+    beside it names."""
+    assert _stub_names(stub) == _module_names(module), stub
+    for name, value in vars(module).items():
+        if isinstance(value, types.ModuleType):
+            _stubs_match(value, stub.parent / f"{name}.pyi")
+
+
 @pytest.mark.parametrize("name", ["_jaxring", "_jaxring_cuda"])
 def test_the_extension_stubs_name_what_the_extensions_have(name):
     # The stubs beside the installed package (so they ship in the wheel)
-    # list exactly the extension's functions, classes, their members and
-    # constants. Regenerate: python -m nanobind.stubgen -m jaxring.NAME.
+    # list exactly the extension's functions, classes, their members,
+    # constants and submodules. Regenerate: python -m nanobind.stubgen -r
+    # -m jaxring.NAME (a module with submodules gets a folder of stubs).
     from jaxring._src import lib
 
     module = lib.cpu if name == "_jaxring" else lib.cuda()
     if module is None:
         pytest.skip(f"the CUDA extension is {lib.cuda_status()}")
-    stub = pathlib.Path(jaxring.__file__).parent / f"{name}.pyi"
-    assert stub.exists(), f"{stub} is not installed"
-    assert _stub_names(stub) == _module_names(module)
+    here = pathlib.Path(jaxring.__file__).parent
+    stub = here / name / "__init__.pyi"
+    if not stub.exists():
+        stub = here / f"{name}.pyi"
+    assert stub.exists(), f"no stub of {name} is installed in {here}"
+    _stubs_match(module, stub)
 
 
 @pytest.mark.slow

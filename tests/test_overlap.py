@@ -196,8 +196,8 @@ def settled_pool_bytes():
     last = None
     while time.monotonic() < deadline:
         jax.effects_barrier()
-        now = _jaxring.split_phase_pooled_bytes()
-        if now == last and _jaxring.split_phase_unfinished_starts() == 0:
+        now = _jaxring.testing.split_phase_pooled_bytes()
+        if now == last and _jaxring.testing.split_phase_unfinished_starts() == 0:
             return now
         last = now
         time.sleep(0.05)

@@ -146,7 +146,7 @@ def test_overlap_with_a_tiered_topology_matches_the_plain_step():
             np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
     finally:
         jaxring.config.reset("topology")
-    assert _jaxring.inprocess_pending_ops() == 0
+    assert _jaxring.testing.inprocess_pending_ops() == 0
 
 
 def test_direct_algorithm_is_refused_with_tiers():
@@ -189,7 +189,7 @@ def test_emulated_two_tier_cluster_paces_each_tier_on_its_own_link():
             assert took[topology] >= 0.95 * floor, (topology, took[topology], floor)
     finally:
         jaxring.config.reset("cpu_link")
-    assert _jaxring.inprocess_pending_ops() == 0
+    assert _jaxring.testing.inprocess_pending_ops() == 0
 
 
 def test_emulated_tiers_must_divide_the_ring():
@@ -247,7 +247,7 @@ def test_emulated_plans_give_the_executors_bits(plan, dtype, op, devices):
         np.testing.assert_allclose(
             emulated[k].astype(np.float64), reference.astype(np.float64), **tolerance
         )
-    assert _jaxring.inprocess_pending_ops() == 0
+    assert _jaxring.testing.inprocess_pending_ops() == 0
 
 
 def test_emulated_exchange_takes_fewer_hops_than_the_ring():
@@ -269,7 +269,7 @@ def test_emulated_exchange_takes_fewer_hops_than_the_ring():
         jaxring.config.reset("cpu_link")
     assert took["ring"] >= 0.95 * 14 * latency, took
     assert 0.95 * 3 * latency <= took["exchange"] < 9 * latency, took
-    assert _jaxring.inprocess_pending_ops() == 0
+    assert _jaxring.testing.inprocess_pending_ops() == 0
 
 
 def test_the_exchange_limit_weighs_a_whole_bucket():

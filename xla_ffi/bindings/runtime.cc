@@ -23,19 +23,9 @@ void jaxring::bindings::runtime(nb::module_& m) {
         nb::call_guard<nb::gil_scoped_release>(),
         "Refuses TCP handshakes from now on (at exit) and waits for the calls "
         "into OpenSSL in flight; false if some were still running.");
-  m.def("handshakes_closed", &jaxring::handshakes_closed,
-        "Whether close_handshakes was called.");
   m.def("wait_for_completions", &jaxring::wait_for_completions,
         nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>(),
         "Waits until no transport thread is completing an XLA future.");
-  m.def(
-      "inprocess_pending_ops",
-      [] {
-        return jaxring::inprocess_pending_ops() +
-               jaxring::inprocess_plan_pending_ops();
-      },
-      "Operations the in-process transport (and its tiered plans' host) still "
-      "holds.");
   m.def("timeline_enable", &jaxring::timeline_enable, nb::arg("on"),
         "Starts or stops recording the transport's timeline.");
   m.def("timeline_now_ns", &jaxring::timeline_now_ns,
@@ -55,11 +45,24 @@ void jaxring::bindings::runtime(nb::module_& m) {
         return out;
       },
       "Events recorded since the last call, as tuples.");
-  m.def("gang_start_pending", &jaxring::gang_start_pending,
+
+  // What the tests check between tests (nothing left pending, buffers
+  // pooled); not for jaxring's own use.
+  nb::module_ t = m.def_submodule(
+      "testing", "Counters of operations still held, for jaxring's tests.");
+  t.def(
+      "inprocess_pending_ops",
+      [] {
+        return jaxring::inprocess_pending_ops() +
+               jaxring::inprocess_plan_pending_ops();
+      },
+      "Operations the in-process transport (and its tiered plans' host) still "
+      "holds.");
+  t.def("gang_start_pending", &jaxring::gang_start_pending,
         "Split-phase starts still gathering their in-process ranks.");
-  m.def("split_phase_unfinished_starts",
+  t.def("split_phase_unfinished_starts",
         &jaxring::split_phase_unfinished_starts,
         "Split-phase allreduces started and not yet finished.");
-  m.def("split_phase_pooled_bytes", &jaxring::pooled_bytes,
+  t.def("split_phase_pooled_bytes", &jaxring::pooled_bytes,
         "Bytes of released split-phase buffers kept for reuse.");
 }

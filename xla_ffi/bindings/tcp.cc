@@ -92,8 +92,4 @@ void jaxring::bindings::tcp(nb::module_& m) {
   m.def(
       "tcp_auth_library", &jaxring::tcp_auth_library,
       "The library that authenticates TCP peers, or '' if none was built in.");
-  m.def("tcp_process_index", &jaxring::tcp_process_index,
-        "This process's index in the TCP transport (-1: not set up).");
-  m.def("tcp_pending_ops", &jaxring::tcp_pending_ops,
-        "Operations the TCP transport still holds.");
 }

@@ -1,10 +1,12 @@
 # The public surface of jaxring._jaxring, written by
-#   python -m nanobind.stubgen -m jaxring._jaxring
+#   python -m nanobind.stubgen -r -m jaxring._jaxring
 # with the build-dependent values of constants left out.
 # tests/test_build.py checks that it names what the module has.
 """jaxring C++ core: XLA FFI handlers and the ring plans."""
 
 from collections.abc import Sequence
+
+from . import testing as testing
 
 def registrations() -> dict: ...
 
@@ -86,16 +88,8 @@ def close_handshakes(timeout_s: float) -> bool:
     Refuses TCP handshakes from now on (at exit) and waits for the calls into OpenSSL in flight; false if some were still running.
     """
 
-def handshakes_closed() -> bool:
-    """Whether close_handshakes was called."""
-
 def wait_for_completions(timeout_s: float) -> bool:
     """Waits until no transport thread is completing an XLA future."""
-
-def inprocess_pending_ops() -> int:
-    """
-    Operations the in-process transport (and its tiered plans' host) still holds.
-    """
 
 def timeline_enable(on: bool) -> None:
     """Starts or stops recording the transport's timeline."""
@@ -105,15 +99,6 @@ def timeline_now_ns() -> int:
 
 def timeline_take() -> list[tuple[int, int, int, int, int, int, int, int]]:
     """Events recorded since the last call, as tuples."""
-
-def gang_start_pending() -> int:
-    """Split-phase starts still gathering their in-process ranks."""
-
-def split_phase_unfinished_starts() -> int:
-    """Split-phase allreduces started and not yet finished."""
-
-def split_phase_pooled_bytes() -> int:
-    """Bytes of released split-phase buffers kept for reuse."""
 
 def tcp_listen(
     bind_host: str, process: int, processes: int, secret: bytes, job_id: bytes, use_shm: bool
@@ -132,6 +117,9 @@ def tcp_set_peers(addresses: Sequence[str], same_host: Sequence[int]) -> None:
 
 def tcp_transport_info() -> dict:
     """The TCP transport's state, for jaxring.transport_info()."""
+
+def tcp_auth_library() -> str:
+    """The library that authenticates TCP peers, or '' if none was built in."""
 
 def host_segment_attach(job_id: bytes, process: int, processes: int, ranks: int, name: str) -> str:
     """
@@ -160,15 +148,6 @@ def shm_remove_stale_segments() -> list[str]:
 
 def host_segment_info() -> dict:
     """The host segment's state, for jaxring.transport_info()."""
-
-def tcp_auth_library() -> str:
-    """The library that authenticates TCP peers, or '' if none was built in."""
-
-def tcp_process_index() -> int:
-    """This process's index in the TCP transport (-1: not set up)."""
-
-def tcp_pending_ops() -> int:
-    """Operations the TCP transport still holds."""
 
 def reduce_bytes(arg0: int, arg1: int, arg2: bytes, arg3: bytes, /) -> bytes: ...
 
