@@ -230,8 +230,6 @@ TcpTransportInfo TcpTransport::info() {
   return i;
 }
 
-int tcp_process_index() { return TcpTransport::get().me(); }
-
 int64_t tcp_pending_ops() { return TcpTransport::get().pending(); }
 
 void tcp_allreduce(const OpKey& key, const OpDesc& desc, int rank, int device,

@@ -60,9 +60,6 @@ int tcp_listen(const std::string& bind_host, const JobIdentity& identity,
 bool tcp_set_peers(const std::vector<std::string>& addresses,
                    const std::vector<int>& same_host, std::string* error);
 
-// This process's index once tcp_set_peers ran, else -1.
-int tcp_process_index();
-
 // Starts `rank`'s part of an allreduce whose ranks run in the processes
 // process_of_rank[0..world). Same contract as inprocess_allreduce: `in` and
 // `out` stay valid until `done` is called, exactly once.
