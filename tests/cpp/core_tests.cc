@@ -47,7 +47,7 @@
 #include "cpu/net/shm_link.h"
 #include "cpu/shm_segment.h"
 #include "cpu/net/tcp_transport.h"
-#include "cpu/net/wire_format.h"
+#include "cpu/net/frames.h"
 #include "plan.h"
 #include "reduce.h"
 #include "stream_schedule.h"

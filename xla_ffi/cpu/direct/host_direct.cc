@@ -23,7 +23,7 @@ namespace {
 // mark_failed's generation for an entry the caller holds (it cannot change).
 constexpr uint64_t kAnyGeneration = ~uint64_t{0};
 // How long a failing rank waits at most while another mark holds the
-// entry's failure word (Worker::fail).
+// entry's failure word (DirectWorker::fail).
 constexpr auto kSettleFor = std::chrono::milliseconds(200);
 
 // How long an idle or waiting worker sleeps at most: the deadlines and the
@@ -35,7 +35,7 @@ constexpr auto kMismatchProbeAfter = std::chrono::seconds(1);
 
 enum class Stage { kClaim, kCopyIn, kWaitInputs, kWaitResult };
 
-struct Task {
+struct DirectTask {
   OpKey key;
   OpDesc desc;
   int rank = 0;
@@ -61,7 +61,7 @@ int entry_of(const OpKey& key) {
   return static_cast<int>((h >> 32) % kHostEntries);
 }
 
-// An entry's fields, copied out at one state word (Worker::snapshot).
+// An entry's fields, copied out at one state word (DirectWorker::snapshot).
 struct EntryFields {
   int64_t run_id = 0, op_id = 0, group = 0, count = 0, slot_id = 0;
   int32_t elem_type = 0, reduce_op = 0, world = 0;
@@ -109,13 +109,13 @@ int lowest_process(uint64_t mask) {
   return -1;
 }
 
-class Worker {
+class DirectWorker {
  public:
-  Worker(HostSegment* seg, int me) : seg_(seg), me_(me) {
+  DirectWorker(HostSegment* seg, int me) : seg_(seg), me_(me) {
     std::thread([this] { loop(); }).detach();
   }
 
-  void submit(Task t) {
+  void submit(DirectTask t) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       incoming_.push_back(std::move(t));
@@ -131,7 +131,7 @@ class Worker {
 
  private:
   void loop() {
-    std::list<Task> active;
+    std::list<DirectTask> active;
     for (;;) {
       const uint32_t seen = seg_->doorbell(me_).load(std::memory_order_acquire);
       {
@@ -166,13 +166,13 @@ class Worker {
   }
 
   // The bytes of round r's chunk (every chunk but the last is full).
-  int64_t chunk_bytes(const Task& t, int64_t r) const {
+  int64_t chunk_bytes(const DirectTask& t, int64_t r) const {
     const int64_t total = t.desc.count * elem_bytes(t.desc.type);
     return std::min(seg_->chunk_bytes(), total - r * seg_->chunk_bytes());
   }
 
   // One more arrival at the barrier t.target names; the last rings everyone.
-  void arrive(Task& t) {
+  void arrive(DirectTask& t) {
     HostEntry& e = seg_->entry(t.entry);
     e.process_arrivals[me_].fetch_add(1, std::memory_order_relaxed);
     if (e.arrivals.fetch_add(1, std::memory_order_acq_rel) + 1 == t.target) {
@@ -184,7 +184,7 @@ class Worker {
   // whole world joined and left, or once the operation failed and every
   // rank that joined left (a rank that never came must not keep the entry
   // from the operations after it).
-  void depart(Task& t) {
+  void depart(DirectTask& t) {
     namespace es = entry_state;
     HostEntry& e = seg_->entry(t.entry);
     const int world = e.world.load(std::memory_order_relaxed);
@@ -207,7 +207,7 @@ class Worker {
     t.entry = -1;
   }
 
-  bool finish(Task& t, const std::optional<std::string>& error,
+  bool finish(DirectTask& t, const std::optional<std::string>& error,
               bool* finished) {
     if (t.entry >= 0) depart(t);
     {
@@ -222,7 +222,7 @@ class Worker {
 
   // How a rank's errors begin (what the entry records names only the rank:
   // each rank that reports the failure names itself).
-  static std::string label(const Task& t) {
+  static std::string label(const DirectTask& t) {
     return "jaxring allreduce (direct across processes, op " +
            std::to_string(t.key.op_id) + ", group " +
            std::to_string(t.key.group) + ", rank " + std::to_string(t.rank) +
@@ -232,7 +232,7 @@ class Worker {
   // Fails the operation for this rank and, once it holds the entry, for
   // every rank: the first failure recorded is the one every rank reports
   // (this one's, if the one being recorded cannot be read yet).
-  bool fail(Task& t, FailureKind kind, int peer, const std::string& why,
+  bool fail(DirectTask& t, FailureKind kind, int peer, const std::string& why,
             bool* finished) {
     if (t.entry >= 0) {
       HostEntry& e = seg_->entry(t.entry);
@@ -257,7 +257,7 @@ class Worker {
 
   // A peer failed the operation: its error, retagged by this process from
   // what it may say (its text is only text).
-  bool failed_elsewhere(Task& t, bool* finished) {
+  bool failed_elsewhere(DirectTask& t, bool* finished) {
     HostEntry& e = seg_->entry(t.entry);
     const int32_t by = e.failed_by.load(std::memory_order_acquire);
     char text[sizeof(e.error)];
@@ -295,7 +295,7 @@ class Worker {
   // rank holds the entry, those that hold it and have not left. The
   // counters are read while others may move them: a process named has
   // not moved for the whole timeout, so it is named right.
-  std::string waited_for(const Task& t, int* peer) {
+  std::string waited_for(const DirectTask& t, int* peer) {
     *peer = -1;
     std::vector<int> late;
     std::string how;
@@ -342,7 +342,7 @@ class Worker {
 
   // Whether a wait has run out: the deadline, a peer process gone, or a
   // peer in another program.
-  bool waited_too_long(Task& t, const std::string& what, bool* finished) {
+  bool waited_too_long(DirectTask& t, const std::string& what, bool* finished) {
     for (int q : t.processes) {
       if (q != me_ && seg_->exited(q)) {
         return fail(
@@ -399,7 +399,7 @@ class Worker {
   // passed its first barrier; another group of this call site is another
   // group. Marks that entry failed too, so its ranks learn why, and
   // returns the process named (-1: none found).
-  int in_another_program(Task& t, std::string* why) {
+  int in_another_program(DirectTask& t, std::string* why) {
     if (t.desc.slot_id == 0) return -1;
     uint64_t mine = uint64_t{1} << me_;
     if (t.entry >= 0) {
@@ -471,7 +471,7 @@ class Worker {
   // Takes the operation's entry, or joins the ranks that took it. Returns
   // whether the task moved; false while another operation holds the entry
   // (or it is being claimed).
-  bool claim(Task& t, bool* finished) {
+  bool claim(DirectTask& t, bool* finished) {
     namespace es = entry_state;
     const int index = entry_of(t.key);
     HostEntry& e = seg_->entry(index);
@@ -560,7 +560,7 @@ class Worker {
   }
 
   // Runs the task as far as its peers allow. Returns whether it moved.
-  bool advance(Task& t, bool* finished) {
+  bool advance(DirectTask& t, bool* finished) {
     bool moved = false;
     for (;;) {
       if (t.stage == Stage::kClaim) {
@@ -640,7 +640,7 @@ class Worker {
   HostSegment* const seg_;
   const int me_;
   std::mutex mu_;
-  std::deque<Task> incoming_;
+  std::deque<DirectTask> incoming_;
   int64_t pending_ = 0;
 };
 
@@ -652,8 +652,8 @@ std::mutex& worker_mu() {
 // this process), each a thread: a process of several devices copies and
 // reduces for them at once, as their threads do in one process, instead of
 // one after the other. Leaked on purpose, like the other workers.
-std::vector<Worker*>& workers() {
-  static auto* w = new std::vector<Worker*>();
+std::vector<DirectWorker*>& workers() {
+  static auto* w = new std::vector<DirectWorker*>();
   return *w;
 }
 
@@ -709,7 +709,7 @@ void host_direct_allreduce(const OpKey& key, const OpDesc& desc, int rank,
             std::to_string(desc.world_size)));
     return;
   }
-  Task t;
+  DirectTask t;
   t.key = key;
   t.desc = desc;
   t.rank = rank;
@@ -724,11 +724,12 @@ void host_direct_allreduce(const OpKey& key, const OpDesc& desc, int rank,
   t.rounds = (total + seg->chunk_bytes() - 1) / seg->chunk_bytes();
   // As the ring's results are: fresh pages fault in 512 times fewer.
   advise_huge_pages(out, total);
-  Worker* w;
+  DirectWorker* w;
   {
     const size_t index = local_index(process_of_rank, rank, me);
     std::lock_guard<std::mutex> lock(worker_mu());
-    while (workers().size() <= index) workers().push_back(new Worker(seg, me));
+    while (workers().size() <= index)
+      workers().push_back(new DirectWorker(seg, me));
     w = workers()[index];
   }
   w->submit(std::move(t));
@@ -737,7 +738,7 @@ void host_direct_allreduce(const OpKey& key, const OpDesc& desc, int rank,
 int64_t host_direct_pending() {
   std::lock_guard<std::mutex> lock(worker_mu());
   int64_t pending = 0;
-  for (Worker* w : workers()) pending += w->pending();
+  for (DirectWorker* w : workers()) pending += w->pending();
   return pending;
 }
 

@@ -25,7 +25,7 @@
 #include "cpu/plan/plan_op.h"
 #include "cpu/net/shm_link.h"
 #include "cpu/net/tcp_handshake.h"
-#include "cpu/net/wire_format.h"
+#include "cpu/net/frames.h"
 
 namespace jaxring {
 

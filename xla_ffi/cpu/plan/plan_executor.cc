@@ -15,7 +15,7 @@
 #include "cpu/huge_pages.h"
 #include "cpu/task_queue.h"
 #include "cpu/timeline.h"
-#include "cpu/net/wire_format.h"
+#include "cpu/net/frames.h"
 
 namespace jaxring {
 

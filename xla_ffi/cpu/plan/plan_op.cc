@@ -3,7 +3,7 @@
 #include <sstream>
 
 #include "cpu/op_plan.h"
-#include "cpu/net/wire_format.h"
+#include "cpu/net/frames.h"
 
 namespace jaxring {
 

@@ -1,4 +1,4 @@
-#include "cpu/net/wire_format.h"
+#include "cpu/net/frames.h"
 
 #include <sstream>
 
