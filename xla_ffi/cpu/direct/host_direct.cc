@@ -26,12 +26,8 @@ constexpr uint64_t kAnyGeneration = ~uint64_t{0};
 // entry's failure word (DirectWorker::fail).
 constexpr auto kSettleFor = std::chrono::milliseconds(200);
 
-// How long an idle or waiting worker sleeps at most: the deadlines and the
-// peers' pids are looked at this often.
-constexpr int64_t kPollNs = 20'000'000;
-// How long a rank waits without progress before it looks for peers at the
-// same call site in another program (and how often it looks again).
-constexpr auto kMismatchProbeAfter = std::chrono::seconds(1);
+// How long an idle or waiting worker sleeps at most.
+constexpr int64_t kPollNs = std::chrono::nanoseconds(kDeadlinePoll).count();
 
 enum class Stage { kClaim, kCopyIn, kWaitInputs, kWaitResult };
 

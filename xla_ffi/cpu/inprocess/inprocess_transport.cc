@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/deadline.h"
 #include "failure.h"
 #include "reduce.h"
 #include "cpu/huge_pages.h"
@@ -23,8 +24,6 @@ namespace jaxring {
 
 namespace inprocess {
 
-// How long an idle worker sleeps before it rechecks deadlines.
-constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
 constexpr int kYieldsBeforeSleep = 64;
 
 void Worker::loop() {

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cpu/deadline.h"
 #include "failure.h"
 #include "cpu/huge_pages.h"
 #include "cpu/task_queue.h"
@@ -21,12 +22,6 @@ namespace jaxring {
 
 namespace {
 
-// An idle worker rechecks deadlines this often.
-constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
-// How long a rank must have waited without progress before it asks its host
-// whether a peer runs another program (and how often it asks again). A peer
-// merely ahead, in the next program, is the normal case.
-constexpr auto kMismatchProbeAfter = std::chrono::seconds(1);
 // How long a failed rank waits for its host's abort frames to leave.
 constexpr auto kAbortFlush = std::chrono::seconds(1);
 
