@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxring._src import distributed
 
-# The TCP frame header packs the tiers into one 64-bit word (wire_format.h).
+# The TCP frame header packs the tiers into one 64-bit word (frames.h).
 MAX_TIERS = 4
 MAX_TIER_SIZE = 0xFFFF
 
