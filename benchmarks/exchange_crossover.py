@@ -55,7 +55,7 @@ def main():
 
     import jaxring
     from jaxring._src import cost_model
-    from jaxring._src.allreduce import resolve_algorithm
+    from jaxring._src.choice import resolve_algorithm
     from jaxring._src.config import parse_links
 
     mesh = jax.make_mesh((args.devices,), ("i",))

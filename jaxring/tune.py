@@ -89,7 +89,7 @@ def job_tiers(devices) -> tuple:
     if len({d.process_index for d in devices}) > 1:
         distributed.ensure_tcp_transport(120.0, check_settings=False)
     rank_process = np.array([d.process_index for d in devices], np.int64)
-    return topology.resolve("auto", len(devices), rank_process)
+    return topology.resolve("auto", len(devices), rank_process, distributed.process_hosts())
 
 
 def measure(devices, sizes: list[int], choices, rounds: int, min_time: float):

@@ -923,12 +923,12 @@ def test_auto_takes_direct_across_processes_that_share_the_host_segment(monkeypa
     algorithm) and in place of the tiers it derives for several devices
     per process; never under an emulated link, or where a topology is set.
     Without the segment, the ring as before."""
-    from jaxring._src import allreduce as ar, host_segment
+    from jaxring._src import choice, host_segment
 
     two, four = np.array([0, 1], np.int64), np.array([0, 1, 2, 3], np.int64)
 
     def auto(ranks, nbytes, **kw):
-        return ar.resolve_algorithm(
+        return choice.resolve_algorithm(
             "auto", kw.pop("link", ()), ranks, nbytes=nbytes, world=len(ranks), **kw
         )
 
@@ -941,7 +941,7 @@ def test_auto_takes_direct_across_processes_that_share_the_host_segment(monkeypa
     assert auto(four, 1 << 20, tiered=True) == "direct"  # the tiers "auto" derived
     assert auto(four, 1 << 20, tiered=True, topology=(2, 2)) == "ring"
     assert auto(four, 1 << 20, link=((0, 1e9, 0.0),)) == "ring"
-    assert ar.resolve_algorithm("direct", (), four) == "direct"
+    assert choice.resolve_algorithm("direct", (), four) == "direct"
     jaxring.config.update("exchange_max_bytes", 4096)
     try:
         assert auto(four, 4096) == auto(two, 64) == "direct"
@@ -950,7 +950,7 @@ def test_auto_takes_direct_across_processes_that_share_the_host_segment(monkeypa
 
 
 def test_direct_refused_across_processes():
-    from jaxring._src.allreduce import resolve_algorithm
+    from jaxring._src.choice import resolve_algorithm
 
     one, two = np.zeros(4, np.int64), np.array([0, 0, 1, 1], np.int64)
     assert resolve_algorithm("auto", (), one) == "direct"
@@ -997,7 +997,7 @@ def test_direct_refused_across_processes():
 
 def test_auto_under_one_emulated_link_takes_the_exchange_where_its_model_does():
     from jaxring._src import cost_model
-    from jaxring._src.allreduce import resolve_algorithm
+    from jaxring._src.choice import resolve_algorithm
     from jaxring._src.config import parse_links
 
     one = np.zeros(8, np.int64)

@@ -306,7 +306,7 @@ def test_allreduce_takes_unset_settings_from_the_table(tmp_path):
 
 
 def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
-    from jaxring._src.allreduce import tuned_settings
+    from jaxring._src.choice import tuned_settings
 
     path = str(tmp_path / "t.json")
     tuning.save(

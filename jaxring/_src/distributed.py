@@ -140,10 +140,6 @@ def process_table(
     return table
 
 
-def spans_processes(table: np.ndarray) -> bool:
-    return bool(len(table)) and bool((table != table[0]).any())
-
-
 def _local_host(coordinator: str | None) -> str:
     """The address peers should use to reach this process.
 

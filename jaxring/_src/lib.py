@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import types
 
-from jaxring import _build_config as build_config, _jaxring as cpu
+import jaxring._build_config as build_config
+import jaxring._jaxring as cpu
 
 __all__ = ["build_config", "cpu", "cuda", "cuda_status"]
 
@@ -22,7 +23,7 @@ def _load_cuda() -> tuple[types.ModuleType | None, str]:
     if build_config.CUDA_STATUS != "built":
         return None, build_config.CUDA_STATUS
     try:
-        from jaxring import _jaxring_cuda
+        import jaxring._jaxring_cuda as _jaxring_cuda
     except ImportError as e:
         return None, f"built but not loadable: {e}"
     return _jaxring_cuda, "built"

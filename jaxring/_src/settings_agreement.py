@@ -25,7 +25,10 @@ changed later are the program's, which every process must run alike.
 
 from __future__ import annotations
 
-from jaxring._src import errors
+import jax
+
+from jaxring._src import choice, errors
+from jaxring._src.config import config
 
 # One size to look a tuning table up at: its choices are one family.
 _ANY_SIZE = 1 << 20
@@ -34,15 +37,8 @@ _ANY_SIZE = 1 << 20
 def record() -> dict:
     """This process's choice, and the settings it comes from (for the
     message)."""
-    import jax
-
-    from jaxring._src import allreduce
-    from jaxring._src.config import config
-
-    tunable = allreduce.tunable_settings(
-        rings=None, chunk_bytes=None, algorithm=None, topology=None
-    )
-    _, _, algorithm, topology, tabled = allreduce.tuned_settings(
+    tunable = choice.tunable_settings(rings=None, chunk_bytes=None, algorithm=None, topology=None)
+    _, _, algorithm, topology, tabled = choice.tuned_settings(
         tunable,
         jax.device_count(),
         _ANY_SIZE,

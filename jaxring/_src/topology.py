@@ -23,8 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxring._src import distributed
-
 # The TCP frame header packs the tiers into one 64-bit word (frames.h).
 MAX_TIERS = 4
 MAX_TIER_SIZE = 0xFFFF
@@ -96,18 +94,29 @@ def discover(processes: np.ndarray, hosts: dict[int, str] | None) -> tuple:
     return (per_process, per_host, len(order) // per_host)
 
 
+def spans_processes(rank_process: np.ndarray) -> bool:
+    """Whether the ranks of a table (rank_process[r]: the process running
+    rank r) run in more than one process."""
+    return bool(len(rank_process)) and bool((rank_process != rank_process[0]).any())
+
+
 def resolve(
-    setting: Any, world: int, rank_process: np.ndarray, where: str = "jaxring.allreduce"
+    setting: Any,
+    world: int,
+    rank_process: np.ndarray,
+    hosts: dict[int, str] | None = None,
+    where: str = "jaxring.allreduce",
 ) -> tuple:
-    """The tiers an operation's custom call carries (empty: a flat ring)."""
-    across = distributed.spans_processes(rank_process)
+    """The tiers an operation's custom call carries (empty: a flat ring).
+    hosts: the host of each process (distributed.process_hosts()); without
+    it, each process counts as a host of its own."""
+    across = spans_processes(rank_process)
     if setting == "flat" or world <= 1:
         return ()
     if setting == "auto":
         if not across:
             return ()
         rows = np.asarray(rank_process).reshape(-1, world)
-        hosts = distributed.process_hosts()
         found = {discover(row, hosts) for row in rows}
         # One attribute serves every group of the lowering, so the groups
         # must agree; they do on any regular mesh.

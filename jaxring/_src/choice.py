@@ -1,0 +1,179 @@
+"""What a CPU allreduce runs: the algorithm for where its ranks are, and
+the settings a tuning table fills in for its size.
+
+Pure of the lowering: each function takes the facts it decides on (the
+rank table, the emulated link, the operand's bytes) and reads only the
+settings (jaxring.config), the tuning table and whether the host segment
+is there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxring._src import cost_model, host_segment, topology as _topology, tuning as _tuning
+from jaxring._src.config import config, validate
+
+
+def resolve_algorithm(
+    algorithm: str,
+    link,
+    rank_process,
+    tiered: bool = False,
+    nbytes: int | None = None,
+    topology: Any = "auto",
+    world: int = 0,
+    rings: int = 1,
+    chunk_bytes: int = 1 << 20,
+) -> str:
+    """ "ring", "direct" or "exchange" for an operation, from the setting and
+    where its ranks run. "auto" takes direct where it applies: no emulated
+    link (which models the transfers of a plan, and direct has none), and
+    either every rank in this process (direct reads its peers' memory) and
+    no tiered plan (a plan of rings), or, with the topology setting left to
+    "auto", in processes of this host that share the host segment, however
+    many devices each holds (the tiers "auto" derives there are the ring
+    plan's, which direct replaces). Elsewhere
+    across processes, and under an emulated link, it takes exchange for an
+    operand of nbytes up to config.exchange_max_bytes, where the topology
+    setting is "auto" (a tuple or "flat" asks for the ring plan). Under one
+    emulated link (not tiers) whose exchange_max_bytes was left unset, also
+    where the cost model of that link predicts the exchange faster than the
+    ring for the world's ranks, up to MODELLED_EXCHANGE_MAX_BYTES: the link
+    is known exactly there, as a tuning table knows a measured one."""
+    across = _topology.spans_processes(rank_process)
+    emulated = bool(link)
+    if algorithm == "auto":
+        if across and not emulated and topology == "auto" and host_segment.unavailable() is None:
+            # Over the host segment direct beat the ring and the exchange at
+            # every size measured with 4 processes (1 KiB to 64 MiB; with 2,
+            # up to 16 MiB, and within 11 % either way above), and the
+            # tiered ring with 2 and 4 processes of 2 devices (1.0-1.9x from
+            # 64 KiB to 16 MiB) and 2 of 4 (1.0-1.6x). It takes no size into
+            # account, so processes that reach one call site with different
+            # shapes run the same algorithm, whose entries tell them apart
+            # (MismatchError) rather than wait on each other.
+            return "direct"
+        if (across or emulated) and topology == "auto" and nbytes is not None:
+            limit = config.exchange_max_bytes  # 0: never
+            if 0 < limit and nbytes <= limit:
+                return "exchange"
+            if (
+                emulated
+                and not config.is_explicit("exchange_max_bytes")
+                and _exchange_faster_on(link, world, nbytes, rings, chunk_bytes)
+            ):
+                return "exchange"
+        return "ring" if across or emulated or tiered else "direct"
+    if algorithm == "nccl":
+        raise ValueError(
+            "jaxring: algorithm='nccl' runs NCCL's allreduce and exists on the "
+            "CUDA backend only; on CPU use 'ring', 'direct', 'exchange' or 'auto'."
+        )
+    if algorithm == "exchange" and tiered:
+        raise ValueError(
+            "jaxring: algorithm='exchange' picks its own tiers (one exchange per "
+            "factor 2 of the world size), so it takes no tiered topology; use "
+            "topology='flat' or 'auto' with it, or algorithm='ring'."
+        )
+    if algorithm == "direct" and across and host_segment.unavailable():
+        raise ValueError(
+            "jaxring: algorithm='direct' across processes runs over shared "
+            "memory that every process of a job on one host maps, which this "
+            f"job does not have: {host_segment.unavailable()}. Use "
+            "algorithm='ring' or 'auto'."
+        )
+    if algorithm == "direct" and tiered:
+        raise ValueError(
+            "jaxring: algorithm='direct' has no tiers, and a tiered topology "
+            "runs the ring plan; use algorithm='ring' or 'auto', or "
+            "topology='flat'."
+        )
+    if algorithm == "direct" and emulated:
+        raise ValueError(
+            "jaxring: algorithm='direct' has no transfers for cpu_link to "
+            "emulate; use algorithm='ring' or 'auto' with cpu_link, or unset "
+            "cpu_link."
+        )
+    return algorithm
+
+
+# The largest buffer for which the model may choose the exchange. It counts
+# no CPU time, and the exchange copies and reduces the whole buffer at each
+# of its steps: on a fast link with latency (100Gbit,5us at 8 ranks) it
+# predicted the exchange faster up to 512 KiB, which measured 0.85x of the
+# ring at 128 KiB and 0.44x at 512 KiB. Up to 16 KiB it was at least 0.95x
+# of the ring wherever the model chose it.
+MODELLED_EXCHANGE_MAX_BYTES = 16 << 10
+
+
+def _exchange_faster_on(link: tuple, world: int, nbytes: int, rings: int, chunk_bytes: int) -> bool:
+    """Whether the cost model of the emulated link predicts the exchange
+    faster than the flat ring for nbytes over world ranks. One link only:
+    across tiers the model paces a flat ring at its slowest hop at every
+    step, where the ring's critical path crosses the slow hops only now and
+    then (with "4:100Gbit,2us;1Gbit,20us" it predicted the exchange faster
+    up to 12 KiB; it was slower from 4 KiB)."""
+    machine = cost_model.emulated_machine(link, world)
+    if machine is None or len(link) != 1 or world < 2 or nbytes > MODELLED_EXCHANGE_MAX_BYTES:
+        return False
+    return cost_model.exchange_time(
+        machine, nbytes, rings, chunk_bytes
+    ) < cost_model.flat_ring_time(machine, nbytes, rings, chunk_bytes)
+
+
+def tunable_settings(**passed) -> set:
+    """What a tuning table may fill in: the settings of `passed` (name:
+    argument) neither passed (None) nor set."""
+    return {name for name, arg in passed.items() if arg is None and not config.is_explicit(name)}
+
+
+def tuned_settings(
+    tunable: set,
+    world: int,
+    nbytes: int,
+    rings: int,
+    chunk_bytes: int,
+    algorithm: str,
+    topology: Any,
+) -> tuple[int, int, str, Any, bool]:
+    """rings, chunk_bytes, algorithm and topology, with the tuning table's
+    choice for this message size in place of those left at their defaults;
+    and whether a table gave one."""
+    if not tunable:
+        return rings, chunk_bytes, algorithm, topology, False
+    key = _tuning.key(jax.default_backend(), world, jax.process_count())
+    choice = _tuning.tuned_choice(
+        config.tuning, key, nbytes, across_processes=jax.process_count() > 1
+    )
+    if choice is None:
+        return rings, chunk_bytes, algorithm, topology, False
+    if "rings" in tunable:
+        rings = choice.rings
+    if "chunk_bytes" in tunable:
+        chunk_bytes = choice.chunk_bytes
+    if "algorithm" in tunable:
+        # "auto" still takes the ring where direct does not apply (link
+        # emulation, named tiers, processes on several hosts).
+        algorithm = "auto" if choice.algorithm == "direct" else choice.algorithm
+        if algorithm == "exchange" and "topology" not in tunable:
+            # A topology the caller set asks for the ring plan, as it does
+            # of "auto" (resolve_algorithm).
+            algorithm = "ring"
+    if "topology" in tunable and ("algorithm" in tunable or algorithm != "auto"):
+        # Not under an algorithm set to "auto": the table's "flat" at some
+        # sizes (ring or exchange) and "auto" at others (direct, where the
+        # processes share the host segment) would mix direct with the ring
+        # by size, which select() keeps the table's own choices from doing.
+        # "flat" or "auto": the table never names tiers, so it cannot ask
+        # for tiers this layout does not have. Direct has no plan: "auto"
+        # lets it run across processes too (where the tuner measures it:
+        # processes that share the host segment, as "auto" takes it).
+        topology = (
+            "auto"
+            if choice.algorithm == "direct"
+            else validate("topology", choice.topology, "jaxring tuning table")
+        )
+    return rings, chunk_bytes, algorithm, topology, True
