@@ -174,6 +174,28 @@ def test_only_lib_imports_the_compiled_extensions():
     assert not offenders, offenders
 
 
+def test_the_library_imports_its_modules_at_their_top():
+    # An import inside a function hides a dependency (and an import circle)
+    # from the reader. The CUDA extension is the exception: optional, it is
+    # loaded on first use (lib.cuda()).
+    inside = []
+    for path in (ROOT / "jaxring" / "_src").rglob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                names = (
+                    [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else []
+                )
+                if any(n.startswith("jaxring") for n in names) and path.name != "lib.py":
+                    inside.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not inside, inside
+
+
 def _stub_names(stub: pathlib.Path) -> dict:
     """{top-level name: set of member names (classes) or None}."""
     out = {}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxring._src import lib
+from jaxring._src import cuda_backend, jax_compat, lib
 
 
 def build_info() -> dict:
@@ -21,8 +21,6 @@ def build_info() -> dict:
     """
     import jax
     import jaxlib
-
-    from jaxring._src import cuda_backend, jax_compat
 
     cuda_status = cuda_backend.status()
     info = {

@@ -26,7 +26,7 @@ import collections
 import threading
 from collections.abc import Iterable
 
-from jaxring._src import cuda_backend, errors
+from jaxring._src import cuda_backend, errors, jax_compat
 
 _KEY = "jaxring/cuda/v1/call/{:x}/{}"
 # How jax.distributed's client says a blocking get ran out of time (its
@@ -48,7 +48,6 @@ def check_same_call(
     the owner lowered another call there, CollectiveTimeoutError if it did
     not lower one within timeout_s, JaxringError if the key-value store
     failed."""
-    from jaxring._src import jax_compat
 
     processes = set(processes)
     if len(processes) < 2:

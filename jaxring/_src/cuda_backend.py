@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxring._src import lib
+from jaxring._src import jax_compat, lib, runtime
 
 _KEY = "jaxring/nccl/v1/{}/{}"
 _ID_WORDS = 16  # NCCL_UNIQUE_ID_BYTES / 8
@@ -61,8 +61,6 @@ def register() -> None:
         if _registered:
             return
         import jax
-
-        from jaxring._src import runtime
 
         module = require("jaxring.allreduce")
         runtime.register_targets(module.registrations(), platform="CUDA")
@@ -104,7 +102,6 @@ def _id_for(devices: Sequence, ring: int, timeout_s: float) -> bytes:
 def job_client():
     """jax.distributed's key-value client, for a ring whose GPUs belong to
     several processes (a RuntimeError if this process has none)."""
-    from jaxring._src import jax_compat
 
     client = jax_compat.distributed_client()
     if client is None:
@@ -117,7 +114,6 @@ def job_client():
 
 
 def _exchange(module, device_ids, ring, owner: int, timeout_s: float) -> bytes:
-    from jaxring._src import jax_compat
 
     client = job_client()
     name = _published_key(device_ids, ring)

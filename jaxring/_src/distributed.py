@@ -41,7 +41,7 @@ import threading
 
 import numpy as np
 
-from jaxring._src import crowding, host_segment, lib, settings_agreement
+from jaxring._src import crowding, host_segment, jax_compat, lib, settings_agreement
 
 _PREFIX = "jaxring/tcp/v2/"
 _ADDRESS_KEY = _PREFIX + "address/{}"
@@ -261,7 +261,6 @@ def ensure_tcp_transport(timeout_s: float, check_settings: bool = True) -> None:
     would no longer agree on the job record. Every later call raises the
     first failure instead."""
     global _setup_failure
-    from jaxring._src import jax_compat
 
     with _lock:
         if _ready:
@@ -290,8 +289,6 @@ def _set_up_tcp_transport(timeout_s: float, check_settings: bool) -> None:
     """ensure_tcp_transport's work, under its lock."""
     global _ready, _secret_source, _cores_per_rank
     import jax
-
-    from jaxring._src import jax_compat
 
     client = jax_compat.distributed_client()
     me, n, coordinator = jax_compat.distributed_state()

@@ -19,6 +19,8 @@ import signal
 import sys
 import traceback
 
+from jaxring._src.errors import translate_errors
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -125,7 +127,6 @@ def main() -> None:
         sys.path.insert(0, entry)
     else:
         sys.path[0] = entry
-    from jaxring._src.errors import translate_errors
 
     try:
         with translate_errors():

@@ -19,7 +19,7 @@ import re
 import sys
 import warnings
 
-from jaxring._src import lib
+from jaxring._src import jax_compat, lib
 
 # Threads for the XLA CPU pool when jaxring sets it. Measured: 16 threads let
 # 500 back-to-back calls of psum and of jaxring.allreduce finish on 8 devices.
@@ -87,7 +87,6 @@ def size_cpu_pool(devices: int | None = None) -> None:
     if devices is None:
         devices = _requested_cpu_devices()
     threads = _thread_count(explicit) if explicit else cpu_threads_for(devices)
-    from jaxring._src import jax_compat
 
     if jax_compat.backends_are_initialized():
         warnings.warn(
@@ -115,7 +114,6 @@ def use_cpu_devices(n: int) -> None:
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"jaxring.use_cpu_devices: n must be a positive int, got {n!r}")
-    from jaxring._src import jax_compat
 
     if jax_compat.backends_are_initialized():
         # JAX starts every backend at once, so asking for the CPU devices now
