@@ -261,3 +261,31 @@ def test_every_raised_message_is_documented():
         if not any(msg[:60] in f or (len(f) >= 12 and f in msg) for f in fragments)
     ]
     assert not missing, missing
+
+
+def _layout_entries(heading: str) -> set:
+    """The first column of the table under `heading` in docs/layout.md."""
+    lines = (ROOT / "docs" / "layout.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if heading in line)
+    rows = []
+    for line in lines[start:]:
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:
+            break
+    return {m.group(1) for r in rows if (m := re.match(r"\| `([^`]+)` \|", r))}
+
+
+def test_the_layout_page_names_every_folder_and_module():
+    # docs/layout.md's tables match the tree: every folder of tracked files
+    # and every module of jaxring/_src, and nothing that is gone.
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    folders = {str(pathlib.PurePosixPath(f).parent) + "/" for f in listed.stdout.split()}
+    folders.discard("./")
+    assert _layout_entries("| folder |") == folders
+    modules = {p.name for p in (ROOT / "jaxring" / "_src").glob("*.py")}
+    assert _layout_entries("module by module") == modules
