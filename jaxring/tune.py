@@ -225,7 +225,7 @@ def report(params, measured, world: int, out=sys.stdout) -> dict:
     return {"errors": errors, "regrets": regrets, "rows": rows}
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--devices", type=int, default=None, help="virtual CPU devices (one process; default 8)"
@@ -251,9 +251,12 @@ def main(argv=None) -> int:
         metavar="PATH",
         help="take the parameters from this tuning file, measure nothing",
     )
-    args = ap.parse_args(argv)
-    from jaxring._src import runtime, tuning
+    return ap
 
+
+def main(argv=None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
     in_job = _in_job()
     if in_job and args.devices is not None:
         ap.error(
@@ -271,18 +274,33 @@ def main(argv=None) -> int:
         sizes.append(max(4, n // 4 * 4))
         n *= 4
     if args.load:
-        table_key = tuning.key("cpu", devices_n, 1)
-        table = tuning.load(args.load).get(table_key)
-        if table is None:
-            raise SystemExit(f"{args.load} has no table for {table_key}")
-        params = tuning.Params.from_dict(table["params"])
-        choices = tuning.candidates(devices_n, in_one_process=True, quick=args.quick)
-        for size, c in tuning.select(params, choices, devices_n, sizes).items():
-            print(
-                f"{_fmt_bytes(size):>10}: {_name(c)}, predicted "
-                f"{tuning.predict(params, c, devices_n, size) * 1e6:.1f} us"
-            )
-        return 0
+        return _show_loaded(args, devices_n, sizes)
+    return _tune(args, in_job, devices_n, sizes)
+
+
+def _show_loaded(args, devices_n: int, sizes: list[int]) -> int:
+    """The choices a tuning file's parameters give, without measuring."""
+    from jaxring._src import tuning
+
+    table_key = tuning.key("cpu", devices_n, 1)
+    table = tuning.load(args.load).get(table_key)
+    if table is None:
+        raise SystemExit(f"{args.load} has no table for {table_key}")
+    params = tuning.Params.from_dict(table["params"])
+    choices = tuning.candidates(devices_n, in_one_process=True, quick=args.quick)
+    for size, c in tuning.select(params, choices, devices_n, sizes).items():
+        print(
+            f"{_fmt_bytes(size):>10}: {_name(c)}, predicted "
+            f"{tuning.predict(params, c, devices_n, size) * 1e6:.1f} us"
+        )
+    return 0
+
+
+def _tune(args, in_job: bool, devices_n: int, sizes: list[int]) -> int:
+    """Measures every candidate at every size, fits the model, writes the
+    table (in every process of a job)."""
+    from jaxring._src import runtime, tuning
+
     if not in_job:
         runtime.use_cpu_devices(devices_n)
     import jax
