@@ -149,11 +149,9 @@ def main(argv=None) -> int:
     runtime.use_cpu_devices(args.devices)
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
 
     import jaxring
-    from jaxring._src.timeline import host_span
 
     n = args.devices
     if len(jax.devices()) < n:
@@ -162,16 +160,8 @@ def main(argv=None) -> int:
             f"{len(jax.devices())} (JAX started before the demo set XLA_FLAGS?)"
         )
     mesh = jax.make_mesh((n,), ("batch",))
-    params, strides = cnn_init()
-    # Replicated on the mesh, as the steps return them, so that the first
-    # step compiles what the others run.
-    params = jax.device_put(params, NamedSharding(mesh, P()))
+    params, strides, images, labels = _inputs(mesh, args.per_device_batch * n)
     grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    rng = np.random.default_rng(1)
-    b = args.per_device_batch * n
-    on_devices = NamedSharding(mesh, P("batch"))
-    images = jax.device_put(jnp.asarray(rng.normal(size=(b, 32, 32, 3)), jnp.float32), on_devices)
-    labels = jax.device_put(jnp.asarray(rng.integers(0, 10, b)), on_devices)
 
     def sharded(step):
         # check_vma=False: the step's pmean is the gradient reduction, as
@@ -186,19 +176,14 @@ def main(argv=None) -> int:
             )
         )
 
-    def timed(f, *a):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(f(*a))
-        return out, time.perf_counter() - t0
-
     link = args.link
     if link is None:
         # The backward pass does twice the forward's work: take it as 2/3 of
         # a step without communication.
         compute = sharded(make_train_step(strides, lambda g: g))
         for _ in range(2):
-            timed(compute, params, images, labels)
-        t_step = statistics.median(timed(compute, params, images, labels)[1] for _ in range(3))
+            _timed(compute, params, images, labels)
+        t_step = statistics.median(_timed(compute, params, images, labels)[1] for _ in range(3))
         link = calibrated_link(2 / 3 * t_step, grad_bytes, n)
     jaxring.config.update("cpu_link", link)
 
@@ -228,23 +213,11 @@ def main(argv=None) -> int:
         "(jaxring.explain(step, ...) lists their leaves and placement)"
     )
 
-    print(
-        f"\n{'step':>4}  {'loss, pmean at end':>18}  {'loss, overlap':>13}  "
-        f"{'time, pmean at end':>18}  {'time, overlap':>13}"
+    (p_plain, p_ov), losses, times = _side_by_side(
+        plain, overlapped, params, images, labels, args.steps
     )
-    p_plain, p_ov = params, params
-    times_plain, times_ov, losses_plain, losses_ov = [], [], [], []
-    for i in range(args.steps):
-        (p_plain, loss_plain), t_plain = timed(plain, p_plain, images, labels)
-        (p_ov, loss_ov), t_ov = timed(overlapped, p_ov, images, labels)
-        times_plain.append(t_plain)
-        times_ov.append(t_ov)
-        losses_plain.append(float(loss_plain[0]))
-        losses_ov.append(float(loss_ov[0]))
-        print(
-            f"{i + 1:>4}  {float(loss_plain[0]):>18.6f}  {float(loss_ov[0]):>13.6f}  "
-            f"{t_plain * 1e3:>15.1f} ms  {t_ov * 1e3:>10.1f} ms"
-        )
+    times_plain, times_ov = times
+    losses_plain, losses_ov = losses
     mp, mo = statistics.median(times_plain), statistics.median(times_ov)
     diff = max(
         float(jnp.max(jnp.abs(a - b)))
@@ -259,6 +232,71 @@ def main(argv=None) -> int:
         "(rounding: the buckets sum in a different order)"
     )
 
+    _write_extras(args, plain, overlapped, (p_plain, p_ov), images, labels, losses, times)
+    jaxring.config.reset("cpu_link")
+    return 0
+
+
+def _inputs(mesh, batch: int):
+    """The CNN's parameters, replicated on the mesh as the steps return them
+    (so that the first step compiles what the others run), its layers'
+    strides, and a batch of images and labels split over the mesh."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    params, strides = cnn_init()
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    rng = np.random.default_rng(1)
+    on_devices = NamedSharding(mesh, P("batch"))
+    images = jax.device_put(
+        jnp.asarray(rng.normal(size=(batch, 32, 32, 3)), jnp.float32), on_devices
+    )
+    labels = jax.device_put(jnp.asarray(rng.integers(0, 10, batch)), on_devices)
+    return params, strides, images, labels
+
+
+def _timed(f, *a):
+    import jax
+
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(f(*a))
+    return out, time.perf_counter() - t0
+
+
+def _side_by_side(plain, overlapped, params, images, labels, steps: int):
+    """Trains both steps from the same parameters in turn, printing each
+    step's losses and times: (final parameters, losses, times), each a pair
+    (pmean at end, overlap)."""
+    print(
+        f"\n{'step':>4}  {'loss, pmean at end':>18}  {'loss, overlap':>13}  "
+        f"{'time, pmean at end':>18}  {'time, overlap':>13}"
+    )
+    p_plain, p_ov = params, params
+    times_plain, times_ov, losses_plain, losses_ov = [], [], [], []
+    for i in range(steps):
+        (p_plain, loss_plain), t_plain = _timed(plain, p_plain, images, labels)
+        (p_ov, loss_ov), t_ov = _timed(overlapped, p_ov, images, labels)
+        times_plain.append(t_plain)
+        times_ov.append(t_ov)
+        losses_plain.append(float(loss_plain[0]))
+        losses_ov.append(float(loss_ov[0]))
+        print(
+            f"{i + 1:>4}  {float(loss_plain[0]):>18.6f}  {float(loss_ov[0]):>13.6f}  "
+            f"{t_plain * 1e3:>15.1f} ms  {t_ov * 1e3:>10.1f} ms"
+        )
+    return (p_plain, p_ov), (losses_plain, losses_ov), (times_plain, times_ov)
+
+
+def _write_extras(args, plain, overlapped, final, images, labels, losses, times) -> None:
+    """The timeline of one step of each (--timeline) and the plot (--plot)."""
+    import jax
+
+    import jaxring
+    from jaxring._src.timeline import host_span
+
+    p_plain, p_ov = final
     if args.timeline:
         with jaxring.timeline(args.timeline):
             for name, f, p in (("pmean at end", plain, p_plain), ("overlap", overlapped, p_ov)):
@@ -274,12 +312,10 @@ def main(argv=None) -> int:
         else:
             plot(
                 args.plot,
-                {"pmean at end": losses_plain, "overlap": losses_ov},
-                {"pmean at end": times_plain, "overlap": times_ov},
+                {"pmean at end": losses[0], "overlap": losses[1]},
+                {"pmean at end": times[0], "overlap": times[1]},
             )
             print(f"plot of loss and step time per step: {args.plot}")
-    jaxring.config.reset("cpu_link")
-    return 0
 
 
 if __name__ == "__main__":
