@@ -1,10 +1,10 @@
 """What a CPU allreduce runs: the algorithm for where its ranks are, and
 the settings a tuning table fills in for its size.
 
-Pure of the lowering: each function takes the facts it decides on (the
-rank table, the emulated link, the operand's bytes) and reads only the
-settings (jaxring.config), the tuning table and whether the host segment
-is there.
+Apart from the lowering: each function takes the facts it decides on (the
+rank table, the emulated link, the operand's bytes) as arguments. Beyond
+them it reads the settings (jaxring.config), whether the host segment is
+there, and, for the tuning table's key, JAX's backend and process count.
 """
 
 from __future__ import annotations
