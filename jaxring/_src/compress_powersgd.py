@@ -27,6 +27,9 @@ own dtype, uncompressed, wire_dtype or not.
 
 from __future__ import annotations
 
+import functools
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,6 +117,21 @@ def _check_int(name: str, value, least: int, where: str) -> int:
     return int(value)
 
 
+_WHERE = "jaxring.compression.powersgd"
+
+
+class _Options(NamedTuple):
+    """powersgd's arguments, checked."""
+
+    axes: tuple
+    rank: int
+    start_step: int
+    min_size: int
+    warm_start: bool
+    seed: int
+    wire: Any
+
+
 def powersgd(
     axis_name,
     rank: int = 4,
@@ -169,7 +187,7 @@ def powersgd(
                  for w in (True, False)}
         # step k runs steps[k < warm_up_steps]
     """
-    where = "jaxring.compression.powersgd"
+    where = _WHERE
     axes = axes_of(axis_name, where)
     rank = _check_int("rank", rank, 1, where)
     start_step = _check_int("start_step", start_step, 0, where)
@@ -179,106 +197,126 @@ def powersgd(
     if not isinstance(warm_start, bool):
         raise TypeError(f"{where}: warm_start must be a bool, got {warm_start!r}")
 
-    def init(params):
-        paths, leaves, treedef = leaf_paths(params)
-        check_float_leaves(paths, leaves, where)
-        plan = tuple(_leaf_plan(p, l, rank, min_size, wire) for p, l in zip(paths, leaves))
-        key = jax.random.PRNGKey(seed)
-        compressed = [(i, lp) for i, lp in enumerate(plan) if lp.how == "powersgd"]
-        q = [None] * len(plan)
-        residual = [None] * len(plan)
-        for i, lp in compressed:
-            q[i] = _draw_q(key, i, lp)
-            residual[i] = jnp.zeros((1,) + lp.shape, compute_dtype(lp.dtype))
-        for i, lp in enumerate(plan):
-            if lp.how not in ("powersgd", "as is"):  # sent whole in the wire format
-                residual[i] = jnp.zeros((1,) + lp.shape, wire_format.CARRIED)
-        return PowerSGDState(
-            plan,
-            treedef,
-            count=jnp.zeros((), jnp.int32),
-            q=tuple(q),
-            residual=tuple(residual),
-            key=key,
-        )
-
-    def plain(leaves, state):
-        out = [_ar.allreduce(g, axes, op="mean") for g in leaves]
-        return out, state.q, state.residual
-
-    def compressed(leaves, state):
-        step_key = jax.random.fold_in(state.key, state.count)
-        out, qs, residuals = [], [], []
-        # Every P first, with the leaves sent as they are, then every Q: each
-        # of these allreduces can start as soon as its leaf's gradient
-        # exists, and jaxring.overlap buckets them so.
-        ms, ps, plain_means, wire_residuals = {}, {}, {}, {}
-        for i, (lp, g, r, q) in enumerate(zip(state.plan, leaves, state.residual, state.q)):
-            if lp.how == "as is":
-                plain_means[i] = _ar.allreduce(g, axes, op="mean")
-                continue
-            if lp.how != "powersgd":  # sent whole, in the wire format
-                sent, wire_residuals[i] = to_wire(g, r, axes, wire)
-                plain_means[i] = _ar.allreduce(sent, axes, op="sum")  # a mean below
-                continue
-            ct = compute_dtype(lp.dtype)
-            m = (g.astype(ct) + per_rank_row(r, axes)).reshape(lp.matrix)
-            if not warm_start:
-                q = _draw_q(step_key, i, lp)
-            ms[i] = m
-            ps[i] = _ar.allreduce(
-                jnp.matmul(m, q, precision=_HIGHEST), axes, op="mean", wire_dtype=wire
-            )
-        # Then every Q in one allreduce: each waits for its P anyway, and a
-        # Q whose mean is taken before the next one exists would cost an
-        # allreduce of its own.
-        p_hat, q_in = {}, {}
-        for i in ps:
-            p_hat[i] = orthonormalize(ps[i])
-            q_in[i] = jnp.matmul(ms[i].T, p_hat[i], precision=_HIGHEST)
-        q_means = _ar.allreduce(q_in, axes, op="mean", wire_dtype=wire) if q_in else {}
-        for i, (lp, g) in enumerate(zip(state.plan, leaves)):
-            if lp.how != "powersgd":
-                out.append(
-                    plain_means[i]
-                    if lp.how == "as is"
-                    else mean_from_wire(plain_means[i], world_size(axes), g.dtype)
-                )
-                qs.append(state.q[i])
-                residuals.append(wire_residuals.get(i, state.residual[i]))
-                continue
-            q = q_means[i]
-            update = jnp.matmul(p_hat[i], q.T, precision=_HIGHEST)
-            out.append(update.reshape(lp.shape).astype(g.dtype))
-            qs.append(q)
-            residuals.append((ms[i] - update).reshape((1,) + lp.shape))
-        return out, tuple(qs), tuple(residuals)
+    o = _Options(axes, rank, start_step, min_size, warm_start, seed, wire)
 
     def update(grads, state, params=None, *, warm_up=None, **extra_args):
         del params, extra_args  # optax.chain passes every extra argument on
-        check_bound(axes, where)
-        leaves = check_structure(state.treedef, grads, where)
-        check_local(state.plan, leaves, axes, where)
-        if warm_up is not None:
-            if not isinstance(warm_up, (bool, np.bool_)):
-                raise TypeError(
-                    f"{where}: warm_up must be a Python bool, got "
-                    f"{type(warm_up).__name__}; make it a static argument of the "
-                    "jitted step (one compiled step per value), or use start_step"
-                )
-            if start_step:
-                raise ValueError(
-                    f"{where}: warm_up and start_step={start_step} both choose the "
-                    "warm-up steps; pass one (start_step=0 with warm_up)"
-                )
-            out, q, residual = (plain if warm_up else compressed)(leaves, state)
-        elif start_step == 0:
-            out, q, residual = compressed(leaves, state)
-        else:
-            out, q, residual = jax.lax.cond(
-                state.count >= start_step, compressed, plain, leaves, state
-            )
-        new = state.replace(count=state.count + 1, q=q, residual=residual)
-        return jax.tree_util.tree_unflatten(state.treedef, out), new
+        return _update(grads, state, o, warm_up)
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    return optax.GradientTransformationExtraArgs(functools.partial(_init, o=o), update)
+
+
+def _init(params, o: _Options):
+    """The state for params: the plan of every leaf, Q factors drawn, zero
+    residuals."""
+    paths, leaves, treedef = leaf_paths(params)
+    check_float_leaves(paths, leaves, _WHERE)
+    plan = tuple(_leaf_plan(p, l, o.rank, o.min_size, o.wire) for p, l in zip(paths, leaves))
+    key = jax.random.PRNGKey(o.seed)
+    compressed = [(i, lp) for i, lp in enumerate(plan) if lp.how == "powersgd"]
+    q = [None] * len(plan)
+    residual = [None] * len(plan)
+    for i, lp in compressed:
+        q[i] = _draw_q(key, i, lp)
+        residual[i] = jnp.zeros((1,) + lp.shape, compute_dtype(lp.dtype))
+    for i, lp in enumerate(plan):
+        if lp.how not in ("powersgd", "as is"):  # sent whole in the wire format
+            residual[i] = jnp.zeros((1,) + lp.shape, wire_format.CARRIED)
+    return PowerSGDState(
+        plan,
+        treedef,
+        count=jnp.zeros((), jnp.int32),
+        q=tuple(q),
+        residual=tuple(residual),
+        key=key,
+    )
+
+
+def _plain(leaves, state, o: _Options):
+    """The warm-up: a plain mean of every leaf."""
+    out = [_ar.allreduce(g, o.axes, op="mean") for g in leaves]
+    return out, state.q, state.residual
+
+
+def _compressed(leaves, state, o: _Options):
+    """One PowerSGD step: the means of the compressed leaves as P @ Q^T, the
+    others sent whole; the new Q factors and residuals."""
+    step_key = jax.random.fold_in(state.key, state.count)
+    out, qs, residuals = [], [], []
+    # Every P first, with the leaves sent as they are, then every Q: each
+    # of these allreduces can start as soon as its leaf's gradient
+    # exists, and jaxring.overlap buckets them so.
+    ms, ps, plain_means, wire_residuals = {}, {}, {}, {}
+    for i, (lp, g, r, q) in enumerate(zip(state.plan, leaves, state.residual, state.q)):
+        if lp.how == "as is":
+            plain_means[i] = _ar.allreduce(g, o.axes, op="mean")
+            continue
+        if lp.how != "powersgd":  # sent whole, in the wire format
+            sent, wire_residuals[i] = to_wire(g, r, o.axes, o.wire)
+            plain_means[i] = _ar.allreduce(sent, o.axes, op="sum")  # a mean below
+            continue
+        ct = compute_dtype(lp.dtype)
+        m = (g.astype(ct) + per_rank_row(r, o.axes)).reshape(lp.matrix)
+        if not o.warm_start:
+            q = _draw_q(step_key, i, lp)
+        ms[i] = m
+        ps[i] = _ar.allreduce(
+            jnp.matmul(m, q, precision=_HIGHEST), o.axes, op="mean", wire_dtype=o.wire
+        )
+    # Then every Q in one allreduce: each waits for its P anyway, and a
+    # Q whose mean is taken before the next one exists would cost an
+    # allreduce of its own.
+    p_hat, q_in = {}, {}
+    for i in ps:
+        p_hat[i] = orthonormalize(ps[i])
+        q_in[i] = jnp.matmul(ms[i].T, p_hat[i], precision=_HIGHEST)
+    q_means = _ar.allreduce(q_in, o.axes, op="mean", wire_dtype=o.wire) if q_in else {}
+    for i, (lp, g) in enumerate(zip(state.plan, leaves)):
+        if lp.how != "powersgd":
+            out.append(
+                plain_means[i]
+                if lp.how == "as is"
+                else mean_from_wire(plain_means[i], world_size(o.axes), g.dtype)
+            )
+            qs.append(state.q[i])
+            residuals.append(wire_residuals.get(i, state.residual[i]))
+            continue
+        q = q_means[i]
+        update = jnp.matmul(p_hat[i], q.T, precision=_HIGHEST)
+        out.append(update.reshape(lp.shape).astype(g.dtype))
+        qs.append(q)
+        residuals.append((ms[i] - update).reshape((1,) + lp.shape))
+    return out, tuple(qs), tuple(residuals)
+
+
+def _update(grads, state, o: _Options, warm_up):
+    """The averaged gradients and the next state; warm_up: None, or the
+    trainer's choice of a plain mean (True) or a compressed one."""
+    check_bound(o.axes, _WHERE)
+    leaves = check_structure(state.treedef, grads, _WHERE)
+    check_local(state.plan, leaves, o.axes, _WHERE)
+    if warm_up is not None:
+        if not isinstance(warm_up, (bool, np.bool_)):
+            raise TypeError(
+                f"{_WHERE}: warm_up must be a Python bool, got "
+                f"{type(warm_up).__name__}; make it a static argument of the "
+                "jitted step (one compiled step per value), or use start_step"
+            )
+        if o.start_step:
+            raise ValueError(
+                f"{_WHERE}: warm_up and start_step={o.start_step} both choose the "
+                "warm-up steps; pass one (start_step=0 with warm_up)"
+            )
+        out, q, residual = (_plain if warm_up else _compressed)(leaves, state, o)
+    elif o.start_step == 0:
+        out, q, residual = _compressed(leaves, state, o)
+    else:
+        out, q, residual = jax.lax.cond(
+            state.count >= o.start_step,
+            functools.partial(_compressed, o=o),
+            functools.partial(_plain, o=o),
+            leaves,
+            state,
+        )
+    new = state.replace(count=state.count + 1, q=q, residual=residual)
+    return jax.tree_util.tree_unflatten(state.treedef, out), new

@@ -104,6 +104,80 @@ def _placed(x, mesh: Mesh, spec: P, explicit: frozenset):
     return jax.sharding.reshard(x, NamedSharding(mesh, P(*kept)))
 
 
+def _check_arguments(loss_fn, mesh, axis_name, overlap_options: dict) -> tuple:
+    """The axes value_and_grad's arguments name, once they are checked."""
+    if not callable(loss_fn):
+        raise TypeError(f"jaxring.value_and_grad takes the loss function first, got {loss_fn!r}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            "jaxring.value_and_grad: mesh must be a jax.sharding.Mesh "
+            f"(e.g. jax.make_mesh((8,), ('batch',))), got {type(mesh).__name__}"
+        )
+    axes = _axes_of(axis_name)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"jaxring.value_and_grad: axis_name {axis_name!r} is not an "
+            f"axis of the mesh, whose axes are {tuple(mesh.axis_names)}; "
+            "name the mesh axis the batch is split over"
+        )
+    unknown = sorted(set(overlap_options) - set(OVERLAP_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"jaxring.value_and_grad got unexpected keyword argument(s) "
+            f"{', '.join(unknown)}; the options it passes on to "
+            f"jaxring.overlap are {', '.join(OVERLAP_OPTIONS)}"
+        )
+    return axes
+
+
+def _check_call(params, batch: tuple, kwargs: dict, axes: tuple, axis_name, n: int) -> None:
+    """Raises where a call of value_and_grad's function cannot be right:
+    keywords, no batch, inside a map of the axis, params split over it, or a
+    batch that does not split into n equal shards."""
+    if kwargs:
+        raise TypeError(
+            "jaxring.value_and_grad: the function it returns takes "
+            f"(params, *batch_args) only, got keyword(s) "
+            f"{', '.join(sorted(kwargs))}; pass batch arrays "
+            "positionally, and close over anything else"
+        )
+    if not batch:
+        raise ValueError(
+            "jaxring.value_and_grad needs at least one batch argument "
+            "after params, split over the axis: call it as "
+            "f(params, *batch_args) (for a loss of params alone use "
+            "jax.value_and_grad)"
+        )
+    bound = [a for a in axes if compat.axis_is_bound(a)]
+    if bound:
+        raise ValueError(
+            f"jaxring.value_and_grad was called inside a shard_map or "
+            f"pmap that already maps {bound[0]!r}; there, take "
+            "jax.value_and_grad and lax.pmean of the gradients under "
+            "@jaxring.overlap instead"
+        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if _known_sharding_axes(leaf) & set(axes):
+            raise ValueError(
+                f"jaxring.value_and_grad: params{jax.tree_util.keystr(path)} is split "
+                f"over {axis_name!r}, the batch axis; params must be "
+                "replicated over it: place them with NamedSharding(mesh, P()) "
+                "(jax.device_put), and only the batch with P(axis_name)"
+            )
+    for i, arg in enumerate(batch, start=1):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            shape = jnp.shape(leaf)
+            if not shape or shape[0] % n:
+                raise ValueError(
+                    f"jaxring.value_and_grad: batch argument {i}"
+                    f"{jax.tree_util.keystr(path)} has shape "
+                    f"{tuple(shape)}; every batch array needs a leading "
+                    f"dimension divisible by the size of {axis_name!r} ({n}): "
+                    "pad or drop examples so that the batch splits evenly"
+                )
+
+
 def value_and_grad(
     loss_fn: Callable, *, mesh: Mesh, axis_name, has_aux: bool = False, **overlap_options: Any
 ) -> Callable:
@@ -157,28 +231,7 @@ def value_and_grad(
     explicit; over auto axes, parameters split over ``axis_name`` are
     gathered by XLA before the step, at the cost of a transfer.
     """
-    if not callable(loss_fn):
-        raise TypeError(f"jaxring.value_and_grad takes the loss function first, got {loss_fn!r}")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            "jaxring.value_and_grad: mesh must be a jax.sharding.Mesh "
-            f"(e.g. jax.make_mesh((8,), ('batch',))), got {type(mesh).__name__}"
-        )
-    axes = _axes_of(axis_name)
-    missing = [a for a in axes if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(
-            f"jaxring.value_and_grad: axis_name {axis_name!r} is not an "
-            f"axis of the mesh, whose axes are {tuple(mesh.axis_names)}; "
-            "name the mesh axis the batch is split over"
-        )
-    unknown = sorted(set(overlap_options) - set(OVERLAP_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"jaxring.value_and_grad got unexpected keyword argument(s) "
-            f"{', '.join(unknown)}; the options it passes on to "
-            f"jaxring.overlap are {', '.join(OVERLAP_OPTIONS)}"
-        )
+    axes = _check_arguments(loss_fn, mesh, axis_name, overlap_options)
     n = math.prod(mesh.shape[a] for a in axes)
     batch_spec = P(axis_name)
     explicit = frozenset(
@@ -218,47 +271,7 @@ def value_and_grad(
 
     @functools.wraps(loss_fn)
     def value_and_grad_fn(params, *batch, **kwargs):
-        if kwargs:
-            raise TypeError(
-                "jaxring.value_and_grad: the function it returns takes "
-                f"(params, *batch_args) only, got keyword(s) "
-                f"{', '.join(sorted(kwargs))}; pass batch arrays "
-                "positionally, and close over anything else"
-            )
-        if not batch:
-            raise ValueError(
-                "jaxring.value_and_grad needs at least one batch argument "
-                "after params, split over the axis: call it as "
-                "f(params, *batch_args) (for a loss of params alone use "
-                "jax.value_and_grad)"
-            )
-        bound = [a for a in axes if compat.axis_is_bound(a)]
-        if bound:
-            raise ValueError(
-                f"jaxring.value_and_grad was called inside a shard_map or "
-                f"pmap that already maps {bound[0]!r}; there, take "
-                "jax.value_and_grad and lax.pmean of the gradients under "
-                "@jaxring.overlap instead"
-            )
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-            if _known_sharding_axes(leaf) & set(axes):
-                raise ValueError(
-                    f"jaxring.value_and_grad: params{jax.tree_util.keystr(path)} is split "
-                    f"over {axis_name!r}, the batch axis; params must be "
-                    "replicated over it: place them with NamedSharding(mesh, P()) "
-                    "(jax.device_put), and only the batch with P(axis_name)"
-                )
-        for i, arg in enumerate(batch, start=1):
-            for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-                shape = jnp.shape(leaf)
-                if not shape or shape[0] % n:
-                    raise ValueError(
-                        f"jaxring.value_and_grad: batch argument {i}"
-                        f"{jax.tree_util.keystr(path)} has shape "
-                        f"{tuple(shape)}; every batch array needs a leading "
-                        f"dimension divisible by the size of {axis_name!r} ({n}): "
-                        "pad or drop examples so that the batch splits evenly"
-                    )
+        _check_call(params, batch, kwargs, axes, axis_name, n)
         if len(batch) not in compiled:
             compiled[len(batch)] = jax.jit(mapped)
         return compiled[len(batch)](params, *batch)
