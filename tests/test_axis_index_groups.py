@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxring
-from jaxring._src.allreduce import varying
+from jaxring._src.jax_compat import varying
 
 from conftest import overlapped_and_plain
 

@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxring
 from jaxring._src import jax_compat as compat
-from jaxring._src.allreduce import varying
+from jaxring._src.jax_compat import varying
 
 
 def mesh_8():

@@ -2,7 +2,7 @@
 // RingAttrs is what every allreduce carries, on the CPU and on CUDA; each
 // call's struct adds what its backend needs. XLA FFI decodes the call's
 // attribute dictionary into the struct. The Python side builds them in
-// jaxring/_src/allreduce.py (ring_attributes; cuda_attributes adds CUDA's);
+// jaxring/_src/call_attributes.py (lowering_cuda.py adds CUDA's);
 // their values are checked in C++ once per backend: describe_op in
 // cpu/allreduce_handler.cc, describe in cuda/ring_ops.cc, both starting
 // from check_allreduce_attrs (ffi_common.h).

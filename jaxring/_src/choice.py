@@ -1,20 +1,142 @@
-"""What a CPU allreduce runs: the algorithm for where its ranks are, and
-the settings a tuning table fills in for its size.
+"""What an allreduce runs: the algorithm, the ring plan's tiers, rings and
+chunk size, on either backend; and the settings a tuning table fills in for
+an operation's size.
+
+Two moments decide. At trace time an operation's size is known, and
+tuned_settings puts the tuning table's choice for it in place of the
+settings left to their defaults. At lowering, where its ranks run is known,
+and for_cpu or for_cuda returns the Choice the custom call carries.
 
 Apart from the lowering: each function takes the facts it decides on (the
-rank table, the emulated link, the operand's bytes) as arguments. Beyond
-them it reads the settings (jaxring.config), whether the host segment is
-there, and, for the tuning table's key, JAX's backend and process count.
+rank table, the hosts, the emulated link, the operand's bytes and dtype) as
+arguments. Beyond them it reads the settings (jaxring.config), whether the
+host segment is there, and, for the tuning table's key, JAX's backend and
+process count.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxring._src import cost_model, host_segment, topology as _topology, tuning as _tuning
 from jaxring._src.config import config, validate
+from jaxring._src.dtypes import NCCL_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What one allreduce runs.
+
+    algorithm: "ring", "direct" or "exchange" on CPU, "ring" or "nccl" on
+    CUDA. tiers: the ring plan's tiers, tightest first; () for one flat ring
+    and for every other algorithm. rings, chunk_bytes: as the call runs
+    them.
+    """
+
+    algorithm: str
+    tiers: tuple
+    rings: int
+    chunk_bytes: int
+
+
+def for_cpu(
+    *,
+    algorithm: str,
+    topology: Any,
+    link: tuple,
+    rank_process,
+    hosts,
+    world: int,
+    nbytes: int,
+    rings: int,
+    chunk_bytes: int,
+    uneven_groups: bool = False,
+) -> Choice:
+    """The CPU backend's Choice for an operation of nbytes over world ranks
+    per ring, whose processes rank_process gives (one row of world per ring)
+    and hosts places; uneven_groups: axis_index_groups of different sizes,
+    whose rings of different sizes run flat."""
+    if uneven_groups and topology not in ("auto", "flat") and _topology.normalized(tuple(topology)):
+        raise NotImplementedError(
+            f"jaxring: topology {tuple(topology)} asks for a tiered plan, but "
+            "axis_index_groups of different sizes make rings of different "
+            "sizes, which run as flat rings; use topology='flat' or 'auto'."
+        )
+    tiers = () if uneven_groups else _topology.resolve(topology, world, rank_process, hosts)
+    if algorithm in ("exchange", "direct") and topology == "auto":
+        tiers = ()  # the tiers "auto" finds are the ring plan's
+    chosen = resolve_algorithm(
+        algorithm,
+        link,
+        rank_process,
+        tiered=bool(tiers),
+        nbytes=nbytes,
+        topology=topology,
+        world=world,
+        rings=rings,
+        chunk_bytes=chunk_bytes,
+    )
+    if chosen in ("exchange", "direct"):
+        tiers = ()
+    return Choice(chosen, tuple(tiers), rings, chunk_bytes)
+
+
+def for_cuda(
+    *,
+    algorithm: str,
+    topology: Any,
+    dtype,
+    rank_process,
+    hosts,
+    world: int,
+    rings: int,
+    chunk_bytes: int,
+) -> Choice:
+    """The CUDA backend's Choice: "ring" or "nccl" ("auto" takes the ring),
+    and the tiers an explicit topology names (checked as on CPU); none for
+    "flat" and, on GPUs, for "auto" too, which stays one flat ring until a
+    GPU run has checked derived tiers. The ring count is taken as it is:
+    each ring is an NCCL communicator driven from the GPU, not threads on
+    the host's cores."""
+    chosen = _cuda_algorithm(algorithm, dtype)
+    tiers = (
+        ()
+        if topology in ("auto", "flat")
+        else _topology.resolve(topology, world, rank_process, hosts)
+    )
+    if tiers and chosen == "nccl":
+        raise ValueError(
+            f"jaxring: algorithm='nccl' runs NCCL's own allreduce, which has no "
+            f"tiers, but topology {tuple(topology)} asks for a tiered plan; use "
+            "algorithm='ring' with it, or topology='flat'."
+        )
+    return Choice(chosen, tuple(tiers), rings, chunk_bytes)
+
+
+def _cuda_algorithm(algorithm: str, dtype) -> str:
+    if algorithm in ("auto", "ring"):
+        return "ring"
+    if algorithm == "direct":
+        raise ValueError(
+            "jaxring: algorithm='direct' reads peers' host memory and exists on "
+            "the CPU backend only; on GPU use 'ring', 'nccl' or 'auto'."
+        )
+    if algorithm == "exchange":
+        raise ValueError(
+            "jaxring: algorithm='exchange' runs on the CPU transports only; on "
+            "GPU use 'ring', 'nccl' (NCCL picks its own small-message "
+            "algorithms) or 'auto'."
+        )
+    if np.dtype(dtype) not in NCCL_DTYPES:
+        raise TypeError(
+            f"jaxring: algorithm='nccl' cannot reduce {np.dtype(dtype)} (NCCL "
+            "has no 16-bit integer types); use algorithm='ring'."
+        )
+    return "nccl"
 
 
 def resolve_algorithm(

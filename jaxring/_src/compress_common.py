@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxring._src import allreduce as _ar, jax_compat as compat, wire_format
+from jaxring._src import arguments, jax_compat as compat, wire_format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ class CompressionState:
 def axes_of(axis_name, where: str) -> tuple:
     """axis_name as a tuple of names, or a clear error."""
     try:
-        return _ar._axes_tuple(axis_name)
+        return arguments.axes_tuple(axis_name)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{where}: {e}") from None
 
@@ -93,7 +93,7 @@ def check_bound(axes: tuple, where: str) -> None:
     """A clear error where the update runs outside the map over axes."""
     for name in axes:
         if not compat.axis_is_bound(name):
-            bound = _ar.bound_axes_text("as the transform's axis_name")
+            bound = arguments.bound_axes_text("as the transform's axis_name")
             raise NameError(
                 f"{where}: the axis {name!r} is not bound here. Call the "
                 "optimizer's update inside the jax.shard_map or jax.pmap over "
@@ -148,7 +148,7 @@ def check_local(plan, leaves, axes: tuple, where: str) -> None:
     if not compat.check_vma_enabled():
         return
     for lp, g in zip(plan, leaves):
-        missing = set(axes) - _ar.varying(compat.typeof(g))
+        missing = set(axes) - compat.varying(compat.typeof(g))
         if missing:
             raise ValueError(
                 f"{where}: the gradient {lp.path or '<root>'} is already "
@@ -202,7 +202,7 @@ def per_rank_row(leaf, axes: tuple):
     leaf without one row per rank, or (where shard_map checks varying axes)
     one typed the same on every rank, which would leave every rank's
     residual but one's behind."""
-    replicated = compat.check_vma_enabled() and not set(axes) <= _ar.varying(compat.typeof(leaf))
+    replicated = compat.check_vma_enabled() and not set(axes) <= compat.varying(compat.typeof(leaf))
     if leaf.shape[:1] != (1,) or replicated:
         raise ValueError(
             "jaxring.compression: a per-rank state leaf is "

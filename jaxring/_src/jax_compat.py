@@ -67,6 +67,22 @@ def preduced(x, axes: tuple):
     return jax.lax.pcast(x, tuple(axes), to="reduced")
 
 
+def varying(aval) -> frozenset:
+    """The axes aval varies over under check_vma: in its manual axis type
+    (``mat``) where the aval has one, else in ``vma``."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def with_varying(aval, varying: frozenset):
+    """aval typed as varying over the axes `varying` (see varying)."""
+    if getattr(aval, "mat", None) is not None:
+        return aval.update(manual_axis_type=aval.mat.update(varying=varying))
+    return aval.update(vma=varying)
+
+
 def unreduced_axes(aval) -> frozenset:
     """The axes over which aval is typed *unreduced* (each device holds a
     part of a sum not yet taken); empty on avals without that type."""

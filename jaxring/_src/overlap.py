@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from jaxring._src import (
-    allreduce as _ar,
+    arguments,
     bucketing,
     jax_compat as compat,
     reduced_twice,
@@ -56,6 +56,7 @@ from jaxring._src import (
     wire_format,
 )
 from jaxring._src.config import config, validate
+from jaxring._src.dtypes import SUPPORTED_DTYPES
 from jaxring._src.jax_compat import source_info_util
 from jaxring._src.overlap_emit import Emitter
 from jaxring._src.overlap_report import (
@@ -65,6 +66,7 @@ from jaxring._src.overlap_report import (
     build_report,
     label_reductions,
 )
+from jaxring._src.primitive import allreduce_p
 from jaxring._src.step_trace import retrace_in_order, trace_step, uses, where
 
 # Primitives whose top-level equations overlap rewrites (when their axes match).
@@ -102,7 +104,7 @@ def _axes_of(eqn) -> tuple | None:
     name = eqn.primitive.name
     if name in _PSUM_NAMES or name in _UNREDUCED_PSUM_NAMES:
         return tuple(eqn.params["axes"])
-    if name == _ar.allreduce_p.name and eqn.params["op"] == "sum":
+    if name == allreduce_p.name and eqn.params["op"] == "sum":
         return tuple(eqn.params["axes"])
     return None
 
@@ -166,7 +168,7 @@ def _find_reductions(jaxpr, want, wire=None) -> tuple[list[Reduction], list[str]
             v
             for v in eqn.invars
             if isinstance(v, compat.Literal)
-            or _lanes_of(np.dtype(v.aval.dtype)) not in _ar.SUPPORTED_DTYPES
+            or _lanes_of(np.dtype(v.aval.dtype)) not in SUPPORTED_DTYPES
         ]
         if bad:
             left.append(
@@ -310,9 +312,9 @@ def _plan(jaxpr, reductions, opts):
 
 def _rewrite(fn, opts: OverlapOptions, args, kwargs, *, report: bool):
     runtime.register_ffi_targets()
-    want = None if opts.axis_name is None else _ar._axes_tuple(opts.axis_name)
+    want = None if opts.axis_name is None else arguments.axes_tuple(opts.axis_name)
     if want is not None:
-        _ar._check_bound(want, overlap_axis_name=opts.axis_name)
+        arguments.check_bound(want, overlap_axis_name=opts.axis_name)
     closed, dyn_vals, out_tree = trace_step(fn, args, kwargs)
     twice = reduced_twice.find(closed.jaxpr, lambda axes: _matches(axes, want))
     made_local = []
@@ -389,7 +391,7 @@ def _options(
             f"{where}: max_inflight_mb must be a positive number or None, got {max_inflight_mb!r}"
         )
     if axis_name is not None:
-        _ar._axes_tuple(axis_name)
+        arguments.axes_tuple(axis_name)
     return OverlapOptions(
         axis_name=axis_name,
         bucket_mb=float(bucket_mb),

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 
 from jaxring._src import jax_compat as compat
-from jaxring._src.allreduce import varying
 from jaxring._src.step_trace import bind_eqn, read_atom
 
 # The primitives that make an invariant value varying (lax.pcast to varying).
@@ -58,7 +57,7 @@ def find(jaxpr, matches) -> list[ReducedTwice]:
             u = src.invars[0]
             if set(src.params.get("axes", ())) != set(axes):
                 continue
-            if isinstance(u, compat.Literal) or varying(u.aval) & set(axes):
+            if isinstance(u, compat.Literal) or compat.varying(u.aval) & set(axes):
                 continue
             found.append(ReducedTwice(i, j, axes))
     return found

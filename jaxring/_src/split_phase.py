@@ -30,7 +30,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxring._src import allreduce as _ar, call_sites, jax_compat as compat
+from jaxring._src import call_sites, jax_compat as compat, lowering
+from jaxring._src.arguments import check_bound, check_groups_cover
+from jaxring._src.call_attributes import link_param
 from jaxring._src.config import config
 from jaxring._src.jax_compat import ir
 
@@ -66,8 +68,8 @@ def _start_abstract_eval(
 ):
     del op, rings, rings_from_default, chunk_bytes, timeout_s, link, algorithm
     del topology, label
-    _ar._check_bound(axes)
-    _ar._check_groups_cover(axes, groups)
+    check_bound(axes)
+    check_groups_cover(axes, groups)
     avals = avals[num_deps:]
     dtypes = {a.dtype for a in avals}
     if len(dtypes) != 1:
@@ -81,7 +83,7 @@ def _start_abstract_eval(
         weak_type=False,
         sharding=NamedSharding(first.sharding.mesh, PartitionSpec()),
     )
-    handle = _ar.with_varying(handle, frozenset().union(*(_ar.varying(a) for a in avals)))
+    handle = compat.with_varying(handle, frozenset().union(*(compat.varying(a) for a in avals)))
     return handle, {compat.NamedAxisEffect(a) for a in axes}
 
 
@@ -90,19 +92,21 @@ start_p.def_effectful_abstract_eval(_start_abstract_eval)
 
 def _start_lowering(ctx, *xs, platform, label, num_deps, **params):
     # The backend's attributes and rank operands, as for jaxring.allreduce
-    # (allreduce.BACKENDS); the start adds how it starts.
+    # (lowering.BACKENDS); the start adds how it starts.
     # The backend sees the operands it reduces, not the dependencies that
     # come first: it sizes the operation (the exchange's limit) and names it
     # by them.
     data_ctx = ctx.replace(avals_in=list(ctx.avals_in[num_deps:]))
-    attrs, ranks = _ar.BACKENDS[platform](data_ctx, label, ctx.avals_in[num_deps].dtype, **params)
+    attrs, ranks = lowering.BACKENDS[platform](
+        data_ctx, label, ctx.avals_in[num_deps].dtype, **params
+    )
     attrs["num_deps"] = np.int64(num_deps)
     if platform == "cpu":
         # Waiting for the in-process peers is the CPU backend's (CUDA's
         # streams order the rings).
         attrs["gang"] = bool(config.cpu_gang_start)
     call = jax.ffi.ffi_lowering(f"jaxring_allreduce_start_{platform}")
-    sub_ctx = ctx.replace(avals_in=[_ar.SCALAR_I32] * len(ranks) + list(ctx.avals_in))
+    sub_ctx = ctx.replace(avals_in=[lowering.SCALAR_I32] * len(ranks) + list(ctx.avals_in))
     return call(sub_ctx, *ranks, *xs, **attrs)
 
 
@@ -146,7 +150,7 @@ def _done_lowering(ctx, handle, *deps, out_avals, platform):
     return call(ctx, handle, *deps, op_id=np.int64(_op_id_of_start(handle)))
 
 
-for _platform in _ar.BACKENDS:
+for _platform in lowering.BACKENDS:
     call_sites.register_lowering(
         start_p, functools.partial(_start_lowering, platform=_platform), platform=_platform
     )
@@ -188,7 +192,7 @@ def start(
         rings_from_default=bool(rings_from_default),
         chunk_bytes=chunk_bytes,
         timeout_s=timeout_s,
-        link=_ar.link_param(),
+        link=link_param(),
         algorithm=config.algorithm,
         topology=config.topology,
         label=str(label),
