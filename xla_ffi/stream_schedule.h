@@ -12,7 +12,7 @@
 // sends the range unit u received (plan: recv_span(u) == send_span(u + 1)).
 //
 // Being one description of the plan's units, it cannot drift from the
-// executor's; tests/cpp/core_tests.cc runs it in lockstep over memory and
+// executor's; tests/cpp/plan_test.cc runs it in lockstep over memory and
 // compares the bits with the executor's.
 #pragma once
 

@@ -15,6 +15,7 @@
 #include "cpu/deadline.h"
 #include "cpu/direct/host_segment.h"
 #include "cpu/huge_pages.h"
+#include "cpu/worker_loop.h"
 
 namespace jaxring {
 
@@ -127,31 +128,27 @@ class DirectWorker {
 
  private:
   void loop() {
-    std::list<DirectTask> active;
-    for (;;) {
-      const uint32_t seen = seg_->doorbell(me_).load(std::memory_order_acquire);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        while (!incoming_.empty()) {
-          active.push_back(std::move(incoming_.front()));
-          incoming_.pop_front();
-        }
-      }
-      bool progressed = false;
-      for (auto it = active.begin(); it != active.end();) {
-        bool finished = false;
-        if (advance(*it, &finished)) {
-          it->last_progress = Clock::now();
-          progressed = true;
-        }
-        if (finished) {
-          it = active.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      if (!progressed) seg_->wait(me_, seen, kPollNs);
-    }
+    run_worker_loop<DirectTask>(
+        [this](std::list<DirectTask>& active) {
+          // The doorbell before the tasks: a ring after this read wakes the
+          // idle wait below.
+          const uint32_t seen =
+              seg_->doorbell(me_).load(std::memory_order_acquire);
+          std::lock_guard<std::mutex> lock(mu_);
+          while (!incoming_.empty()) {
+            active.push_back(std::move(incoming_.front()));
+            incoming_.pop_front();
+          }
+          return seen;
+        },
+        [this](DirectTask& task, bool* finished) {
+          if (!advance(task, finished)) return false;
+          task.last_progress = Clock::now();
+          return true;
+        },
+        [this](uint32_t seen, const std::list<DirectTask>&) {
+          seg_->wait(me_, seen, kPollNs);
+        });
   }
 
   void ring_processes(const std::vector<int>& processes) {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -195,6 +196,9 @@ class Worker {
 
  private:
   void loop();
+  // After a pass that moved nothing: sleeps until a peer or a new task
+  // wakes the worker, the emulated link delivers, or the deadline poll.
+  void idle(uint64_t seen, const std::list<Task>& active);
 
   // Runs what the task can run now. Returns whether anything happened; sets
   // *finished once the task's completion has been called.

@@ -19,6 +19,7 @@
 #include "cpu/huge_pages.h"
 #include "cpu/inprocess/inprocess_op.h"
 #include "cpu/timeline.h"
+#include "cpu/worker_loop.h"
 
 namespace jaxring {
 
@@ -27,40 +28,37 @@ namespace inprocess {
 constexpr int kYieldsBeforeSleep = 64;
 
 void Worker::loop() {
-  std::list<Task> active;
-  for (;;) {
-    const uint64_t seen = queue_.collect(active);
-    bool progressed = false;
-    int64_t wake_ns = -1;  // earliest emulated delivery still to come
-    for (auto it = active.begin(); it != active.end();) {
-      bool finished = false;
-      progressed |= advance(*it, &finished);
-      if (finished) {
-        it = active.erase(it);
-      } else {
-        if (it->wake_ns >= 0 && (wake_ns < 0 || it->wake_ns < wake_ns)) {
-          wake_ns = it->wake_ns;
-        }
-        ++it;
-      }
-    }
-    if (!progressed && !active.empty()) {
-      auto until = Clock::now() + kDeadlinePoll;
-      if (wake_ns >= 0) {
-        // Waiting on the emulated link: sleep, do not spin, so that the
-        // wait costs wall time but no CPU.
-        until = std::min(until,
-                         Clock::time_point(std::chrono::nanoseconds(wake_ns)));
-      } else {
-        // A peer is usually a few microseconds from its next chunk: yield
-        // a little before paying for a sleep and a wake-up.
-        for (int i = 0; i < kYieldsBeforeSleep && !queue_.changed(seen); ++i) {
-          std::this_thread::yield();
-        }
-      }
-      queue_.wait_until(seen, until);
+  run_worker_loop<Task>(
+      [this](std::list<Task>& active) { return queue_.collect(active); },
+      [this](Task& task, bool* finished) { return advance(task, finished); },
+      [this](uint64_t seen, const std::list<Task>& active) {
+        idle(seen, active);
+      });
+}
+
+void Worker::idle(uint64_t seen, const std::list<Task>& active) {
+  // An empty list: the next collect() blocks until a task comes.
+  if (active.empty()) return;
+  int64_t wake_ns = -1;  // earliest emulated delivery still to come
+  for (const Task& t : active) {
+    if (t.wake_ns >= 0 && (wake_ns < 0 || t.wake_ns < wake_ns)) {
+      wake_ns = t.wake_ns;
     }
   }
+  auto until = Clock::now() + kDeadlinePoll;
+  if (wake_ns >= 0) {
+    // Waiting on the emulated link: sleep, do not spin, so that the wait
+    // costs wall time but no CPU.
+    until =
+        std::min(until, Clock::time_point(std::chrono::nanoseconds(wake_ns)));
+  } else {
+    // A peer is usually a few microseconds from its next chunk: yield a
+    // little before paying for a sleep and a wake-up.
+    for (int i = 0; i < kYieldsBeforeSleep && !queue_.changed(seen); ++i) {
+      std::this_thread::yield();
+    }
+  }
+  queue_.wait_until(seen, until);
 }
 
 void Op::wake_all() {

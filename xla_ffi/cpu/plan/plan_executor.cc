@@ -17,6 +17,7 @@
 #include "cpu/task_queue.h"
 #include "cpu/timeline.h"
 #include "cpu/net/frames.h"
+#include "cpu/worker_loop.h"
 
 namespace jaxring {
 
@@ -467,24 +468,18 @@ bool Pass::waited(bool progressed, bool all_done) {
 }  // namespace
 
 void PlanWorker::loop() {
-  std::list<PlanTask> active;
-  for (;;) {
-    const uint64_t seen = queue_.collect(active);
-    bool progressed = false;
-    for (auto it = active.begin(); it != active.end();) {
-      bool finished = false;
-      progressed |= Pass(*it, device_).run(&finished);
-      if (finished) {
-        it = active.erase(it);
-        continue;
-      }
-      ++it;
-    }
-    // The deadline poll bounds the sleep so timeouts are noticed.
-    if (!progressed && !active.empty()) {
-      queue_.wait_until(seen, Clock::now() + kDeadlinePoll);
-    }
-  }
+  run_worker_loop<PlanTask>(
+      [this](std::list<PlanTask>& active) { return queue_.collect(active); },
+      [this](PlanTask& task, bool* finished) {
+        return Pass(task, device_).run(finished);
+      },
+      [this](uint64_t seen, const std::list<PlanTask>& active) {
+        // The deadline poll bounds the sleep so timeouts are noticed; an
+        // empty list waits in the next collect() instead.
+        if (!active.empty()) {
+          queue_.wait_until(seen, Clock::now() + kDeadlinePoll);
+        }
+      });
 }
 
 PlanWorker* plan_worker(int device) {
