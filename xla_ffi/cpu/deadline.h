@@ -1,5 +1,5 @@
-// The clock every wait of the CPU executors is measured on, and the periods
-// their workers share.
+// The clock every wait of the CPU executors is measured on, the periods
+// their workers share, and the probe for a peer in another program.
 #pragma once
 
 #include <chrono>
@@ -15,6 +15,26 @@ constexpr auto kDeadlinePoll = std::chrono::milliseconds(20);
 // peer at the same call site in another program (and how often it looks
 // again). A peer merely ahead, in the next program, is the normal case.
 constexpr auto kMismatchProbeAfter = std::chrono::seconds(1);
+
+// When a rank that waits without progress looks for a peer at the same call
+// site in another program: once it has waited kMismatchProbeAfter, then
+// every kMismatchProbeAfter. The plan executor and direct both ask it.
+class MismatchProbe {
+ public:
+  void progressed(Clock::time_point now) { last_progress_ = now; }
+  // Whether to look now; a yes holds the next look off.
+  bool due(Clock::time_point now) {
+    if (now <= last_progress_ + kMismatchProbeAfter || now <= next_) {
+      return false;
+    }
+    next_ = now + kMismatchProbeAfter;
+    return true;
+  }
+
+ private:
+  Clock::time_point last_progress_ = Clock::now();
+  Clock::time_point next_{};
+};
 
 inline Clock::time_point after_seconds(double s) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(

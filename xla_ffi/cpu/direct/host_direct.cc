@@ -47,9 +47,8 @@ struct DirectTask {
   int entry = -1;
   int64_t round = 0;
   int64_t rounds = 0;
-  int64_t target = 0;  // arrivals that pass the barrier waited for
-  Clock::time_point last_progress = Clock::now();
-  Clock::time_point next_probe;
+  int64_t target = 0;   // arrivals that pass the barrier waited for
+  MismatchProbe probe;  // counted from the task's last progress
 };
 
 int entry_of(const OpKey& key) {
@@ -143,7 +142,7 @@ class DirectWorker {
         },
         [this](DirectTask& task, bool* finished) {
           if (!advance(task, finished)) return false;
-          task.last_progress = Clock::now();
+          task.probe.progressed(Clock::now());
           return true;
         },
         [this](uint32_t seen, const std::list<DirectTask>&) {
@@ -347,8 +346,7 @@ class DirectWorker {
       }
     }
     const auto now = Clock::now();
-    if (now > t.last_progress + kMismatchProbeAfter && now > t.next_probe) {
-      t.next_probe = now + kMismatchProbeAfter;
+    if (t.probe.due(now)) {
       std::string why;
       const int other = in_another_program(t, &why);
       if (other >= 0)

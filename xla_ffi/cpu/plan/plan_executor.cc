@@ -39,10 +39,9 @@ struct PlanTask {
   // Rings whose phase 0 has begun: all of them at once for a flat plan; in
   // turn for a tiered one (see Pass::start).
   int entered = 0;
-  // When this rank last consumed a unit (or joined), and when it may next
-  // ask for a peer running another program (see kMismatchProbeAfter).
-  Clock::time_point last_progress = Clock::now();
-  Clock::time_point next_probe = Clock::now();
+  // When to ask for a peer running another program: counted from when this
+  // rank last consumed a unit (or joined).
+  MismatchProbe probe;
 };
 
 const char* phase_name(PhaseKind kind) {
@@ -434,13 +433,11 @@ bool Pass::advance_ring(int r) {
 
 bool Pass::waited(bool progressed, bool all_done) {
   const auto now = Clock::now();
-  if (progressed) task_.last_progress = now;
-  if (!progressed && now > task_.last_progress + kMismatchProbeAfter &&
-      now > task_.next_probe && now <= op_.deadline) {
+  if (progressed) task_.probe.progressed(now);
+  if (!progressed && now <= op_.deadline && task_.probe.due(now)) {
     // Waiting with nothing to do: is a peer at this call site in another
     // program? (The host fails this operation if so; the next pass
     // completes.)
-    task_.next_probe = now + kMismatchProbeAfter;
     unlock_and_wake();
     op_.host->check_programs_agree(task_.op);
     return false;
