@@ -169,14 +169,12 @@ def resolve_algorithm(
     emulated = bool(link)
     if algorithm == "auto":
         if across and not emulated and topology == "auto" and host_segment.unavailable() is None:
-            # Over the host segment direct beat the ring and the exchange at
-            # every size measured with 4 processes (1 KiB to 64 MiB; with 2,
-            # up to 16 MiB, and within 11 % either way above), and the
-            # tiered ring with 2 and 4 processes of 2 devices (1.0-1.9x from
-            # 64 KiB to 16 MiB) and 2 of 4 (1.0-1.6x). It takes no size into
-            # account, so processes that reach one call site with different
-            # shapes run the same algorithm, whose entries tell them apart
-            # (MismatchError) rather than wait on each other.
+            # Over the host segment direct beat the ring, the exchange and
+            # the tiered ring wherever measured (docs/multiprocess.md). It
+            # takes no size into account, so processes that reach one call
+            # site with different shapes run the same algorithm, whose
+            # entries tell them apart (MismatchError) rather than wait on
+            # each other.
             return "direct"
         if (across or emulated) and topology == "auto" and nbytes is not None:
             limit = config.exchange_max_bytes  # 0: never
@@ -224,10 +222,9 @@ def resolve_algorithm(
 
 # The largest buffer for which the model may choose the exchange. It counts
 # no CPU time, and the exchange copies and reduces the whole buffer at each
-# of its steps: on a fast link with latency (100Gbit,5us at 8 ranks) it
-# predicted the exchange faster up to 512 KiB, which measured 0.85x of the
-# ring at 128 KiB and 0.44x at 512 KiB. Up to 16 KiB it was at least 0.95x
-# of the ring wherever the model chose it.
+# of its steps, so on a fast link with latency it predicts the exchange
+# faster well past where it is; up to this size its choice held wherever
+# measured (docs/allreduce.md, "Why the 16 KiB cap").
 MODELLED_EXCHANGE_MAX_BYTES = 16 << 10
 
 

@@ -221,10 +221,7 @@ _OPTIONS = {
             "exchange algorithm (recursive doubling) rather than the "
             'ring; 0: never. Not where "auto" runs direct over the '
             "host segment (the processes of one host). The default, 512, won on every link "
-            "measured: 4 processes over 28 Mbit links took 0.52x the "
-            "ring's time at 512 B but 1.25x at 1 KiB; over shared "
-            "memory and loopback the exchange wins up to 64 KiB, so a "
-            "fast network may raise it (docs/allreduce.md). A tuning "
+            "measured; a fast network may raise it (docs/allreduce.md). A tuning "
             "table (python -m jaxring.tune across processes) chooses "
             "from its own measurements instead. Left unset under a "
             "cpu_link of one link, the exchange also runs up to 16 KiB "

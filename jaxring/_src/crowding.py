@@ -7,9 +7,8 @@ that both directions of each link carry data. Where ranks share cores (more
 processes on a machine than it has cores to give them, as on a laptop or a
 small CI machine), a second ring's threads only take turns with the first's
 on the same cores, and every turn costs a switch and the caches: on a 2-core
-machine, one ring moved 1-4 MiB 1.1-1.3x faster than two with processes bound
-to cores (2 or 4 of them), 1.2-1.3x with 4 unbound, and about as fast with 2
-unbound (docs/benchmarking.md, "Rings on a crowded machine").
+machine one ring was faster than two, or as fast, in every layout measured
+(docs/benchmarking.md, "Rings on a crowded machine").
 
 So an allreduce across processes whose ring count was left to the default
 takes one ring where some machine of the job has fewer than CROWDED_BELOW

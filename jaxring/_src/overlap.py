@@ -413,10 +413,9 @@ def _options(
 DEFAULT_BUCKET_MB = 1.0
 DEFAULT_FIRST_BUCKET_MB = 0.25
 DEFAULT_MAX_INFLIGHT_MB = 256.0
-# Measured on a ResNet-18 step (benchmarks/real_step.py, 8 CPU devices):
-# parts of 1 MiB made overlap 1.16x the plain step, whole values up to
-# 64 MiB 0.99x; cutting a value costs a copy of it into its parts and one
-# back out.
+# Cutting a value costs a copy of it into its parts and one back out: on a
+# ResNet-18 step parts of 1 MiB made overlap slower than the plain step,
+# whole values up to 64 MiB did not (benchmarks/results/overlap_history.md).
 DEFAULT_PARTITION_MB = 64.0
 
 
