@@ -58,15 +58,20 @@ def test_cpu_rings_of_different_sizes_run_flat():
         cpu(uneven_groups=True, topology=(2, 2))
 
 
-def test_cuda_auto_is_one_flat_ring_and_nccl_is_asked_for():
-    assert cuda() == choice.Choice("ring", (), 2, 1 << 20)
-    assert cuda(topology=(2, 2)).tiers == (2, 2)
-    assert cuda(algorithm="nccl").algorithm == "nccl"
+def test_cuda_auto_runs_nccl_in_one_call_unless_nccl_cannot():
+    # NCCL's allreduce: one call on one communicator, whatever the rings.
+    assert cuda() == choice.Choice("nccl", (), 1, 1 << 20)
+    assert cuda(algorithm="nccl", rings=4) == choice.Choice("nccl", (), 1, 1 << 20)
+    assert cuda(topology=(4,)).algorithm == "nccl"  # one tier: flat
+    # The ring where NCCL cannot run it: 16-bit integers, named tiers.
+    assert cuda(dtype=np.int16) == choice.Choice("ring", (), 2, 1 << 20)
+    assert cuda(dtype=np.uint16).algorithm == "ring"
+    assert cuda(topology=(2, 2)) == choice.Choice("ring", (2, 2), 2, 1 << 20)
+    assert cuda(algorithm="ring") == choice.Choice("ring", (), 2, 1 << 20)
     with pytest.raises(ValueError, match="no\\s+tiers"):
         cuda(algorithm="nccl", topology=(2, 2))
     with pytest.raises(TypeError, match="no 16-bit integer"):
         cuda(algorithm="nccl", dtype=np.int16)
-    assert cuda(dtype=np.int16).algorithm == "ring"
     for cpu_only in ("direct", "exchange"):
         with pytest.raises(ValueError, match="on GPU use"):
             cuda(algorithm=cpu_only)

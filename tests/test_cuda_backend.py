@@ -104,7 +104,7 @@ def _array(line: str, name: str) -> list:
 def test_lowering_carries_devices_and_one_id_per_group_and_ring():
     mesh = jax.make_mesh((2, 4), ("g", "i"))
     text = _lower_for_cuda(
-        lambda v: jaxring.allreduce(v, "i", rings=3),
+        lambda v: jaxring.allreduce(v, "i", algorithm="ring", rings=3),
         mesh,
         jnp.arange(64.0).reshape(8, 8),
         P(("g", "i")),
@@ -146,11 +146,13 @@ def test_same_devices_reuse_their_communicator_ids():
         (call,) = _custom_calls(_lower_for_cuda(fn, mesh, x, P("i"), P()))
         return _array(call, "nccl_ids")
 
-    first = ids_of(lambda v: jaxring.allreduce(v, "i", rings=2))
-    again = ids_of(lambda v: jaxring.allreduce(v * 2, "i", op="max", rings=2))
+    first = ids_of(lambda v: jaxring.allreduce(v, "i", algorithm="ring", rings=2))
+    again = ids_of(lambda v: jaxring.allreduce(v * 2, "i", op="max", algorithm="ring", rings=2))
     assert first == again
-    # Ring 0's id is shared with a one-ring call over the same devices.
-    assert ids_of(lambda v: jaxring.allreduce(v, "i", rings=1)) == first[:16]
+    # Ring 0's id is shared with a one-ring call over the same devices, and
+    # with NCCL's allreduce there.
+    assert ids_of(lambda v: jaxring.allreduce(v, "i", algorithm="ring", rings=1)) == first[:16]
+    assert ids_of(lambda v: jaxring.allreduce(v, "i", algorithm="nccl")) == first[:16]
 
 
 @needs_cuda_build
@@ -163,6 +165,38 @@ def test_nccl_algorithm_attribute():
     from jaxring import _jaxring
 
     assert int(_attr(call, "algorithm")) == _jaxring.ALGORITHMS["nccl"]
+
+
+@needs_cuda_build
+@pytest.mark.parametrize(
+    "kwargs, dtype, algorithm",
+    [
+        # "auto" runs NCCL's allreduce, as one call on one communicator
+        # whatever the ring count...
+        (dict(), jnp.float32, "nccl"),
+        (dict(rings=3, topology="flat"), jnp.bfloat16, "nccl"),
+        (dict(algorithm="nccl", rings=3), jnp.float32, "nccl"),
+        # ...and the ring where NCCL cannot: 16-bit integers, named tiers.
+        (dict(rings=3), jnp.int16, "ring"),
+        (dict(rings=3, topology=(2, 2)), jnp.float32, "ring"),
+    ],
+)
+def test_auto_runs_nccl_unless_nccl_cannot(kwargs, dtype, algorithm):
+    mesh = jax.make_mesh((4,), ("i",))
+    text = _lower_for_cuda(
+        lambda v: jaxring.allreduce(v, "i", **kwargs),
+        mesh,
+        jnp.arange(16).astype(dtype),
+        P("i"),
+        P(),
+    )
+    (call,) = _custom_calls(text)
+    from jaxring import _jaxring
+
+    assert int(_attr(call, "algorithm")) == _jaxring.ALGORITHMS[algorithm]
+    rings = 1 if algorithm == "nccl" else 3
+    assert _attr(call, "num_rings") == str(rings)
+    assert len(_array(call, "nccl_ids")) == rings * 16
 
 
 @needs_cuda_build
@@ -207,7 +241,7 @@ def test_cuda_lowering_refuses_what_it_cannot_run(kwargs, dtype, error, match):
 def test_lowering_carries_the_tiers_a_topology_names(topology, tiers):
     mesh = jax.make_mesh((4,), ("i",))
     text = _lower_for_cuda(
-        lambda v: jaxring.allreduce(v, "i", rings=2, topology=topology),
+        lambda v: jaxring.allreduce(v, "i", algorithm="ring", rings=2, topology=topology),
         mesh,
         jnp.arange(16.0),
         P("i"),

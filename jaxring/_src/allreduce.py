@@ -190,7 +190,9 @@ def allreduce(
         across the processes of one host over shared memory (with the
         topology left to ``"auto"``); otherwise the
         exchange for small buffers, the ring for the rest; see
-        ``jaxring.config.exchange_max_bytes``).
+        ``jaxring.config.exchange_max_bytes``). On GPUs: ``"nccl"``
+        (NCCL's own allreduce, in one call) or ``"ring"``; ``"auto"`` runs
+        NCCL's, or the ring for 16-bit integers and named tiers.
       topology: the ring plan's tiers across processes, tightest first, e.g.
         ``(4, 2)`` for 4 devices in each of 2 processes; ``"flat"`` for one
         ring; ``"auto"`` (default ``jaxring.config.topology``) derives them

@@ -96,29 +96,41 @@ def for_cuda(
     rings: int,
     chunk_bytes: int,
 ) -> Choice:
-    """The CUDA backend's Choice: "ring" or "nccl" ("auto" takes the ring),
-    and the tiers an explicit topology names (checked as on CPU); none for
-    "flat" and, on GPUs, for "auto" too, which stays one flat ring until a
-    GPU run has checked derived tiers. The ring count is taken as it is:
-    each ring is an NCCL communicator driven from the GPU, not threads on
-    the host's cores."""
-    chosen = _cuda_algorithm(algorithm, dtype)
+    """The CUDA backend's Choice: "nccl" or "ring", and the tiers an
+    explicit topology names (checked as on CPU); none for "flat" and, on
+    GPUs, for "auto" too, which stays flat until a GPU run has checked
+    derived tiers.
+
+    "auto" takes NCCL's allreduce, which moved every size measured faster
+    than jaxring's ring (docs/gpu.md), and the ring where NCCL cannot run
+    the operation: 16-bit integers, or tiers named. NCCL's allreduce runs as
+    one call on one communicator, so its Choice has one ring; the ring's
+    count is taken as it is: each ring is an NCCL communicator driven from
+    the GPU, not threads on the host's cores."""
     tiers = (
         ()
         if topology in ("auto", "flat")
-        else _topology.resolve(topology, world, rank_process, hosts)
+        else tuple(_topology.resolve(topology, world, rank_process, hosts))
     )
-    if tiers and chosen == "nccl":
-        raise ValueError(
-            f"jaxring: algorithm='nccl' runs NCCL's own allreduce, which has no "
-            f"tiers, but topology {tuple(topology)} asks for a tiered plan; use "
-            "algorithm='ring' with it, or topology='flat'."
-        )
-    return Choice(chosen, tuple(tiers), rings, chunk_bytes)
+    if algorithm == "auto":
+        nccl_runs_it = not tiers and np.dtype(dtype) in NCCL_DTYPES
+        chosen = "nccl" if nccl_runs_it else "ring"
+    else:
+        chosen = _cuda_algorithm(algorithm, dtype)
+    if chosen == "nccl":
+        if tiers:
+            raise ValueError(
+                f"jaxring: algorithm='nccl' runs NCCL's own allreduce, which has "
+                f"no tiers, but topology {tuple(topology)} asks for a tiered plan; "
+                "use algorithm='ring' with it, or topology='flat'."
+            )
+        rings = 1
+    return Choice(chosen, tiers, rings, chunk_bytes)
 
 
 def _cuda_algorithm(algorithm: str, dtype) -> str:
-    if algorithm in ("auto", "ring"):
+    """The algorithm a CUDA call asked for by name, or why it cannot run."""
+    if algorithm == "ring":
         return "ring"
     if algorithm == "direct":
         raise ValueError(

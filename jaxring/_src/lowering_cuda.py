@@ -91,8 +91,8 @@ def cuda_call(
     # would not notice a difference: cuda_agreement.py).
     cuda_agreement.check_same_call(
         int(attrs["slot_id"]),
-        f"{label} of {operands_text(ctx)} over {world} ranks, {rings} ring(s) of "
-        f"{chunk_bytes}-byte chunks, algorithm {chosen.algorithm}, "
+        f"{label} of {operands_text(ctx)} over {world} ranks, {chosen.rings} ring(s) "
+        f"of {chosen.chunk_bytes}-byte chunks, algorithm {chosen.algorithm}, "
         f"tiers {list(chosen.tiers) or 'none'}",
         owner=int(rank_process[0]),
         processes=set(map(int, rank_process)),
@@ -100,6 +100,6 @@ def cuda_call(
     )
     attrs.update(
         rank_device=cuda_backend.rank_devices(members),
-        nccl_ids=cuda_backend.unique_ids(members, rings, timeout_s),
+        nccl_ids=cuda_backend.unique_ids(members, chosen.rings, timeout_s),
     )
     return attrs, []

@@ -192,27 +192,20 @@ Status enqueue_ring(const CudaOp& op, const TieredPlan& plan, int r,
   return std::nullopt;
 }
 
-// NCCL's allreduce over ring r's part, chunk by chunk, on the same
-// communicator and stream as the ring would use.
+// NCCL's allreduce over ring r's part, in one call: NCCL pipelines the
+// buffer itself, and wants it whole to choose its protocol and channels.
+// (Python gives this algorithm one ring, so the part is the buffer.)
 Status enqueue_nccl(const CudaOp& op, const TieredPlan& plan, int r,
                     Communicator* c, const void* in, void* out) {
   const int64_t esize = plan.elem_bytes();
   const Span part = ring_part(plan, r);
-  const int64_t step = plan.chunk_elems();
-  JAXRING_NCCL_CHECK(ncclGroupStart());
-  ncclResult_t result = ncclSuccess;
-  for (int64_t off = part.offset;
-       off < part.offset + part.count &&
-       (result == ncclSuccess || result == ncclInProgress);
-       off += step) {
-    const int64_t n = std::min(step, part.offset + part.count - off);
-    result = ncclAllReduce(at(const_cast<void*>(in), off, esize),
-                           at(out, off, esize), n, *nccl_type(op.type),
-                           nccl_op(op.op), c->comm, c->stream);
+  if (part.count > 0) {
+    JAXRING_NCCL_CHECK_AS(
+        ncclAllReduce(at(const_cast<void*>(in), part.offset, esize),
+                      at(out, part.offset, esize), part.count,
+                      *nccl_type(op.type), nccl_op(op.op), c->comm, c->stream),
+        "ncclAllReduce");
   }
-  const ncclResult_t end = ncclGroupEnd();  // closed also after a failure
-  JAXRING_NCCL_CHECK_AS(result, "ncclAllReduce");
-  JAXRING_NCCL_CHECK_AS(end, "ncclGroupEnd of ncclAllReduce");
   return wait_ready(c, op.timeout_s, "enqueueing NCCL's allreduce");
 }
 
