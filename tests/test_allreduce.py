@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
+from reports import REPORT_SOURCE, reports
 
 import jaxring
 from jaxring import _jaxring
@@ -690,11 +691,11 @@ def test_config_update_and_validation():
 @pytest.mark.jax_independent  # the settings' parsing, in new processes
 def test_environment_variables(script):
     res = script(
-        """
-        import jaxring
-        print(jaxring.config.rings, jaxring.config.chunk_bytes, jaxring.config.timeout_s,
-              jaxring.config.algorithm)
-    """,
+        REPORT_SOURCE
+        + "import jaxring\n"
+        + "c = jaxring.config\n"
+        + "report('config', rings=c.rings, chunk_bytes=c.chunk_bytes, timeout_s=c.timeout_s,\n"
+        + "       algorithm=c.algorithm)\n",
         env={
             "JAXRING_RINGS": "4",
             "JAXRING_CHUNK_BYTES": "4096",
@@ -703,7 +704,17 @@ def test_environment_variables(script):
         },
     )
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["4", "4096", "7.5", "ring"]
+    # The one line on stdout: each setting with its type.
+    assert len(res.stdout.splitlines()) == 1, res.stdout
+    (said,) = reports(res.stdout)
+    assert said == {
+        "kind": "config",
+        "rings": 4,
+        "chunk_bytes": 4096,
+        "timeout_s": 7.5,
+        "algorithm": "ring",
+    }, said
+    assert [type(said[k]) for k in ("rings", "chunk_bytes", "timeout_s")] == [int, int, float]
     res = script("import jaxring", env={"JAXRING_RINGS": "zero"})
     assert res.returncode != 0 and "JAXRING_RINGS='zero': expected an int from 1" in res.stderr
     res = script("import jaxring", env={"JAXRING_RINGS": "2147483648"})

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from reports import REPORT_SOURCE, reports, reports_by_rank
 
 import jaxring
 from jaxring._src import cuda_backend
@@ -289,21 +290,27 @@ def test_processes_that_lower_different_calls_are_told_at_lowering():
                 timeout=120,
                 cwd=cwd,
             )
-        lines = [l for l in r.stdout.splitlines() if "LOWERED" in l or "RAISED" in l]
-        return sorted(lines)
+        # The ranks that reported, and what each did (every report is a
+        # lowering or an error).
+        return {rank: said for rank, said in reports_by_rank(r.stdout).items() if said}
 
+    lowered = {"kind": "lowered", "calls": 1}
     # Twice each: the second shape re-lowers the same slot.
-    assert run(1) == ["[0] LOWERED 1"] * 2 + ["[1] LOWERED 1"] * 2
-    owner, other = run(2)
+    assert run(1) == {0: [lowered] * 2, 1: [lowered] * 2}
+    said = run(2)
+    assert sorted(said) == [0, 1] and len(said[0]) == len(said[1]) == 1, said
+    (owner,), (other,) = said[0], said[1]
     # Process 0 publishes its call; process 1 finds it differs, at once.
-    assert owner == "[0] LOWERED 1"
-    assert other.startswith("[1] RAISED") and "MismatchError" in other, other
-    assert "float32[1, 1024]" in other and "float32[1, 2048]" in other, other
-    assert float(other.split()[2]) < 10, other
+    assert owner == lowered, owner
+    assert other["kind"] == "raised" and other["error"] == "MismatchError", other
+    assert "float32[1, 1024]" in other["message"] and "float32[1, 2048]" in other["message"], other
+    assert other["took_s"] < 10, other
     # Process 0 never lowers it: process 1 gives up after the call's timeout.
-    (late,) = run(0)
-    assert late.startswith("[1] RAISED") and "CollectiveTimeoutError" in late, late
-    assert "process 0 did not lower the allreduce" in late, late
+    said = run(0)
+    assert list(said) == [1] and len(said[1]) == 1, said
+    (late,) = said[1]
+    assert late["kind"] == "raised" and late["error"] == "CollectiveTimeoutError", late
+    assert "process 0 did not lower the allreduce" in late["message"], late
 
 
 @needs_cuda_build
@@ -420,7 +427,7 @@ def test_agreement_tells_a_late_owner_from_a_failed_store(monkeypatch, tmp_path)
     import subprocess
     import sys
 
-    probe = (
+    probe = REPORT_SOURCE + (
         "import socket, jax\n"
         "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
         "jax.distributed.initialize(f'127.0.0.1:{port}', 1, 0)\n"
@@ -428,15 +435,14 @@ def test_agreement_tells_a_late_owner_from_a_failed_store(monkeypatch, tmp_path)
         "try:\n"
         "    jax_compat.distributed_client().blocking_key_value_get('absent', 100)\n"
         "except Exception as e:\n"
-        "    print('MESSAGE', str(e).splitlines()[0])\n"
+        "    report('message', message=str(e).splitlines()[0])\n"
     )
     # Run outside the checkout, so that the installed jaxring is imported.
     res = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
-    timeout_message = next(
-        (l.split(" ", 1)[1] for l in res.stdout.splitlines() if l.startswith("MESSAGE ")), None
-    )
+    said = reports(res.stdout)
+    timeout_message = said[0]["message"] if said else None
     assert timeout_message, res.stdout[-2000:] + res.stderr[-2000:]
 
     with pytest.raises(jaxring.CollectiveTimeoutError, match="did not lower") as info:

@@ -25,6 +25,7 @@ import threading
 import time
 
 import pytest
+from reports import of_kind, reports
 from test_multiprocess import Job
 
 # The TCP transport's own code, whatever the jax: on the newest jax only.
@@ -387,8 +388,11 @@ def job_output(job) -> str:
     return "\n".join(f"[{r}] {line}" for r in job.lines for line in job.lines[r])
 
 
-def parse(line: str) -> dict:
-    return dict(item.split("=", 1) for item in line.split() if "=" in item)
+def said(job, rank: int, kind: str) -> dict:
+    """The first report of a kind that a process of the job gave."""
+    found = of_kind(reports(job.lines[rank]), kind)
+    assert found, job_output(job)[-3000:]
+    return found[0]
 
 
 def run_against_job(make_attacks, concurrent=()):
@@ -398,9 +402,9 @@ def run_against_job(make_attacks, concurrent=()):
     kept = []
     try:
         job.wait_ready(timeout=180)
-        ready = {r: next(l for l in job.lines[r] if l.startswith("READY")) for r in range(2)}
-        address = ready[0].split()[1]
-        job_id = bytes.fromhex(parse(ready[0])["job_id"])
+        ready = said(job, 0, "ready")
+        address = ready["address"]
+        job_id = bytes.fromhex(ready["job_id"])
         results = {}
         runners = []
         for name, run in make_attacks(address, bytes.fromhex(job.secret), job_id, kept):
@@ -425,7 +429,7 @@ def run_against_job(make_attacks, concurrent=()):
         time.sleep(2.0)
         open(os.path.join(job.cwd.name, "stop"), "w").close()
         deadline = time.monotonic() + 120
-        while not all(any(l.startswith("DONE") for l in job.lines[r]) for r in range(2)):
+        while not all(of_kind(reports(job.lines[r]), "done") for r in range(2)):
             assert time.monotonic() < deadline, job.lines
             assert all(p.poll() in (None, 0) for p in job.procs), job_output(job)
             time.sleep(0.1)
@@ -433,12 +437,8 @@ def run_against_job(make_attacks, concurrent=()):
             s.close()
         for p in job.procs:
             assert p.wait(timeout=60) == 0, job.lines
-        lines = {
-            r: {
-                kind: next(l for l in job.lines[r] if l.startswith(kind))
-                for kind in ("READY", "AFTER", "DONE")
-            }
-            for r in range(2)
+        reported = {
+            r: {kind: said(job, r, kind) for kind in ("ready", "after", "done")} for r in range(2)
         }
     finally:
         for s in kept:
@@ -449,36 +449,38 @@ def run_against_job(make_attacks, concurrent=()):
         table.append(f"| {name} | {'held' if ok else 'FAILED'} | {took:.1f} s | {err or ''} |")
     print("\n".join(table))
     for r in range(2):
-        print(f"process {r}: {lines[r]['READY']} / {lines[r]['AFTER']} / {lines[r]['DONE']}")
+        print(
+            f"process {r}: {reported[r]['ready']} / {reported[r]['after']} / {reported[r]['done']}"
+        )
     assert all(ok for ok, _, _ in results.values()), table
     for r in range(2):
-        done, after = parse(lines[r]["DONE"]), lines[r]["AFTER"]
-        assert done["wrong"] == "0", (r, lines[r])
-        assert int(done["steps"]) > 3, lines[r]
-        assert "lost=[]" in after, (r, after)
+        done, after = reported[r]["done"], reported[r]["after"]
+        assert done["wrong"] == 0, (r, reported[r])
+        assert done["steps"] > 3, reported[r]
+        assert after["lost"] == [], (r, after)
         # The two processes share this host: their data went through
         # shared memory while the attacks ran.
-        assert int(parse(after)["shm_links"]) > 0, (r, after)
-    before0, after0 = parse(lines[0]["READY"]), parse(lines[0]["AFTER"])
-    assert int(after0["threads"]) <= int(before0["threads"]) + EXTRA_THREADS, lines[0]
-    assert int(after0["fds"]) <= int(before0["fds"]) + EXTRA_FDS, lines[0]
-    assert float(after0["rss_mib"]) <= float(before0["rss_mib"]) + EXTRA_RSS_MIB, lines[0]
-    return results, lines
+        assert after["shm_links"] > 0, (r, after)
+    before0, after0 = reported[0]["ready"], reported[0]["after"]
+    assert after0["threads"] <= before0["threads"] + EXTRA_THREADS, reported[0]
+    assert after0["fds"] <= before0["fds"] + EXTRA_FDS, reported[0]
+    assert after0["rss_mib"] <= before0["rss_mib"] + EXTRA_RSS_MIB, reported[0]
+    return results, reported
 
 
 def test_strangers_are_turned_away_and_the_job_stays_exact():
-    results, lines = run_against_job(
+    results, reported = run_against_job(
         lambda address, secret, job_id, kept: attacks(address, secret),
         concurrent=("trickles a byte a second", "300 idle connections"),
     )
     # One refusal per connection: 300 idle ones, one for each other attack.
-    assert int(parse(lines[0]["AFTER"])["refused"]) == len(results) - 1 + 300, lines[0]
+    assert reported[0]["after"]["refused"] == len(results) - 1 + 300, reported[0]
 
 
 def test_a_member_that_misbehaves_cannot_change_results_or_exhaust_the_victim():
-    results, lines = run_against_job(insider_attacks)
+    results, reported = run_against_job(insider_attacks)
     # Authenticated: nothing was refused at the door.
-    assert int(parse(lines[0]["AFTER"])["refused"]) == 0, lines[0]
+    assert reported[0]["after"]["refused"] == 0, reported[0]
 
 
 def test_a_member_flooding_unstarted_operations_is_capped_and_named():
@@ -490,11 +492,11 @@ def test_a_member_flooding_unstarted_operations_is_capped_and_named():
     kept = []
     try:
         job.wait_ready(timeout=180)
-        ready = next(l for l in job.lines[0] if l.startswith("READY"))
+        ready = said(job, 0, "ready")
         s = prove(
-            ready.split()[1],
+            ready["address"],
             bytes.fromhex(job.secret),
-            bytes.fromhex(parse(ready)["job_id"]),
+            bytes.fromhex(ready["job_id"]),
             process=1,
             channel=20,
         )
@@ -507,12 +509,11 @@ def test_a_member_flooding_unstarted_operations_is_capped_and_named():
             )
         for p in job.procs:
             assert p.wait(timeout=120) == 3, job_output(job)
-        failed = {r: next(l for l in job.lines[r] if l.startswith("FAILED")) for r in range(2)}
+        failed = {r: said(job, r, "failed") for r in range(2)}
         print(job_output(job))
-        assert any("refuses more" in failed[r] for r in range(2)), job_output(job)
-        assert int(parse(failed[0])["pending"]) <= 4096 + 8, failed[0]
-        before, after = parse(ready), parse(failed[0])
-        assert float(after["rss_mib"]) <= float(before["rss_mib"]) + EXTRA_RSS_MIB, failed[0]
+        assert any("refuses more" in failed[r]["message"] for r in range(2)), job_output(job)
+        assert failed[0]["pending"] <= 4096 + 8, failed[0]
+        assert failed[0]["rss_mib"] <= ready["rss_mib"] + EXTRA_RSS_MIB, failed[0]
     finally:
         for s in kept:
             s.close()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from reports import REPORT_SOURCE, reports
 
 pytestmark = [
     pytest.mark.skipif(
@@ -24,7 +25,9 @@ pytestmark = [
     pytest.mark.jax_independent,  # the C++ buffers' own code
 ]
 
-PROBE = r"""
+PROBE = (
+    REPORT_SOURCE
+    + r"""
 import jaxring
 jaxring.use_cpu_devices(2)
 import jax, numpy as np
@@ -48,8 +51,9 @@ for line in open("/proc/self/smaps"):
             flags = head[1:]
     elif "-" in head[0] and ":" not in head[0]:
         start, end = (int(v, 16) for v in head[0].split("-"))
-print("ADVISED", "hg" in flags)
+report("advised", advised="hg" in flags)
 """
+)
 
 
 def advised(env: dict) -> bool:
@@ -67,7 +71,11 @@ def advised(env: dict) -> bool:
         cwd="/",
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    return {"ADVISED True": True, "ADVISED False": False}[r.stdout.strip().splitlines()[-1]]
+    # The probe's last line: its one report, whether the range was advised.
+    last = reports(r.stdout.strip().splitlines()[-1:])
+    assert len(last) == 1 and last[0]["kind"] == "advised", r.stdout[-3000:]
+    assert isinstance(last[0]["advised"], bool), last
+    return last[0]["advised"]
 
 
 def test_results_are_advised_unless_glibc_keeps_freed_buffers():

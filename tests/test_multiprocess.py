@@ -7,6 +7,7 @@ run. Coordinator ports come from the OS, so parallel runs cannot collide.
 """
 
 import collections
+import json
 import os
 import random
 import re
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from reports import REPORT_SOURCE, of_kind, one, output_by_rank, reports, reports_by_rank
 
 from jaxring import launch
 
@@ -59,6 +61,8 @@ def run_launcher(
 
 
 def lines_by_rank(stdout: str) -> dict[int, list[str]]:
+    """The plain lines each process printed (the scripts here report with
+    JSON: tests/reports.py reads them)."""
     out = collections.defaultdict(list)
     for line in stdout.splitlines():
         if line.startswith("[") and "] " in line:
@@ -66,6 +70,14 @@ def lines_by_rank(stdout: str) -> dict[int, list[str]]:
             if rank.isdigit():
                 out[int(rank)].append(text)
     return out
+
+
+def same_checks(by_rank: dict[int, list[dict]]) -> list[dict]:
+    """The "check" reports of allreduce_check.py (a digest of the bits per
+    case), the same in every process."""
+    checks = {json.dumps(of_kind(said, "check"), sort_keys=True) for said in by_rank.values()}
+    assert len(checks) == 1, checks  # every process got the same bits
+    return json.loads(checks.pop())
 
 
 # The older supported jax releases run one case of each kind (flat, tiered,
@@ -123,14 +135,14 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed, topology
         env={"JAXRING_EXCHANGE_MAX_BYTES": "65536", "JAXRING_TRANSPORT": transport},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    by_rank = lines_by_rank(r.stdout)
+    by_rank = reports_by_rank(r.stdout)
     assert sorted(by_rank) == list(range(nproc))
     digests = {}
-    for rank, lines in by_rank.items():
-        assert "DONE" in lines, lines[-5:]
-        lowered = [l for l in lines if l.startswith("TOPOLOGY")]
+    for rank, said in by_rank.items():
+        done = one(said, "done")
+        lowered = one(said, "lowered")
         # The custom call carries the tiers the plan runs (none: flat).
-        assert lowered == [f"TOPOLOGY {tiers}"], lowered
+        assert lowered["topology"] == tiers, lowered
         # A 4 MiB allreduce runs the algorithm asked for; under "auto",
         # direct over the host segment (every process here is on one host;
         # JAXRING_TRANSPORT=tcp turns the segment off), else the ring plan.
@@ -142,14 +154,13 @@ def test_allreduce_across_processes_matches_numpy(nproc, devices, seed, topology
             algorithm = topology
         else:
             algorithm = "direct" if direct else "ring"
-        assert f"ALGORITHM {algorithm}" in lines, lines[-5:]
+        assert lowered["algorithm"] == algorithm, lowered
         small = "direct" if direct else "exchange" if topology in ("auto", "exchange") else "ring"
-        assert f"SMALL_ALGORITHM {small}" in lines, lines[-5:]
-        digests[rank] = [l for l in lines if l.startswith("CHECK")]
+        assert lowered["small_algorithm"] == small, lowered
+        digests[rank] = of_kind(said, "check")
         assert len(digests[rank]) == 48
-        by_device, by_sender, _ = map(
-            int, next(l for l in lines if l.startswith("DATA_FRAMES")).split()[1:]
-        )
+        by_device = done["data_frames"]["device_thread"]
+        by_sender = done["data_frames"]["sender_thread"]
         # Once a connection is open, the devices' threads write the frames
         # that find it free. Direct sends none: every case went through the
         # host segment.
@@ -183,13 +194,13 @@ def test_allreduce_in_a_loop_body_meets_the_same_iteration_on_every_rank(devices
         env={"JAXRING_TRANSPORT": transport, "JAXRING_TIMEOUT_S": "60"},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    by_rank = lines_by_rank(r.stdout)
+    by_rank = reports_by_rank(r.stdout)
     for rank in (0, 1):
-        assert [l for l in by_rank[rank] if l.startswith(("LOOP", "DONE"))] == [
-            "LOOP auto ok",
-            "LOOP ring ok",
-            "LOOP exchange ok",
-            "DONE",
+        assert [s for s in by_rank[rank] if s["kind"] in ("loop", "done")] == [
+            {"kind": "loop", "algorithm": "auto", "ok": True},
+            {"kind": "loop", "algorithm": "ring", "ok": True},
+            {"kind": "loop", "algorithm": "exchange", "ok": True},
+            {"kind": "done"},
         ], by_rank[rank][-5:]
 
 
@@ -224,15 +235,14 @@ def test_tiered_plan_gives_the_same_bits_in_memory_and_over_tcp(tiers, split):
             env={"JAXRING_TRANSPORT": "tcp" if where == "tcp" else "auto"},
         )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        by_rank = lines_by_rank(r.stdout)
-        lowered = "TOPOLOGY " + ("flat" if tiers == "exchange" else tiers)
-        for lines in by_rank.values():
-            assert lines.count("DONE") == 1 and lowered in lines, lines[-5:]
-            links = int(next(l for l in lines if l.startswith("SHM_LINKS")).split()[1])
+        by_rank = reports_by_rank(r.stdout)
+        lowered = "flat" if tiers == "exchange" else tiers
+        for said in by_rank.values():
+            done = one(said, "done")
+            assert one(said, "lowered")["topology"] == lowered, said[-5:]
+            links = done["shm_links"]
             assert (links > 0) == (where == "auto"), (where, links)
-        checks = {tuple(l for l in lines if l.startswith("CHECK")) for lines in by_rank.values()}
-        assert len(checks) == 1  # every process got the same bits
-        digests[where] = checks.pop()
+        digests[where] = same_checks(by_rank)  # every process got the same bits
         assert len(digests[where]) == 24
     assert digests["memory"] == digests["auto"] == digests["tcp"]
 
@@ -254,18 +264,24 @@ def test_direct_across_processes_gives_the_bits_of_direct_in_memory(split):
     for n, d in ((1, 4), split):
         r = run_launcher(n, "allreduce_check.py", 11, 24, "direct", devices_per_process=d)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        by_rank = lines_by_rank(r.stdout)
+        by_rank = reports_by_rank(r.stdout)
         assert sorted(by_rank) == list(range(n))
-        for lines in by_rank.values():
-            assert lines.count("DONE") == 1, lines[-5:]
-            for want in ("ALGORITHM direct", "SMALL_ALGORITHM direct", "TOPOLOGY flat"):
-                assert want in lines, (want, lines[-5:])
+        for said in by_rank.values():
+            done = one(said, "done")
+            lowered = one(said, "lowered")
+            for field, want in (
+                ("algorithm", "direct"),
+                ("small_algorithm", "direct"),
+                ("topology", "flat"),
+            ):
+                assert lowered[field] == want, (field, lowered)
             # Available across processes, and nothing left pending.
-            assert f"HOST_DIRECT {n > 1} 0" in lines, lines[-5:]
-            assert "DATA_FRAMES 0 0 0" in lines, lines[-5:]
-        checks = {tuple(l for l in lines if l.startswith("CHECK")) for lines in by_rank.values()}
-        assert len(checks) == 1  # every process got the same bits
-        digests[n] = checks.pop()
+            host_direct = done["host_direct"]
+            assert (host_direct["available"], host_direct["pending_ops"]) == (n > 1, 0), done
+            assert done["data_frames"] == dict.fromkeys(
+                ("device_thread", "sender_thread", "finished_by_sender_thread"), 0
+            ), done
+        digests[n] = same_checks(by_rank)  # every process got the same bits
         assert len(digests[n]) == 24
     assert digests[1] == digests[split[0]]
 
@@ -276,10 +292,10 @@ def test_direct_groups_waiting_for_stragglers_are_not_another_program():
     # late: more than the 1 s after which a rank looks for peers in another
     # program, which must not take the other group for one.
     r = run_launcher(4, "direct_straggler.py", 2.5)
-    by_rank = lines_by_rank(r.stdout)
+    by_rank = output_by_rank(r.stdout)
     assert sorted(by_rank) == list(range(4)), r.stdout[-3000:] + r.stderr[-3000:]
     for rank, lines in by_rank.items():
-        assert lines == ["OK"], (rank, lines)
+        assert lines == [{"kind": "ok"}], (rank, lines)
 
 
 @newest_jax_only
@@ -290,17 +306,17 @@ def test_processes_with_different_transports_settle_on_one_answer_at_once():
     the first allreduce takes nothing like its 30 s timeout."""
     r = run_launcher(3, "mixed_transport.py")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    by_rank = lines_by_rank(r.stdout)
+    by_rank = reports_by_rank(r.stdout)
     assert sorted(by_rank) == [0, 1, 2], r.stdout[-3000:]
-    for rank, lines in by_rank.items():
-        said = {l.split(" ", 1)[0]: l for l in lines}
-        assert said.get("HOST_DIRECT") == (
-            "HOST_DIRECT False process 2: JAXRING_TRANSPORT=tcp keeps every byte "
-            "between processes on sockets"
-        ), (rank, lines)
-        assert said.get("ALGORITHM") == "ALGORITHM ring", (rank, lines)
-        assert float(said["TOOK"].split()[1]) < 15, (rank, lines)
-        assert "OK" in said, (rank, lines)
+    for rank, said in by_rank.items():
+        result = one(said, "result")
+        assert (result["host_direct"], result["host_direct_unavailable"]) == (
+            False,
+            "process 2: JAXRING_TRANSPORT=tcp keeps every byte between processes on sockets",
+        ), (rank, result)
+        assert result["algorithm"] == "ring", (rank, result)
+        assert result["took_s"] < 15, (rank, result)
+        assert result["correct"] is True, (rank, result)
 
 
 @newest_jax_only
@@ -332,17 +348,15 @@ def test_frames_a_small_socket_buffer_takes_in_parts_arrive_whole(transport):
             env={"JAXRING_TRANSPORT": transport, "JAXRING_TCP_SOCKET_BUFFER": buffer},
         )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        by_rank = lines_by_rank(r.stdout)
+        by_rank = reports_by_rank(r.stdout)
         split = 0
-        for lines in by_rank.values():
-            assert "DONE" in lines, lines[-5:]
-            assert f"SOCKET_BUFFER {buffer or None}" in lines, lines[-5:]
-            split += int(next(l for l in lines if l.startswith("DATA_FRAMES")).split()[3])
+        for said in by_rank.values():
+            done = one(said, "done")
+            assert done["socket_buffer"] == (int(buffer) if buffer else None), done
+            split += done["data_frames"]["finished_by_sender_thread"]
         if buffer and transport == "tcp":
             assert split > 0, "no frame was finished by a sender thread"
-        checks = {tuple(l for l in lines if l.startswith("CHECK")) for lines in by_rank.values()}
-        assert len(checks) == 1
-        digests[buffer] = checks.pop()
+        digests[buffer] = same_checks(by_rank)
     assert digests[""] == digests["4096"]
 
 
@@ -413,18 +427,18 @@ def test_different_programs_fail_fast_on_every_rank(algorithm, differ):
     # operands' shape digest tells apart.
     timeout_s = 60
     r = run_launcher(2, "mismatch.py", timeout_s, differ, env={"JAXRING_ALGORITHM": algorithm})
-    by_rank = lines_by_rank(r.stdout)
+    by_rank = reports_by_rank(r.stdout)
     for rank in (0, 1):
-        raised = [l for l in by_rank[rank] if l.startswith("RAISED")]
+        raised = of_kind(by_rank[rank], "raised")
         assert raised, r.stdout[-3000:]
-        elapsed = float(raised[0].split()[1])
-        assert elapsed < timeout_s / 2, raised[0]
-        assert raised[0].split()[2] == "MismatchError", raised[0]
-        assert "different programs" in raised[0]
+        said, message = raised[0], raised[0]["message"]
+        assert said["took_s"] < timeout_s / 2, said
+        assert said["error"] == "MismatchError", said
+        assert "different programs" in message, said
         if differ == "count":
-            assert "1024 x float32" in raised[0] and "2048 x float32" in raised[0]
+            assert "1024 x float32" in message and "2048 x float32" in message, said
         else:
-            assert "operands of other shapes" in raised[0], raised[0]
+            assert "operands of other shapes" in message, said
 
 
 @pytest.mark.parametrize(
@@ -456,20 +470,20 @@ def test_processes_of_one_host_whose_settings_choose_differently_fail_at_lowerin
             timeout_s,
             env={"JAXRING_TUNING": "auto", "XDG_CACHE_HOME": cache},
         )
-    by_rank = lines_by_rank(r.stdout)
+    by_rank = reports_by_rank(r.stdout)
     for rank, other in ((0, 1), (1, 0)):
-        ended = [l for l in by_rank[rank] if l.startswith(("RAISED", "NO ERROR"))]
+        ended = [s for s in by_rank[rank] if s["kind"] in ("raised", "no_error")]
         assert ended, r.stdout[-3000:] + r.stderr[-3000:]
         if named is None:
-            assert ended == ["NO ERROR"], ended
+            assert ended == [{"kind": "no_error"}], ended
             continue
-        elapsed = float(ended[0].split()[1])
-        assert elapsed < timeout_s / 2, ended[0]
-        assert ended[0].split()[2] == "MismatchError", ended[0]
-        assert f"process {other} runs" in ended[0], ended[0]
-        assert "choose differently" in ended[0], ended[0]
+        said = ended[0]
+        assert said["kind"] == "raised" and said["took_s"] < timeout_s / 2, said
+        assert said["error"] == "MismatchError", said
+        assert f"process {other} runs" in said["message"], said
+        assert "choose differently" in said["message"], said
     if named is not None:
-        assert named in " ".join(by_rank[1]), r.stdout
+        assert named in " ".join(s["message"] for s in of_kind(by_rank[1], "raised")), r.stdout
 
 
 @pytest.mark.parametrize("algorithm", ["auto", pytest.param("ring", marks=newest_jax_only)])
@@ -477,21 +491,20 @@ def test_timeline_across_processes_names_every_iteration_of_a_loop(algorithm):
     # auto runs direct over the host segment, ring the shared-memory links;
     # in a loop's body both run each iteration under an op id of their own.
     r = run_launcher(2, "timeline_check.py", algorithm)
-    by_rank = lines_by_rank(r.stdout)
+    by_rank = output_by_rank(r.stdout)
     for rank in (0, 1):
-        assert by_rank[rank][-1:] == ["DONE"], r.stdout[-3000:] + r.stderr[-3000:]
-        spans = [l for l in by_rank[rank] if l.startswith("SPANS")]
-        assert spans == [
-            "SPANS allreduce max over x; allreduce max over x; "
-            "allreduce max over x; allreduce sum over x"
-        ], by_rank[rank]
+        assert by_rank[rank][-1:] == [{"kind": "done"}], r.stdout[-3000:] + r.stderr[-3000:]
+        spans = [s["names"] for s in of_kind(by_rank[rank], "spans")]
+        assert spans == [["allreduce max over x"] * 3 + ["allreduce sum over x"]], by_rank[rank]
 
 
 def test_a_function_only_one_process_lowered_does_not_shift_the_others():
     r = run_launcher(2, "uneven_lowering.py", 20, devices_per_process=2)
-    by_rank = lines_by_rank(r.stdout)
+    by_rank = output_by_rank(r.stdout)
     for rank in (0, 1):
-        assert by_rank[rank] and by_rank[rank][-1] == "OK", r.stdout[-3000:] + r.stderr[-2000:]
+        assert by_rank[rank] and by_rank[rank][-1] == {"kind": "ok"}, (
+            r.stdout[-3000:] + r.stderr[-2000:]
+        )
 
 
 @pytest.mark.parametrize(
@@ -507,12 +520,15 @@ def test_axis_index_groups_across_processes_match_numpy(nproc, devices, algorith
     r = run_launcher(
         nproc, "grouped_check.py", devices_per_process=devices, env={"JAXRING_ALGORITHM": algorithm}
     )
-    by_rank = lines_by_rank(r.stdout)
+    by_rank = output_by_rank(r.stdout)
     assert sorted(by_rank) == list(range(nproc)), r.stdout[-3000:] + r.stderr[-3000:]
     for lines in by_rank.values():
-        assert lines == ["CHECK across", "CHECK uneven", "CHECK reversed", "OK"], (
-            r.stdout[-3000:] + r.stderr[-2000:]
-        )
+        assert lines == [
+            {"kind": "check", "grouping": "across"},
+            {"kind": "check", "grouping": "uneven"},
+            {"kind": "check", "grouping": "reversed"},
+            {"kind": "ok"},
+        ], r.stdout[-3000:] + r.stderr[-2000:]
 
 
 @newest_jax_only
@@ -521,10 +537,10 @@ def test_launcher_stops_everyone_when_one_process_fails():
     r = run_launcher(3, "exit_code.py", timeout=120)
     assert r.returncode == 7, r.stdout + r.stderr
     assert time.monotonic() - start < 60
-    by_rank = lines_by_rank(r.stdout)
-    assert "failing on purpose" in by_rank[1]
+    by_rank = reports_by_rank(r.stdout)
+    assert {"kind": "failing", "status": 7} in by_rank[1], by_rank[1]
     assert "process 1 exited with status 7" in r.stderr
-    pids = [int(l.split()[1]) for lines in by_rank.values() for l in lines if l.startswith("PID")]
+    pids = [s["pid"] for said in by_rank.values() for s in of_kind(said, "pid")]
     assert len(pids) == 3
     for pid in pids:  # nobody left behind
         with pytest.raises(ProcessLookupError):
@@ -550,19 +566,19 @@ def test_a_script_that_initializes_jax_distributed_itself_runs_under_the_launche
         cwd=root,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    by_rank = lines_by_rank(r.stdout)
+    by_rank = reports_by_rank(r.stdout)
     assert sorted(by_rank) == [0, 1], r.stdout
-    for rank, lines in by_rank.items():
-        assert f"PROCESS {rank} OF 2" in lines, lines
-        sums = [l.split() for l in lines if l.startswith("SUM")]
-        assert sums == [["SUM", "3.0", "5.0", "7.0", "WANT", "3.0", "5.0", "7.0"]], lines
-        refused = [l for l in lines if l.startswith("REFUSED")]
-        assert len(refused) == 1, lines
-        assert (
-            "REFUSED jax.distributed.initialize(num_processes=3): "
+    for rank, said in by_rank.items():
+        assert {"kind": "process", "index": rank, "count": 2} in said, said
+        sums = of_kind(said, "sum")
+        assert sums == [{"kind": "sum", "got": [3.0, 5.0, 7.0], "want": [3.0, 5.0, 7.0]}], said
+        refused = of_kind(said, "refused")
+        assert len(refused) == 1, said
+        assert refused[0]["message"].startswith(
+            "jax.distributed.initialize(num_processes=3): "
             "jaxring.launch already initialized jax.distributed in this "
             f"process, as process {rank} of 2"
-        ) in refused[0], refused
+        ), refused
 
 
 @newest_jax_only
@@ -638,11 +654,12 @@ def test_launcher_runs_a_module_with_its_own_arguments(tmp_path):
 def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
     script = tmp_path / "affinity.py"
     script.write_text(
-        "import os, threading, jax\n"
+        REPORT_SOURCE + "import os, threading, jax\n"
         "seen = {}\n"
         "t = threading.Thread(target=lambda: seen.update(t=os.sched_getaffinity(0)))\n"
         "t.start(); t.join()\n"
-        "print('cpus', jax.process_index(), sorted(os.sched_getaffinity(0)), sorted(seen['t']))\n"
+        "report('cpus', process=jax.process_index(), main=sorted(os.sched_getaffinity(0)),\n"
+        "       thread=sorted(seen['t']))\n"
     )
     mine = sorted(os.sched_getaffinity(0))
     for nproc in (2, 3):
@@ -665,11 +682,12 @@ def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
             cwd=tmp_path,
         )
         assert r.returncode == 0, r.stderr
-        by_rank = lines_by_rank(r.stdout)
+        by_rank = reports_by_rank(r.stdout)
         shares = launch.cpu_shares(nproc, launch.physical_cores(mine))
         for rank in range(nproc):
             # The process and the threads it starts later keep its share.
-            assert f"cpus {rank} {shares[rank]} {shares[rank]}" in by_rank[rank]
+            cpus = {"kind": "cpus", "process": rank, "main": shares[rank], "thread": shares[rank]}
+            assert cpus in by_rank[rank], by_rank[rank]
     # Without --cpu-bind the kernel places the processes: no binding.
     r = subprocess.run(
         [
@@ -688,7 +706,8 @@ def test_launcher_binds_each_process_to_its_share_of_the_cpus(tmp_path):
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stderr
-    assert f"cpus 1 {mine} {mine}" in lines_by_rank(r.stdout)[1]
+    cpus = {"kind": "cpus", "process": 1, "main": mine, "thread": mine}
+    assert cpus in reports_by_rank(r.stdout)[1], r.stdout
 
 
 @newest_jax_only
@@ -700,7 +719,7 @@ def test_keep_freed_memory_has_glibc_reuse_a_freed_buffer(tmp_path):
     written."""
     script = tmp_path / "refault.py"
     script.write_text(
-        "import ctypes, resource, threading, jax\n"
+        REPORT_SOURCE + "import ctypes, resource, threading, jax\n"
         "libc = ctypes.CDLL('libc.so.6')\n"
         "libc.malloc.restype = ctypes.c_void_p\n"
         "libc.free.argtypes = [ctypes.c_void_p]\n"
@@ -716,7 +735,7 @@ def test_keep_freed_memory_has_glibc_reuse_a_freed_buffer(tmp_path):
         "main, other = [], []\n"
         "refaults(main)\n"
         "t = threading.Thread(target=refaults, args=(other,)); t.start(); t.join()\n"
-        "print('faults', jax.process_index(), main[0], other[0])\n"
+        "report('faults', process=jax.process_index(), main=main[0], other=other[0])\n"
     )
 
     def refaults(*flags):
@@ -729,9 +748,11 @@ def test_keep_freed_memory_has_glibc_reuse_a_freed_buffer(tmp_path):
             env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
         )
         assert r.returncode == 0, r.stderr
-        return [
-            tuple(map(int, lines_by_rank(r.stdout)[rank][-1].split()[-2:])) for rank in range(2)
-        ]
+        by_rank = output_by_rank(r.stdout)
+        # Each process's last line.
+        last = [by_rank[rank][-1] for rank in range(2)]
+        assert all(isinstance(s, dict) and s["kind"] == "faults" for s in last), last
+        return [(s["main"], s["other"]) for s in last]
 
     # 64 MiB is 16384 pages of 4 KiB (or 32 huge pages of 2 MiB); the main
     # thread's and another thread's buffer, per process.
@@ -784,7 +805,9 @@ def test_launcher_rejects_bad_arguments():
 
 class Job:
     """N processes of fault_loop.py started with the launcher's environment,
-    so the test itself can kill or stop one of them."""
+    so the test itself can kill or stop one of them. `lines` holds what each
+    printed (stdout and stderr), without a prefix; reports(lines[rank])
+    reads its reports."""
 
     def __init__(
         self,
@@ -825,7 +848,7 @@ class Job:
 
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
-        while not all(any(l.startswith("READY") for l in ls) for ls in self.lines.values()):
+        while not all(of_kind(reports(ls), "ready") for ls in self.lines.values()):
             assert time.monotonic() < deadline, self.lines
             assert all(p.poll() is None for p in self.procs), self.lines
             time.sleep(0.05)
@@ -834,12 +857,12 @@ class Job:
         """Wall time at which `rank` raised; fails if it hung or died otherwise."""
         deadline = time.monotonic() + timeout
         while True:
-            raised = [l for l in self.lines[rank] if l.startswith("RAISED")]
+            raised = of_kind(reports(self.lines[rank]), "raised")
             if raised:
-                return float(raised[0].split()[1])
+                return raised[0]["at"]
             if self.procs[rank].poll() is not None:
                 time.sleep(0.2)  # let the pump read the last lines
-                if not any(l.startswith("RAISED") for l in self.lines[rank]):
+                if not of_kind(reports(self.lines[rank]), "raised"):
                     pytest.fail(
                         f"rank {rank} exited with {self.procs[rank].returncode} "
                         f"without raising: {self.lines[rank][-10:]}"
@@ -885,9 +908,9 @@ def test_killed_peer_makes_every_survivor_raise_twenty_times():
                     continue
                 raised = job.raised_at(rank, bound_s + 10)
                 assert raised - killed_at < bound_s, (trial, rank, raised - killed_at)
-                message = [l for l in job.lines[rank] if l.startswith("RAISED")][0]
-                assert "jaxring allreduce" in message, message
-                assert message.split()[2:4] == ["PeerLostError", f"peer={victim}:"], message
+                said = of_kind(reports(job.lines[rank]), "raised")[0]
+                assert "jaxring allreduce" in said["message"], said
+                assert (said["error"], said["peer"]) == ("PeerLostError", victim), said
         finally:
             job.kill_all()
 
@@ -914,11 +937,11 @@ def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm(alg
     try:
         job.wait_ready()
         for rank in range(3):
-            ready = next(l for l in job.lines[rank] if l.startswith("READY"))
+            ready = of_kind(reports(job.lines[rank]), "ready")[0]
             if algorithm == "direct":
-                assert "direct=True" in ready, ready
+                assert ready["direct"] is True, ready
             else:
-                assert int(ready.split("shm_links=")[1]) > 0, ready
+                assert ready["shm_links"] > 0, ready
         assert jaxring_segments() - before == set()
         time.sleep(0.1)
         killed_at = time.time()
@@ -926,25 +949,26 @@ def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm(alg
         for rank in (0, 1):
             raised = job.raised_at(rank, 40)
             assert raised - killed_at < 10, (rank, raised - killed_at)
-            message = next(l for l in job.lines[rank] if l.startswith("RAISED"))
-            assert message.split()[2:4] == ["PeerLostError", "peer=2:"], message
+            said = of_kind(reports(job.lines[rank]), "raised")[0]
+            assert (said["error"], said["peer"]) == ("PeerLostError", 2), said
     finally:
         job.kill_all()
     assert jaxring_segments() - before == set()
 
 
 # The host segment's set-up cut short (tests/multiprocess/setup_exit.py):
-# process 1 prints "SAW <name> True" once process 0 has created and
-# published the segment, so each test knows the name was in /dev/shm.
+# process 1 reports "saw" with the name, and that /dev/shm holds it, once
+# process 0 has created and published the segment, so each test knows the
+# name was in /dev/shm.
 
 
 def host_segment_seen(lines: list[str]) -> str:
-    """The file in /dev/shm that process 1 saw (it must have been there)."""
-    saw = next((l for l in lines if l.startswith("SAW")), None)
+    """The file in /dev/shm that process 1 saw (it must have been there),
+    from the lines it printed."""
+    saw = next(iter(of_kind(reports(lines), "saw")), None)
     assert saw is not None, lines[-10:]
-    _, name, there = saw.split()
-    assert there == "True" and "-host-" in name, saw
-    return "/dev/shm" + name
+    assert saw["exists"] is True and "-host-" in saw["name"], saw
+    return "/dev/shm" + saw["name"]
 
 
 def remove_files(paths) -> None:
@@ -956,9 +980,9 @@ def remove_files(paths) -> None:
             pass
 
 
-def wait_for_line(job: "Job", rank: int, prefix: str, timeout: float = 120) -> None:
+def wait_for_report(job: "Job", rank: int, kind: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
-    while not any(l.startswith(prefix) for l in job.lines[rank]):
+    while not of_kind(reports(job.lines[rank]), kind):
         assert job.procs[rank].poll() is None, job.lines
         assert time.monotonic() < deadline, job.lines
         time.sleep(0.05)
@@ -1010,7 +1034,7 @@ def test_a_signal_to_process_0_in_set_up_removes_the_segment_at_once(sig):
     job = Job(2, 120.0, script="setup_exit.py", args=("hold",))
     path = None
     try:
-        wait_for_line(job, 1, "SAW")
+        wait_for_report(job, 1, "saw")
         path = host_segment_seen(job.lines[1])
         job.procs[0].send_signal(sig)
         deadline = time.monotonic() + 30
@@ -1032,22 +1056,20 @@ def test_the_next_job_removes_a_segment_whose_creator_was_killed_but_no_live_one
     live = None
     paths = []
     try:
-        wait_for_line(killed, 1, "SAW")
+        wait_for_report(killed, 1, "saw")
         paths.append(host_segment_seen(killed.lines[1]))
         killed.procs[0].kill()
         killed.procs[0].wait()  # reaped: a zombie's pid still answers kill(pid, 0)
         killed.kill_all()
         assert os.path.exists(paths[0])
         live = Job(2, 120.0, script="setup_exit.py", args=("hold",))
-        wait_for_line(live, 1, "SAW")
+        wait_for_report(live, 1, "saw")
         paths.append(host_segment_seen(live.lines[1]))
         r = run_launcher(2, "setup_exit.py", 60, "run")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        done = {
-            rank: [l for l in lines if l.startswith("DONE")]
-            for rank, lines in lines_by_rank(r.stdout).items()
-        }
-        assert done == {0: ["DONE True"], 1: ["DONE True"]}, r.stdout[-3000:]
+        done = {rank: of_kind(said, "done") for rank, said in reports_by_rank(r.stdout).items()}
+        want = [{"kind": "done", "host_direct": True}]
+        assert done == {0: want, 1: want}, r.stdout[-3000:]
         assert not os.path.exists(paths[0])
         assert os.path.exists(paths[1])
     finally:
@@ -1081,8 +1103,9 @@ def test_a_dev_shm_too_small_falls_back_to_tcp_saying_so_once():
         )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
+    by_rank = reports_by_rank(r.stdout)
     for rank in (0, 1):
-        assert f"[{rank}] DONE" in out, out[-3000:]
+        assert of_kind(by_rank[rank], "done"), out[-3000:]
         said = [
             l
             for l in out.splitlines()
@@ -1136,12 +1159,12 @@ def test_processes_in_network_namespaces_share_memory_unless_told_apart():
                     cwd=cwd,
                 )
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-            for rank, lines in lines_by_rank(r.stdout).items():
-                assert "DONE" in lines, lines[-5:]
-                links = int(next(l for l in lines if l.startswith("SHM_LINKS")).split()[1])
+            for rank, said in reports_by_rank(r.stdout).items():
+                done = one(said, "done")
+                links = done["shm_links"]
                 assert (links > 0) == shared, (prefix, rank, links)
-                direct = next(l for l in lines if l.startswith("HOST_DIRECT")).split()[1]
-                assert direct == str(shared), (prefix, rank, direct)
+                direct = done["host_direct"]["available"]
+                assert direct is shared, (prefix, rank, direct)
 
 
 def test_jaxring_transport_tcp_keeps_processes_on_sockets():
@@ -1154,8 +1177,8 @@ def test_jaxring_transport_tcp_keeps_processes_on_sockets():
     try:
         job.wait_ready()
         for rank in range(2):
-            ready = next(l for l in job.lines[rank] if l.startswith("READY"))
-            assert ready.endswith("shm_links=0"), ready
+            ready = of_kind(reports(job.lines[rank]), "ready")[0]
+            assert ready["shm_links"] == 0, ready
     finally:
         job.kill_all()
 
@@ -1174,21 +1197,22 @@ def test_stopped_peer_times_out_on_every_survivor(algorithm):
         for rank in (0, 2):
             raised = job.raised_at(rank, timeout_s + 20)
             assert raised - stopped_at < timeout_s + 5.0
-            message = [l for l in job.lines[rank] if l.startswith("RAISED")][0]
-            assert message.split()[2] in ("CollectiveTimeoutError", "PeerLostError"), message
+            said = of_kind(reports(job.lines[rank]), "raised")[0]
+            message = said["message"]
+            assert said["error"] in ("CollectiveTimeoutError", "PeerLostError"), said
             if algorithm == "direct":
                 # Every process's arrivals are in the host segment: the
                 # survivors name the stopped one, and its pid.
-                assert message.split()[3] == "peer=1:", message
-                assert f"waited for process 1 (pid {job.procs[1].pid})" in message, message
+                assert said["peer"] == 1, said
+                assert f"waited for process 1 (pid {job.procs[1].pid})" in message, said
                 continue
-            assert "timed out" in message or "process 1" in message, message
+            assert "timed out" in message or "process 1" in message, said
             # A survivor whose two rings wait for different processes
             # cannot tell which of them stopped: the other survivor, itself
             # waiting on the stopped one, may be the one it names (seen
             # once in CI). Never itself.
             other = 2 - rank
-            assert message.split()[3] in ("peer=1:", "peer=None:", f"peer={other}:"), message
+            assert said["peer"] in (1, None, other), said
     finally:
         job.procs[1].send_signal(signal.SIGCONT)
         job.kill_all()
@@ -1205,12 +1229,12 @@ def test_overlap_across_processes_matches_gloo_pmean(algorithm):
         2, "overlap_check.py", devices_per_process=2, env={"JAXRING_ALGORITHM": algorithm}
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for rank, lines in lines_by_rank(r.stdout).items():
-        diff = [l for l in lines if l.startswith("DIFF")]
-        assert diff, lines[-5:]
-        loss_diff, param_diff = map(float, diff[0].split()[1:])
-        assert loss_diff < 1e-5 and param_diff < 1e-5, (rank, diff)
-        frames = int(next(l for l in lines if l.startswith("DATA_FRAMES")).split()[1])
+    for rank, said in reports_by_rank(r.stdout).items():
+        result = of_kind(said, "result")
+        assert result, said[-5:]
+        loss_diff, param_diff = result[0]["loss_diff"], result[0]["param_diff"]
+        assert loss_diff < 1e-5 and param_diff < 1e-5, (rank, result[0])
+        frames = result[0]["data_frames"]
         assert (frames == 0) == (algorithm == "auto"), (rank, frames)
 
 
@@ -1261,21 +1285,23 @@ def test_documented_script_gives_the_same_result_under_the_launcher(tmp_path):
 def test_link_emulation_is_refused_for_rings_across_processes():
     r = run_launcher(2, "link_refused.py")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    for rank, lines in lines_by_rank(r.stdout).items():
-        refused = [l for l in lines if l.startswith("REFUSED")]
-        assert refused and "spans processes" in refused[0], (rank, lines[-5:])
+    for rank, said in reports_by_rank(r.stdout).items():
+        refused = of_kind(said, "refused")
+        assert refused and "spans processes" in refused[0]["message"], (rank, said[-5:])
 
 
 @newest_jax_only
 def test_a_failed_tcp_setup_is_reported_again_not_retried():
     r = run_launcher(2, "setup_retry.py")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    lines = lines_by_rank(r.stdout)[0]
-    first = [l for l in lines if l.startswith("FIRST")]
-    second = [l for l in lines if l.startswith("SECOND")]
-    assert first and "process 1 did not publish its TCP address" in first[0], lines
-    assert second and "set-up failed earlier in this process" in second[0], lines
-    assert "process 1 did not publish its TCP address" in second[0], lines
+    said = reports_by_rank(r.stdout)[0]
+    first = [s for s in of_kind(said, "attempt") if s["attempt"] == "first"]
+    second = [s for s in of_kind(said, "attempt") if s["attempt"] == "second"]
+    assert first and first[0]["raised"], said
+    assert "process 1 did not publish its TCP address" in first[0]["message"], said
+    assert second and second[0]["raised"], said
+    assert "set-up failed earlier in this process" in second[0]["message"], said
+    assert "process 1 did not publish its TCP address" in second[0]["message"], said
 
 
 @newest_jax_only
@@ -1313,13 +1339,13 @@ def test_a_job_with_fewer_cores_than_ranks_runs_one_ring_unless_told_otherwise()
             },
         )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for rank, lines in lines_by_rank(r.stdout).items():
-        rings = dict(l.split(" ", 2)[1:] for l in lines if l.startswith("RINGS"))
+    for rank, said in reports_by_rank(r.stdout).items():
+        rings = {s["setting"]: s["rings"] for s in of_kind(said, "rings")}
         assert rings == {
-            "default": "[1]",
-            "passed": "[2]",
-            "overlap": "[1]",
-            "set": "[2]",
-            "overlap-set": "[2]",
-        }, (rank, lines)
-        assert f"CORES {0.5}" in lines and "DONE" in lines, (rank, lines)
+            "default": [1],
+            "passed": [2],
+            "overlap": [1],
+            "set": [2],
+            "overlap-set": [2],
+        }, (rank, said)
+        assert {"kind": "done", "cores_per_rank": 0.5} in said, (rank, said)

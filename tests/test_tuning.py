@@ -12,10 +12,11 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from reports import of_kind, reports_by_rank
 
 import jaxring
 from jaxring._src import tuning
-from jaxring._src.tuning import Choice, Params
+from jaxring._src.tuning import Candidate, Params
 
 TRUE = Params(
     call_s=3e-4,
@@ -53,7 +54,7 @@ TRUE_TIERED = Params(
 def test_fit_recovers_each_tiers_parameters_from_flat_and_tiered_times():
     choices = tuning.candidates(4, in_one_process=False, tiered=True)
     assert {c.topology for c in choices} == {"flat", "auto"}
-    assert [c for c in choices if c.algorithm != "ring"] == [Choice("exchange", 1, 1 << 20)]
+    assert [c for c in choices if c.algorithm != "ring"] == [Candidate("exchange", 1, 1 << 20)]
     measured = [(c, n, tuning.predict(TRUE_TIERED, c, 4, n)) for c in choices for n in SIZES]
     got = tuning.fit(measured, 4, TRUE_TIERED.gamma_s_per_byte, DIMS)
     assert got.call_s == pytest.approx(TRUE_TIERED.call_s, rel=1e-6)
@@ -80,12 +81,12 @@ def test_direct_is_measured_across_processes_that_share_the_host_segment():
     chosen where it is fastest."""
     assert not any(c.algorithm == "direct" for c in tuning.candidates(4, False))
     tiered = tuning.candidates(4, in_one_process=False, tiered=True, host_direct=True)
-    assert Choice("direct", 2, 1 << 20) in tiered
+    assert Candidate("direct", 2, 1 << 20) in tiered
     assert any(c.topology == "auto" for c in tiered)  # the tiered plan too
     choices = tuning.candidates(4, in_one_process=False, host_direct=True)
     assert [c for c in choices if c.algorithm != "ring"] == [
-        Choice("direct", 2, 1 << 20),
-        Choice("exchange", 1, 1 << 20),
+        Candidate("direct", 2, 1 << 20),
+        Candidate("exchange", 1, 1 << 20),
     ]
     true = dataclasses.replace(TRUE, direct_call_s=1e-4, direct_s_per_byte=1e-9)
     measured = [(c, n, tuning.predict(true, c, 4, n)) for c in choices for n in SIZES]
@@ -146,7 +147,7 @@ def test_exchange_is_measured_across_processes_and_wins_where_steps_cost_most():
     assert not any(c.algorithm == "exchange" for c in tuning.candidates(8, True))
     assert not any(c.algorithm == "exchange" for c in tuning.candidates(3, False))
     choices = tuning.candidates(8, in_one_process=False)
-    assert Choice("exchange", 1, 1 << 20) in choices
+    assert Candidate("exchange", 1, 1 << 20) in choices
     slow = dataclasses.replace(TRUE, alpha_s=5e-4, beta_s_per_byte=2e-7)
     sizes = [256, 1 << 10, 4 << 10, 64 << 10]
     measured = [(c, n, tuning.predict(slow, c, 8, n)) for c in choices for n in sizes]
@@ -169,7 +170,7 @@ def test_tier_link_sharing_is_the_product_of_the_tighter_tiers():
 
 def test_fit_keeps_parameters_non_negative():
     # Times that fall with size would need a negative beta.
-    c = Choice("ring", 1, 1 << 20)
+    c = Candidate("ring", 1, 1 << 20)
     measured = [(c, n, 1e-3 - n * 1e-12) for n in SIZES]
     got = tuning.fit(measured, 4, 0.0)
     assert min(got.call_s, got.alpha_s, got.beta_s_per_byte) >= 0
@@ -181,7 +182,7 @@ def test_select_takes_the_fastest_prediction_and_lookup_the_next_size():
     for n, c in sel.items():
         assert tuning.predict(TRUE, c, 8, n) == min(tuning.predict(TRUE, x, 8, n) for x in choices)
     # Predictions within TIE of each other: the measurement decides.
-    a, b = Choice("ring", 1, 1 << 20, "auto"), Choice("ring", 2, 1 << 20, "auto")
+    a, b = Candidate("ring", 1, 1 << 20, "auto"), Candidate("ring", 2, 1 << 20, "auto")
     tied = dataclasses.replace(TRUE_TIERED, tiers=((2, 0.0, 5e-10, 1), (2, 0.0, 8e-9, 2)))
     assert tuning.predict(tied, a, 4, 1 << 24) == pytest.approx(tuning.predict(tied, b, 4, 1 << 24))
     assert tuning.select(tied, [a, b], 4, [1 << 24])[1 << 24] == a
@@ -190,7 +191,7 @@ def test_select_takes_the_fastest_prediction_and_lookup_the_next_size():
         == b
     )
     # Outside the tie, the model's choice stands whatever was measured.
-    slow = Choice("ring", 2, 1 << 20, "flat")
+    slow = Candidate("ring", 2, 1 << 20, "flat")
     assert (
         tuning.select(tied, [a, slow], 4, [1 << 24], [(a, 1 << 24, 0.2), (slow, 1 << 24, 0.1)])[
             1 << 24
@@ -199,14 +200,14 @@ def test_select_takes_the_fastest_prediction_and_lookup_the_next_size():
     )
     entry = {
         "choices": {
-            "1024": vars(Choice("ring", 1, 4096)),
-            "65536": vars(Choice("direct", 2, 1 << 20)),
+            "1024": vars(Candidate("ring", 1, 4096)),
+            "65536": vars(Candidate("direct", 2, 1 << 20)),
         }
     }
-    assert tuning.lookup(entry, 10) == Choice("ring", 1, 4096)
-    assert tuning.lookup(entry, 1024) == Choice("ring", 1, 4096)
-    assert tuning.lookup(entry, 1025) == Choice("direct", 2, 1 << 20)
-    assert tuning.lookup(entry, 1 << 30) == Choice("direct", 2, 1 << 20)
+    assert tuning.lookup(entry, 10) == Candidate("ring", 1, 4096)
+    assert tuning.lookup(entry, 1024) == Candidate("ring", 1, 4096)
+    assert tuning.lookup(entry, 1025) == Candidate("direct", 2, 1 << 20)
+    assert tuning.lookup(entry, 1 << 30) == Candidate("direct", 2, 1 << 20)
 
 
 def test_a_table_that_mixes_direct_with_the_ring_is_not_used_across_processes(tmp_path):
@@ -216,10 +217,10 @@ def test_a_table_that_mixes_direct_with_the_ring_is_not_used_across_processes(tm
     the timeout, so it is left unused, with one warning. In one process, or
     with one family, it is used."""
     path = str(tmp_path / "t.json")
-    mixed = {4096: Choice("direct", 2, 1 << 20), 1 << 20: Choice("ring", 2, 1 << 18)}
+    mixed = {4096: Candidate("direct", 2, 1 << 20), 1 << 20: Candidate("ring", 2, 1 << 18)}
     tuning.save(path, "cpu/ranks=4/processes=4", tuning.entry(TRUE, mixed))
     tuning.save(path, "cpu/ranks=4/processes=1", tuning.entry(TRUE, mixed))
-    rings_only = {4096: Choice("exchange", 1, 1 << 20), 1 << 20: Choice("ring", 2, 1 << 18)}
+    rings_only = {4096: Candidate("exchange", 1, 1 << 20), 1 << 20: Candidate("ring", 2, 1 << 18)}
     tuning.save(path, "cpu/ranks=8/processes=4", tuning.entry(TRUE, rings_only))
     assert tuning.mixes_direct(tuning.load(path)["cpu/ranks=4/processes=4"])
     assert not tuning.mixes_direct(tuning.load(path)["cpu/ranks=8/processes=4"])
@@ -240,13 +241,13 @@ def test_a_table_that_mixes_direct_with_the_ring_is_not_used_across_processes(tm
 
 def test_file_round_trip_keeps_other_topologies(tmp_path):
     path = str(tmp_path / "t.json")
-    sel = {4096: Choice("ring", 3, 12345)}
+    sel = {4096: Candidate("ring", 3, 12345)}
     tuning.save(path, "cpu/ranks=4/processes=1", tuning.entry(TRUE, sel))
     tuning.save(path, "cpu/ranks=8/processes=1", tuning.entry(TRUE, sel))
     tables = tuning.load(path)
     assert sorted(tables) == ["cpu/ranks=4/processes=1", "cpu/ranks=8/processes=1"]
     assert Params.from_dict(tables["cpu/ranks=4/processes=1"]["params"]) == TRUE
-    assert tuning.tuned_choice(path, "cpu/ranks=4/processes=1", 100) == Choice("ring", 3, 12345)
+    assert tuning.tuned_choice(path, "cpu/ranks=4/processes=1", 100) == Candidate("ring", 3, 12345)
     assert tuning.tuned_choice(path, "cpu/ranks=2/processes=1", 100) is None
     assert tuning.tuned_choice("off", "cpu/ranks=4/processes=1", 100) is None
     with pytest.raises(FileNotFoundError, match="no tuning file at"):
@@ -271,7 +272,9 @@ def test_allreduce_takes_unset_settings_from_the_table(tmp_path):
     tuning.save(
         path,
         key,
-        tuning.entry(TRUE, {1024: Choice("ring", 3, 12345), 1 << 20: Choice("direct", 2, 1 << 16)}),
+        tuning.entry(
+            TRUE, {1024: Candidate("ring", 3, 12345), 1 << 20: Candidate("direct", 2, 1 << 16)}
+        ),
     )
     mesh = jax.make_mesh((4,), ("i",), devices=jax.devices()[:4])
 
@@ -313,7 +316,11 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
         path,
         tuning.key("cpu", 4, 1),
         tuning.entry(
-            TRUE, {1024: Choice("ring", 3, 12345, "auto"), 1 << 20: Choice("ring", 1, 4096, "flat")}
+            TRUE,
+            {
+                1024: Candidate("ring", 3, 12345, "auto"),
+                1 << 20: Candidate("ring", 1, 4096, "flat"),
+            },
         ),
     )
     everything = {"rings", "chunk_bytes", "algorithm", "topology"}
@@ -361,7 +368,7 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
     # The table's exchange runs where the topology is the table's too; a
     # topology that was given asks for the ring plan, as it does of "auto".
     tuning.save(
-        path, tuning.key("cpu", 4, 1), tuning.entry(TRUE, {1024: Choice("exchange", 1, 1 << 20)})
+        path, tuning.key("cpu", 4, 1), tuning.entry(TRUE, {1024: Candidate("exchange", 1, 1 << 20)})
     )
     tuning._loaded.clear()
     jaxring.config.update("tuning", path)
@@ -381,7 +388,9 @@ def test_table_fills_in_the_topology_unless_it_was_set(tmp_path):
         jaxring.config.reset("tuning")
     # A table entry whose topology is neither "flat" nor "auto" is refused.
     tuning.save(
-        path, tuning.key("cpu", 4, 1), tuning.entry(TRUE, {1024: Choice("ring", 3, 12345, "2x2")})
+        path,
+        tuning.key("cpu", 4, 1),
+        tuning.entry(TRUE, {1024: Candidate("ring", 3, 12345, "2x2")}),
     )
     tuning._loaded.clear()
     jaxring.config.update("tuning", path)
@@ -516,11 +525,12 @@ def test_tune_across_processes_measures_both_plans_and_the_job_uses_its_table(tm
         timeout=300,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    lines = [l.split("] ", 1)[1] for l in res.stdout.splitlines() if "CHOICE" in l]
-    assert len(lines) == 4, res.stdout
-    for line in lines:
-        _, _, table, lowered = line.split()
-        assert table.split("=")[1] == lowered.split("=")[1], line
-    assert any(l.endswith(",flat") for l in lines) and any(l.endswith(",auto") for l in lines)
-    assert any("lowered=exchange," in l for l in lines)
-    assert res.stdout.count("DONE") == 2
+    by_rank = reports_by_rank(res.stdout)
+    assert sorted(by_rank) == [0, 1], res.stdout
+    choices = [c for rank in (0, 1) for c in of_kind(by_rank[rank], "choice")]
+    assert len(choices) == 4, res.stdout
+    for c in choices:
+        assert c["table"] == c["lowered"], c
+    assert {c["lowered"][3] for c in choices} == {"flat", "auto"}
+    assert any(c["lowered"][0] == "exchange" for c in choices)
+    assert all(len(of_kind(by_rank[rank], "done")) == 1 for rank in (0, 1)), res.stdout

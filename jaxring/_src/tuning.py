@@ -53,7 +53,10 @@ VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class Choice:
+class Candidate:
+    """Settings the tuner measures, and what a tuning table keeps for a size
+    (choice.tuned_settings applies it)."""
+
     algorithm: str  # "ring", "exchange" or "direct"
     rings: int
     chunk_bytes: int
@@ -87,7 +90,7 @@ def candidates(
     quick: bool = False,
     tiered: bool = False,
     host_direct: bool = False,
-) -> list[Choice]:
+) -> list[Candidate]:
     """The choices the tuner measures: ring counts x chunk sizes (each as a
     flat ring and, with ``tiered``, as the tiered plan), the direct
     algorithm where every rank is in this process or, with
@@ -98,13 +101,13 @@ def candidates(
     rings = (1, 2) if quick else (1, 2, 4)
     chunks = (256 << 10, 1 << 20) if quick else (64 << 10, 256 << 10, 1 << 20, 4 << 20)
     plans = ("flat", "auto") if tiered else ("flat",)
-    out = [Choice("ring", r, c, t) for t, r, c in itertools.product(plans, rings, chunks)]
+    out = [Candidate("ring", r, c, t) for t, r, c in itertools.product(plans, rings, chunks)]
     if (in_one_process or host_direct) and world > 1:
-        out.append(Choice("direct", 2, 1 << 20))
+        out.append(Candidate("direct", 2, 1 << 20))
     if not in_one_process and world % 2 == 0:
         # One ring: its buffers are small where it wins, and more rings
         # would only split them further.
-        out.append(Choice("exchange", 1, 1 << 20))
+        out.append(Candidate("exchange", 1, 1 << 20))
     return out
 
 
@@ -122,14 +125,14 @@ def _layout(params: Params, world: int) -> list[tuple[int, int]]:
     return [(world, 1)]
 
 
-def _plan_time(choice: Choice):
+def _plan_time(choice: Candidate):
     """The cost model's function for a ring or exchange choice."""
     if choice.algorithm == "exchange":
         return cost_model.exchange_time
     return cost_model.tiered_time if choice.topology == "auto" else cost_model.flat_ring_time
 
 
-def _plan_terms(choice: Choice, layout, nbytes: float, gamma: float):
+def _plan_terms(choice: Candidate, layout, nbytes: float, gamma: float):
     """The plan's time (ring or exchange) as a linear function of the
     tiers' parameters: the coefficients of (alpha_0, beta_0, alpha_1,
     beta_1, ...), and the reduction's part."""
@@ -154,7 +157,7 @@ def _tier_values(params: Params) -> list[float]:
     return [params.alpha_s, params.beta_s_per_byte]
 
 
-def predict(params: Params, choice: Choice, world: int, nbytes: float) -> float:
+def predict(params: Params, choice: Candidate, world: int, nbytes: float) -> float:
     if world <= 1:
         return 0.0
     if choice.algorithm == "direct":
@@ -182,7 +185,7 @@ def _nonnegative_fit(rows: np.ndarray, target: np.ndarray) -> np.ndarray:
 
 
 def fit(
-    measurements: Iterable[tuple[Choice, float, float]],
+    measurements: Iterable[tuple[Candidate, float, float]],
     world: int,
     gamma_s_per_byte: float,
     dims: tuple = (),
@@ -239,12 +242,12 @@ TIE = 0.03
 
 def select(
     params: Params,
-    choices: list[Choice],
+    choices: list[Candidate],
     world: int,
     sizes: Iterable[int],
     measured=None,
     direct_everywhere_or_nowhere: bool = False,
-) -> dict[int, Choice]:
+) -> dict[int, Candidate]:
     """The choice the model predicts fastest at each size. Among choices
     predicted within TIE of the fastest, the one measured fastest at that
     size wins, where ``measured`` ((choice, bytes, seconds) rows) has it.
@@ -269,7 +272,7 @@ def select(
         [c for c in choices if c.algorithm != "direct"],
     )
 
-    def loss(picked: dict[int, Choice]) -> float:
+    def loss(picked: dict[int, Candidate]) -> float:
         return sum(
             predict(params, picked[n], world, n) / predict(params, fastest[n], world, n)
             for n in sizes
@@ -279,8 +282,8 @@ def select(
 
 
 def _fastest(
-    params: Params, choices: list[Choice], world: int, sizes: list[int], measured
-) -> dict[int, Choice]:
+    params: Params, choices: list[Candidate], world: int, sizes: list[int], measured
+) -> dict[int, Candidate]:
     """select's choice at each size, on its own (no family kept)."""
     times = {(c, n): t for c, n, t in (measured or ())}
     out = {}
@@ -292,12 +295,12 @@ def _fastest(
     return out
 
 
-def lookup(entry: dict, nbytes: int) -> Choice:
+def lookup(entry: dict, nbytes: int) -> Candidate:
     """The choice of the smallest listed size >= nbytes (the largest size's
     beyond them)."""
     sizes = sorted(int(s) for s in entry["choices"])
     size = next((s for s in sizes if s >= nbytes), sizes[-1])
-    return Choice(**entry["choices"][str(size)])
+    return Candidate(**entry["choices"][str(size)])
 
 
 def key(platform: str, world: int, processes: int) -> str:
@@ -309,7 +312,7 @@ def cache_path() -> str:
     return os.path.join(base, "jaxring", "tuning.json")
 
 
-def entry(params: Params, selection: dict[int, Choice]) -> dict:
+def entry(params: Params, selection: dict[int, Candidate]) -> dict:
     return {
         "params": dataclasses.asdict(params),
         "choices": {str(n): dataclasses.asdict(c) for n, c in sorted(selection.items())},
@@ -364,7 +367,7 @@ _warned_mixed: set[tuple[str, str]] = set()
 
 def tuned_choice(
     setting: str, table_key: str, nbytes: int, across_processes: bool = False
-) -> Choice | None:
+) -> Candidate | None:
     """The table's choice for an operation, or None (tuning off, no file,
     no entry for this topology; across processes, an entry that mixes
     direct with the ring by size, which tables written before select()

@@ -4,13 +4,14 @@ Every process builds every rank's inputs from one seed, so it can compute the
 numpy reference for the whole job itself, and compares jaxring.allreduce
 (over TCP between processes, in memory inside one) against it for every
 dtype and op at random sizes. Checks that every local rank got the same
-bits and prints one CHECK line per case with a digest of them, so the test
+bits and reports one "check" per case with a digest of them, so the test
 can compare bits across processes, and across runs that split the ranks
-between processes differently, then DONE. An optional third argument is the topology setting
+between processes differently, then "done" with what the transport
+counted. An optional third argument is the topology setting
 ("auto", "flat" or "2x2"), or "ring", "exchange" or "direct" for that
-algorithm (topology "auto"); the TOPOLOGY and ALGORITHM lines say which tiers and algorithm
-the lowered custom call of a 4 MiB allreduce carries, SMALL_ALGORITHM
-which algorithm a 64-byte one runs.
+algorithm (topology "auto"); the "lowered" report says which tiers
+(topology) and algorithm the lowered custom call of a 4 MiB allreduce
+carries, and which algorithm a 64-byte one runs (small_algorithm).
 """
 
 import hashlib
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -101,13 +103,14 @@ def main():
             from jaxring import _jaxring
 
             names = {v: k for k, v in _jaxring.ALGORITHMS.items()}
-            for title, length in (("", 1 << 20), ("SMALL_", 16)):
+            algorithms = {}
+            for title, length in (("algorithm", 1 << 20), ("small_algorithm", 16)):
                 probe = jax.ShapeDtypeStruct(
                     (world, length), np.float32, sharding=NamedSharding(mesh, P("x"))
                 )
                 hlo = fns[key].lower(probe).as_text()
                 number = int(re.search(r"algorithm = (\d+)", hlo).group(1))
-                print(f"{title}ALGORITHM", names[number], flush=True)
+                algorithms[title] = names[number]
             # The large one's tiers, e.g. dense<[4, 2]> : tensor<2xi64>;
             # dense<2> : tensor<2xi64> is a splat; dense<> : tensor<0xi64>
             # is empty (flat).
@@ -124,7 +127,7 @@ def main():
             tiers = re.findall(r"\d+", attr.group(1))
             if len(tiers) == 1:
                 tiers = tiers * int(attr.group(2))
-            print("TOPOLOGY", "x".join(tiers) or "flat", flush=True)
+            report("lowered", topology="x".join(tiers) or "flat", **algorithms)
         out = fns[key](arr)
         want = reference(x, op)
         first = None
@@ -153,7 +156,7 @@ def main():
                     f"got different bits (shard {shard.index})"
                 )
         digest = hashlib.sha256(first).hexdigest()[:16]
-        print(f"CHECK {case} {op} {dtype} {count} {digest}", flush=True)
+        report("check", case=case, op=op, dtype=str(dtype), count=count, digest=digest)
     # Large chunks: a shared-memory ring (8 MiB) holds two of 4 MiB, so a
     # sender may find it full and hand frames to the connection's sender
     # thread, behind those it wrote itself.
@@ -179,19 +182,13 @@ def main():
     # connections carried data through shared memory (0 in one process, or
     # with JAXRING_TRANSPORT=tcp).
     info = jaxring.transport_info()
-    frames = info["data_frames"]
-    print(
-        f"DATA_FRAMES {frames['device_thread']} {frames['sender_thread']} "
-        f"{frames['finished_by_sender_thread']}",
-        flush=True,
+    report(
+        "done",
+        data_frames=info["data_frames"],
+        shm_links=len(info["shm_outbound"]),
+        socket_buffer=info["socket_buffer"],
+        host_direct=info["host_direct"],
     )
-    print(f"SHM_LINKS {len(info['shm_outbound'])}", flush=True)
-    print(f"SOCKET_BUFFER {info['socket_buffer']}", flush=True)
-    print(
-        f"HOST_DIRECT {info['host_direct']['available']} {info['host_direct']['pending_ops']}",
-        flush=True,
-    )
-    print("DONE", flush=True)
 
 
 if __name__ == "__main__":

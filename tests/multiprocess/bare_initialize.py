@@ -16,6 +16,7 @@ jax.distributed.initialize(
 
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from report import report  # noqa: E402
 
 import jaxring  # noqa: E402
 
@@ -26,16 +27,10 @@ total = jax.jit(
     jax.shard_map(lambda v: jaxring.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
 )
 got = np.asarray(total(x).addressable_data(0))
-print("PROCESS", jax.process_index(), "OF", jax.process_count(), flush=True)
-print(
-    "SUM",
-    " ".join(map(str, got.ravel().tolist())),
-    "WANT",
-    " ".join(map(str, rows.sum(0).tolist())),
-    flush=True,
-)
+report("process", index=jax.process_index(), count=jax.process_count())
+report("sum", got=got.ravel().tolist(), want=rows.sum(0).tolist())
 try:
     jax.distributed.initialize(num_processes=jax.process_count() + 1)
-    print("NO ERROR", flush=True)
+    report("no_error")
 except RuntimeError as e:
-    print("REFUSED", " ".join(str(e).split()), flush=True)
+    report("refused", message=" ".join(str(e).split()))

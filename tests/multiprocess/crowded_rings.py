@@ -1,7 +1,8 @@
 """Run by tests/test_multiprocess.py: lowers allreduces across processes with
 the ring count left to the default, passed, and set, and a step under
-jaxring.overlap; prints the num_rings each custom call carries (RINGS lines)
-and the job's cores per rank, checks the sums against numpy, prints DONE.
+jaxring.overlap; reports the num_rings each custom call carries ("rings",
+per setting), checks the sums against numpy, and reports "done" with the
+job's cores per rank.
 
 The test starts the job on fewer cores than ranks, where the default is one
 ring (jaxring/_src/crowding.py)."""
@@ -11,6 +12,7 @@ import re
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -34,19 +36,18 @@ def rings_of(fn):
     return found
 
 
-print("RINGS default", rings_of(lambda v: jaxring.allreduce(v, "i")), flush=True)
-print("RINGS passed", rings_of(lambda v: jaxring.allreduce(v, "i", rings=2)), flush=True)
-print(
-    "RINGS overlap",
-    rings_of(jaxring.overlap(lambda v: jax.lax.psum(v, "i"), axis_name="i")),
-    flush=True,
+report("rings", setting="default", rings=rings_of(lambda v: jaxring.allreduce(v, "i")))
+report("rings", setting="passed", rings=rings_of(lambda v: jaxring.allreduce(v, "i", rings=2)))
+report(
+    "rings",
+    setting="overlap",
+    rings=rings_of(jaxring.overlap(lambda v: jax.lax.psum(v, "i"), axis_name="i")),
 )
 jaxring.config.update("rings", 2)
-print("RINGS set", rings_of(lambda v: jaxring.allreduce(v, "i")), flush=True)
-print(
-    "RINGS overlap-set",
-    rings_of(jaxring.overlap(lambda v: jax.lax.psum(v, "i"), axis_name="i")),
-    flush=True,
+report("rings", setting="set", rings=rings_of(lambda v: jaxring.allreduce(v, "i")))
+report(
+    "rings",
+    setting="overlap-set",
+    rings=rings_of(jaxring.overlap(lambda v: jax.lax.psum(v, "i"), axis_name="i")),
 )
-print("CORES", jaxring.transport_info()["cores_per_rank"], flush=True)
-print("DONE", flush=True)
+report("done", cores_per_rank=jaxring.transport_info()["cores_per_rank"])

@@ -2,8 +2,9 @@
 allreduce for the CUDA platform (no GPU needed) over the devices of every
 process, with process 1's operand argv[1] times longer than the others'
 (1: the same program everywhere, lowered for two shapes in turn; 0:
-process 0 lowers nothing, and stays up for 10 s). Prints LOWERED per
-lowering, or RAISED with the error's type and message."""
+process 0 lowers nothing, and stays up for 10 s). Reports "lowered" with
+the number of CUDA custom calls per lowering, or "raised" with the time it
+took, the error's type and its message."""
 
 import sys
 import time
@@ -11,6 +12,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -39,7 +41,12 @@ for length in (n, 3 * n) if longer == 1 else (n,):
     start = time.time()
     try:
         text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-        print(f"LOWERED {text.count('@jaxring_allreduce_cuda')}", flush=True)
+        report("lowered", calls=text.count("@jaxring_allreduce_cuda"))
     except Exception as e:
         message = " ".join(str(e).split())
-        print(f"RAISED {time.time() - start:.1f} {type(e).__name__} {message[:600]}", flush=True)
+        report(
+            "raised",
+            took_s=time.time() - start,
+            error=type(e).__name__,
+            message=message[:600],
+        )

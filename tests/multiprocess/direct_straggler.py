@@ -2,7 +2,8 @@
 direct allreduces over axis "a" (two groups of this call site, each across
 two processes) while the processes of one group arrive a few seconds late.
 Both groups must still give numpy's sums: a group waiting for its
-stragglers is not a process in another program. Prints OK or RAISED."""
+stragglers is not a process in another program. Reports "ok", or "raised"
+with the error."""
 
 import os
 import sys
@@ -11,6 +12,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -41,8 +43,8 @@ try:
             row = shard.index[0].start
             if not np.array_equal(np.asarray(shard.data)[0], want[row]):
                 raise SystemExit(f"MISMATCH in row {row}")
-    print("OK", flush=True)
+    report("ok")
 except Exception as e:  # what a training loop would see
-    print(f"RAISED {type(e).__name__} {' '.join(str(e).split())[:400]}", flush=True)
+    report("raised", error=type(e).__name__, message=" ".join(str(e).split())[:400])
 time.sleep(1.0 if me else 3.0)  # process 0 hosts the coordination service
 os._exit(0)

@@ -6,11 +6,12 @@ import sys
 import time
 
 import jax
+from report import report
 
-print(f"PID {os.getpid()}", flush=True)
+report("pid", pid=os.getpid())
 if jax.process_index() == 1:
     time.sleep(1.0)
-    print("failing on purpose", flush=True)
+    report("failing", status=7)
     sys.exit(7)
 while True:
     time.sleep(1.0)

@@ -1,9 +1,11 @@
 """Run by tests/test_multiprocess.py: a long sequence of allreduces that the
 test interrupts by killing one process. Arguments: the timeout, the
 element count, and the algorithm ("auto" unless given). Each survivor must raise a
-jaxring.JaxringError; it prints RAISED with the wall-clock time, the error's
-type, the peer it names and its message, then exits without waiting
-for jax.distributed's shutdown (the job is broken)."""
+jaxring.JaxringError; it reports "raised" with the wall-clock time, the
+error's type, the peer it names and its message, then exits without waiting
+for jax.distributed's shutdown (the job is broken). After 20 steps each
+process reports "ready", with whether it runs direct over the host segment
+and its shared-memory links."""
 
 import os
 import sys
@@ -12,6 +14,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -42,13 +45,15 @@ try:
                 info = jaxring.transport_info()
                 links = len(info["shm_outbound"])
                 direct = info["host_direct"]["available"]
-                print(f"READY {os.getpid()} direct={direct} shm_links={links}", flush=True)
+                report("ready", pid=os.getpid(), direct=direct, shm_links=links)
 except Exception as e:  # what a training loop would see
     message = " ".join(str(e).split())
-    print(
-        f"RAISED {time.time():.3f} {type(e).__name__} "
-        f"peer={getattr(e, 'peer_process', None)}: {message[:400]}",
-        flush=True,
+    report(
+        "raised",
+        at=time.time(),
+        error=type(e).__name__,
+        peer=getattr(e, "peer_process", None),
+        message=message[:400],
     )
     if jax.process_index() == 0:
         # Process 0 hosts jax.distributed's coordination service; if it left

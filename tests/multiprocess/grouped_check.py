@@ -1,7 +1,8 @@
 """Run by tests/test_multiprocess.py: allreduces within axis_index_groups
 whose groups span processes (over TCP) or stay in one, of one size and of
 different sizes, split-phase under jaxring.overlap too, against numpy. A
-process prints one CHECK line per case, then OK, or RAISED with the error."""
+process reports one "check" per grouping, then "ok", or "raised" with the
+error."""
 
 import os
 import time
@@ -9,6 +10,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -52,10 +54,10 @@ try:
                     assert np.array_equal(sums[rank], x[g].sum(0)), (name, rank)
                     assert np.allclose(means[rank], x[g].mean(0), rtol=1e-6), (name, rank)
                     assert np.array_equal(overlapped[rank], 2 * x[g].sum(0)), (name, rank)
-            print(f"CHECK {name}", flush=True)
-    print("OK", flush=True)
+            report("check", grouping=name)
+    report("ok")
 except Exception as e:
-    print(f"RAISED {type(e).__name__} {' '.join(str(e).split())[:400]}", flush=True)
+    report("raised", error=type(e).__name__, message=" ".join(str(e).split())[:400])
 if jax.process_index() == 0:
     time.sleep(2.0)  # it hosts the coordination service: leave last
 os._exit(0)

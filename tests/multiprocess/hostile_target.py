@@ -2,12 +2,13 @@
 every result against numpy, and reports what it holds, while the test
 attacks its TCP transport from outside.
 
-Prints READY with the transport's address and this process's threads, open
-descriptors and RSS once the transport is up; loops until a file named
-`stop` appears in its working directory (the test makes it after the
-attacks and the handshake deadline); then prints the same counts again and
-DONE with the number of steps and of wrong results. A jaxring error ends it
-with FAILED, the same counts and the error.
+Reports "ready" with the transport's address and job id and this process's
+threads, open descriptors and RSS once the transport is up; loops until a
+file named `stop` appears in its working directory (the test makes it after
+the attacks and the handshake deadline); then reports "after" with the same
+counts and what the transport holds, and "done" with the number of steps
+and of wrong results. A jaxring error ends it with "failed": the same
+counts, the operations pending and the error.
 """
 
 import os
@@ -18,17 +19,18 @@ import time
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
 
-def resources() -> str:
+def resources() -> dict:
     status = pathlib.Path("/proc/self/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     threads = int(fields["Threads"])
     rss_kib = int(fields["VmRSS"].split()[0])
     fds = len(os.listdir("/proc/self/fd"))
-    return f"threads={threads} fds={fds} rss_mib={rss_kib / 1024:.1f}"
+    return {"threads": threads, "fds": fds, "rss_mib": rss_kib / 1024}
 
 
 limit_s = float(sys.argv[1])
@@ -70,7 +72,7 @@ def step():
     steps += 1
     if steps == 3:
         info = jaxring.transport_info()
-        print(f"READY {info['address']} job_id={info['job_id']} {resources()}", flush=True)
+        report("ready", address=info["address"], job_id=info["job_id"], **resources())
     return stop
 
 
@@ -81,19 +83,23 @@ try:
 except jaxring.JaxringError as e:
     # What a broken job must end in: a clear error, with what it holds.
     info = jaxring.transport_info()
-    print(
-        f"FAILED {resources()} pending={info['pending_ops']} "
-        f"{type(e).__name__}: {' '.join(str(e).split())[:400]}",
-        flush=True,
+    report(
+        "failed",
+        **resources(),
+        pending=info["pending_ops"],
+        error=type(e).__name__,
+        message=" ".join(str(e).split())[:400],
     )
     if jax.process_index() == 0:
         time.sleep(5.0)  # it hosts the coordination service: leave last
     os._exit(3)
 info = jaxring.transport_info()
-print(
-    f"AFTER {resources()} refused={info['refused_connections']} "
-    f"pending={info['pending_ops']} lost={info['lost_processes']} "
-    f"shm_links={len(info['shm_outbound'])}",
-    flush=True,
+report(
+    "after",
+    **resources(),
+    refused=info["refused_connections"],
+    pending=info["pending_ops"],
+    lost=info["lost_processes"],
+    shm_links=len(info["shm_outbound"]),
 )
-print(f"DONE steps={steps} wrong={wrong}", flush=True)
+report("done", steps=steps, wrong=wrong)

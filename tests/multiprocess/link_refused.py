@@ -4,6 +4,7 @@ a ring that spans processes; tracing such an allreduce must say so."""
 import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -20,6 +21,6 @@ f = jax.jit(
 )
 try:
     f.lower(jax.ShapeDtypeStruct((mesh.size, 4), np.float32))
-    print("NO ERROR", flush=True)
+    report("no_error")
 except NotImplementedError as e:
-    print("REFUSED", " ".join(str(e).split()), flush=True)
+    report("refused", message=" ".join(str(e).split()))

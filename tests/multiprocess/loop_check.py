@@ -3,7 +3,7 @@ fori_loop) across processes, under each algorithm. XLA gives such a call
 one key for the whole run, so each iteration must still meet the same
 iteration on every rank. Compares every iteration's result with numpy
 (integer-valued floats, so every summation order gives the same bits) and
-prints one line per algorithm."""
+reports "loop" per algorithm with whether every one matched, then "done"."""
 
 import sys
 from functools import partial
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -63,5 +64,5 @@ for algorithm in sys.argv[3].split(","):
         total = looped(algorithm)(x)
         for shard in total.addressable_shards:
             ok &= bool(np.array_equal(np.asarray(shard.data)[0], expected.sum(0)))
-    print(f"LOOP {algorithm} {'ok' if ok else 'WRONG'}", flush=True)
-print("DONE", flush=True)
+    report("loop", algorithm=algorithm, ok=ok)
+report("done")

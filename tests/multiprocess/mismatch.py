@@ -1,7 +1,8 @@
 """Run by tests/test_multiprocess.py: process 1 reduces a longer vector than
 the others ("count"), or as many elements in another shape ("shape"), as if
 its program were built from different shapes. Every process must raise a
-clear error well before the timeout."""
+clear error well before the timeout: it reports "raised" with the time it
+took, the error's type and its message (or "no_error")."""
 
 import os
 import sys
@@ -10,6 +11,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -34,10 +36,10 @@ start = time.time()
 try:
     with jaxring.translate_errors():
         f(arr).block_until_ready()
-    print("NO ERROR", flush=True)
+    report("no_error")
 except Exception as e:
     message = " ".join(str(e).split())
-    print(f"RAISED {time.time() - start:.3f} {type(e).__name__} {message[:600]}", flush=True)
+    report("raised", took_s=time.time() - start, error=type(e).__name__, message=message[:600])
 # The abort that tells the other process why is written by a sender thread;
 # exiting at once can close the connection before it is, and the other
 # process then sees a lost peer instead of the mismatch. Give it time.

@@ -2,9 +2,9 @@
 last process sets JAXRING_TRANSPORT=tcp for itself before its first
 allreduce, the others keep "auto". The processes must settle on one
 answer (no host segment, so "auto" runs the ring everywhere) without
-waiting out a timeout: each prints HOST_DIRECT with what it was told,
-the lowered ALGORITHM, how long the first allreduce took, and OK if the
-result is right."""
+waiting out a timeout: each reports "result" with what it was told of the
+host segment, the lowered algorithm, how long the first allreduce took,
+and whether the result is right."""
 
 import os
 import re
@@ -13,6 +13,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 from jaxring import _jaxring
@@ -37,15 +38,14 @@ out = f(arr)
 out.block_until_ready()
 took = time.monotonic() - started
 info = jaxring.transport_info()["host_direct"]
-print(f"HOST_DIRECT {info['available']} {info['unavailable']}", flush=True)
 names = {v: k for k, v in _jaxring.ALGORITHMS.items()}
 number = int(re.search(r"algorithm = (\d+)", f.lower(arr).as_text()).group(1))
-print(f"ALGORITHM {names[number]}", flush=True)
-print(f"TOOK {took:.2f}", flush=True)
 want = x.sum(0)
-print(
-    "OK"
-    if all(np.array_equal(np.asarray(s.data)[0], want) for s in out.addressable_shards)
-    else "WRONG",
-    flush=True,
+report(
+    "result",
+    host_direct=info["available"],
+    host_direct_unavailable=info["unavailable"],
+    algorithm=names[number],
+    took_s=took,
+    correct=all(np.array_equal(np.asarray(s.data)[0], want) for s in out.addressable_shards),
 )

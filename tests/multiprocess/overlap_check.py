@@ -1,12 +1,14 @@
 """Run by tests/test_multiprocess.py: an MLP train step over every device of
 every process, once with lax.pmean (JAX's Gloo collectives across processes)
-and once under jaxring.overlap (buckets over jaxring's TCP transport). Prints
-the largest difference of the losses and parameters after three steps."""
+and once under jaxring.overlap (buckets over jaxring's TCP transport).
+Reports the losses, the largest difference of the losses and of the
+parameters after three steps, and the data frames sent over sockets."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -69,7 +71,11 @@ for name, fn in [
 (l0, p0), (l1, p1) = results["pmean"], results["overlap"]
 loss_diff = max(abs(a - b) for a, b in zip(l0, l1))
 param_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(p0, p1))
-print(f"LOSSES {l0} {l1}", flush=True)
-print(f"DIFF {loss_diff:.3e} {param_diff:.3e}", flush=True)
 frames = jaxring.transport_info()["data_frames"]
-print(f"DATA_FRAMES {frames['device_thread'] + frames['sender_thread']}", flush=True)
+report(
+    "result",
+    losses={"pmean": l0, "overlap": l1},
+    loss_diff=loss_diff,
+    param_diff=param_diff,
+    data_frames=frames["device_thread"] + frames["sender_thread"],
+)

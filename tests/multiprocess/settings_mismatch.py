@@ -3,7 +3,9 @@ before the first allreduce, per argv[1]: "ring" (algorithm "ring") or
 "tuning" (a tuning table of its own that takes the ring) make it choose
 the ring while process 0 runs direct, and every process must raise a clear
 error at that allreduce's lowering, not wait until the timeout; "direct"
-(algorithm "direct", which "auto" runs anyway) must change nothing."""
+(algorithm "direct", which "auto" runs anyway) must change nothing. Each
+process reports "raised" with the time it took, the error's type and its
+message, or "no_error"."""
 
 import os
 import sys
@@ -13,6 +15,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -52,10 +55,10 @@ start = time.time()
 try:
     out = f(arr).block_until_ready()
     assert np.all(np.asarray(out.addressable_shards[0].data) == devices.size)
-    print("NO ERROR", flush=True)
+    report("no_error")
 except Exception as e:
     message = " ".join(str(e).split())
-    print(f"RAISED {time.time() - start:.3f} {type(e).__name__} {message[:600]}", flush=True)
+    report("raised", took_s=time.time() - start, error=type(e).__name__, message=message[:600])
 # A process that exits while another still reads the records from the
 # key-value store can break that read: give them time.
 time.sleep(3)

@@ -2,16 +2,16 @@
 in the host segment's set-up (jaxring/_src/host_segment.py), to check what
 each way out leaves in /dev/shm. Arguments: the timeout and the mode.
 
-Process 1 waits until process 0 has published the segment's name, prints
-"SAW <name> <whether /dev/shm holds it>", and then, by mode:
+Process 1 waits until process 0 has published the segment's name, reports
+"saw" with the name and whether /dev/shm holds it, and then, by mode:
   hold        waits until the test ends it (the test stops process 0);
   exit        exits with status 1, as a process that crashed in set-up
               (under the launcher, which then stops process 0);
   raise       maps the segment as usual; process 0 raises in its set-up
               once process 1 said whether it mapped it.
   run         maps the segment as usual: the set-up ends, and both run one
-              allreduce with algorithm="direct", then print "DONE <whether
-              direct runs across the processes>".
+              allreduce with algorithm="direct", then report "done" with
+              whether direct runs across the processes (host_direct).
 """
 
 import json
@@ -23,6 +23,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 from jaxring._src import host_segment
@@ -44,7 +45,7 @@ def name_published(client) -> str:
         client.blocking_key_value_get(host_segment._NAME_KEY, int(timeout_s * 1000))
     )
     name = record["name"]
-    print(f"SAW {name} {os.path.exists('/dev/shm' + name)}", flush=True)
+    report("saw", name=name, exists=os.path.exists("/dev/shm" + name))
     return name
 
 
@@ -83,4 +84,4 @@ x = np.ones((mesh.size, 1024), np.float32)
 arr = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("x")), lambda idx: x[idx])
 out = np.asarray(jax.device_get(f(arr).addressable_data(0)))
 assert (out == mesh.size).all(), out
-print(f"DONE {jaxring.transport_info()['host_direct']['available']}", flush=True)
+report("done", host_direct=jaxring.transport_info()["host_direct"]["available"])

@@ -1,10 +1,10 @@
 """Run by tests/test_multiprocess.py: a timeline across processes. One
 allreduce, then three in a scan's body (which run under one key; the
 transports tell the iterations apart by an op id of their own), under
-algorithm argv[1]. Each process records a timeline and prints the names of
-its spans, per local device: every iteration must have its span, named as
-its call site ("allreduce sum over x" before the loop, "allreduce max over
-x" in it)."""
+algorithm argv[1]. Each process records a timeline and reports the names
+of its spans ("spans"), per local device, then "done": every iteration must
+have its span, named as its call site ("allreduce sum over x" before the
+loop, "allreduce max over x" in it)."""
 
 import json
 import os
@@ -15,6 +15,7 @@ from functools import partial
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -45,6 +46,5 @@ with jaxring.timeline(path):
 assert float(np.asarray(out.addressable_shards[0].data).ravel()[0]) == devices.size + 3
 spans = [e for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
 for d in sorted({e["tid"] for e in spans}):
-    names = sorted(e["name"] for e in spans if e["tid"] == d)
-    print("SPANS", "; ".join(names), flush=True)
-print("DONE", flush=True)
+    report("spans", device=d, names=sorted(e["name"] for e in spans if e["tid"] == d))
+report("done")

@@ -1,7 +1,7 @@
 """Under the launcher, after `-m jaxring.tune` wrote a table: lowers
 jaxring.allreduce with nothing set, at each tuned size, and prints the
-table's choice next to what the custom call carries, one CHOICE line per
-size, then checks the values against numpy and prints DONE.
+table's candidate next to what the custom call carries, one "choice"
+report per size, then checks the values against numpy and reports "done".
 
     python tuned_lowering.py TABLE.json
 """
@@ -12,6 +12,7 @@ import sys
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 from jaxring import _jaxring
@@ -49,18 +50,23 @@ def main():
         algorithm = {v: k for k, v in _jaxring.ALGORITHMS.items()}[attrs["algorithm"]]
         tiered = re.search(r"topology = dense<([^>]*)>", hlo).group(1) != ""
         c = tuning.lookup(table, size)
-        print(
-            f"CHOICE {size} table={c.algorithm},{c.rings},{c.chunk_bytes},{c.topology} "
-            f"lowered={algorithm},{attrs['num_rings']},{attrs['chunk_bytes']},"
-            f"{'auto' if tiered else 'flat'}",
-            flush=True,
+        report(
+            "choice",
+            size=size,
+            table=[c.algorithm, c.rings, c.chunk_bytes, c.topology],
+            lowered=[
+                algorithm,
+                attrs["num_rings"],
+                attrs["chunk_bytes"],
+                "auto" if tiered else "flat",
+            ],
         )
         out = f(x)
         for shard in out.addressable_shards:
             np.testing.assert_array_equal(
                 np.asarray(shard.data), np.full((1, count), n * (n + 1) / 2)
             )
-    print("DONE", flush=True)
+    report("done")
 
 
 if __name__ == "__main__":

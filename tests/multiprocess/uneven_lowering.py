@@ -2,7 +2,7 @@
 functions of its own (an evaluation over its local devices) before the step
 every process runs. The step's allreduces must still pair up across the
 processes (op ids do not count what a process lowered before) and match
-numpy; a process prints OK, or RAISED with the error."""
+numpy; a process reports "ok" (or "wrong"), or "raised" with the error."""
 
 import os
 import sys
@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from report import report
 
 import jaxring
 
@@ -52,11 +53,13 @@ try:
     with jaxring.translate_errors():
         out = step(arr)
         good = all(np.allclose(np.asarray(s.data), want, rtol=1e-6) for s in out.addressable_shards)
-    print("OK" if good else "WRONG", flush=True)
+    report("ok" if good else "wrong")
 except Exception as e:
-    print(
-        f"RAISED {time.time() - start:.3f} {type(e).__name__} {' '.join(str(e).split())[:400]}",
-        flush=True,
+    report(
+        "raised",
+        took_s=time.time() - start,
+        error=type(e).__name__,
+        message=" ".join(str(e).split())[:400],
     )
 if jax.process_index() == 0:
     time.sleep(2.0)  # it hosts the coordination service: leave last
