@@ -73,6 +73,16 @@ def batch(seed=1, per_device=4, width=WIDTH, devices=N):
     return jnp.asarray(x), jnp.asarray(y)
 
 
+def assert_moments_close(got, want):
+    """Optimizer states equal to rtol 1e-4, each leaf with an absolute
+    tolerance of 1e-5 of its largest element."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        v = np.asarray(v)
+        scale = float(np.max(np.abs(v))) if v.size else 0.0
+        np.testing.assert_allclose(np.asarray(u), v, rtol=1e-4, atol=1e-5 * scale + 1e-12)
+
+
 def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     jax.tree.map(
@@ -221,8 +231,13 @@ def test_adam_step_in_jit_equals_the_one_device_update():
         assert_trees_close(got[0], want[0], rtol=1e-5, atol=1e-6)
         # Adam's update hardly depends on the gradients' scale: gradients
         # reduced twice (n times too large) would pass the check above, not
-        # this one of its moments.
-        assert_trees_close(got[1], want[1], rtol=1e-4, atol=1e-9)
+        # this one of its moments. An element far smaller than the rest of
+        # its leaf is a sum that mostly cancelled: its float32 rounding is
+        # that of the leaf's larger terms, which the 8 devices sum in
+        # another order than one device does. So the absolute tolerance
+        # scales with each leaf, 1e-5 of its largest element (seen: 1.5e-6),
+        # far below the 7x error of a double reduction.
+        assert_moments_close(got[1], want[1])
 
 
 def test_overlap_options_pass_through(capsys):
