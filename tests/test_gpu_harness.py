@@ -18,12 +18,14 @@ import pytest
 
 from jaxring import _jaxring
 
+# The harness is test scaffolding of jaxring's own, whatever the jax.
+pytestmark = pytest.mark.jax_independent
+
 GPU_DIR = os.path.join(os.path.dirname(__file__), "gpu")
 sys.path.insert(0, GPU_DIR)
 import gpu_worker  # noqa: E402
 
 
-@pytest.mark.jax_independent  # the harness's own code
 def test_a_hanging_rank_is_stopped_at_the_deadline_with_its_stack(tmp_path):
     t0 = time.monotonic()
     # 15 s: each rank imports jaxring (and JAX) before it reaches its mode.
