@@ -1,5 +1,6 @@
 // The clock every wait of the CPU executors is measured on, the periods
-// their workers share, and the probe for a peer in another program.
+// their workers share, and the one watch over a wait: when it has run out,
+// and when to look for a peer in another program.
 #pragma once
 
 #include <chrono>
@@ -35,6 +36,30 @@ class MismatchProbe {
   Clock::time_point last_progress_ = Clock::now();
   Clock::time_point next_{};
 };
+
+// What a worker does about an operation it waits on, after a pass over it.
+enum class WaitVerdict { kKeepWaiting, kLookForOtherProgram, kTimedOut };
+
+// The watch every executor applies after each pass over a waiting
+// operation (the in-process ring, the plan executor, host-segment direct):
+// progress resets the probe; a wait past the deadline times out; a wait
+// of kMismatchProbeAfter without progress looks for a peer in another
+// program (probe null: all ranks run in this program, so none can be).
+// Whom the timeout names, and how a peer in another program is found, are
+// each executor's own.
+inline WaitVerdict watch_wait(bool progressed, Clock::time_point now,
+                              Clock::time_point deadline,
+                              MismatchProbe* probe) {
+  if (progressed) {
+    if (probe != nullptr) probe->progressed(now);
+    return WaitVerdict::kKeepWaiting;
+  }
+  if (now > deadline) return WaitVerdict::kTimedOut;
+  if (probe != nullptr && probe->due(now)) {
+    return WaitVerdict::kLookForOtherProgram;
+  }
+  return WaitVerdict::kKeepWaiting;
+}
 
 inline Clock::time_point after_seconds(double s) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(

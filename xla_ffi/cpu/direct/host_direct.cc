@@ -345,14 +345,15 @@ class DirectWorker {
             finished);
       }
     }
-    const auto now = Clock::now();
-    if (t.probe.due(now)) {
+    const WaitVerdict verdict =
+        watch_wait(false, Clock::now(), t.deadline, &t.probe);
+    if (verdict == WaitVerdict::kLookForOtherProgram) {
       std::string why;
       const int other = in_another_program(t, &why);
       if (other >= 0)
         return fail(t, FailureKind::kMismatch, other, why, finished);
     }
-    if (now > t.deadline) {
+    if (verdict == WaitVerdict::kTimedOut) {
       int peer;
       std::ostringstream os;
       os << "timed out after " << t.timeout_s << " s: " << what

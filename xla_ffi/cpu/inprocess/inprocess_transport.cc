@@ -164,7 +164,9 @@ bool Worker::advance(Task& task, bool* finished) {
   // Moving the data is bounded work on buffers every rank still holds: no
   // timeout while it runs.
   const bool executing = op.timing_claimed.load() && !op.data_done.load();
-  if (!progressed && !executing && Clock::now() > op.deadline) {
+  // All ranks run in this program: no peer can be in another one.
+  if (!executing && watch_wait(progressed, Clock::now(), op.deadline,
+                               /*probe=*/nullptr) == WaitVerdict::kTimedOut) {
     std::ostringstream os;
     os << op.name() << " timed out after " << op.timeout_s << " s: ";
     const std::string missing = op.ranks_without(&RankSlot::joined);

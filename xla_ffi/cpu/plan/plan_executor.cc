@@ -432,9 +432,9 @@ bool Pass::advance_ring(int r) {
 }
 
 bool Pass::waited(bool progressed, bool all_done) {
-  const auto now = Clock::now();
-  if (progressed) task_.probe.progressed(now);
-  if (!progressed && now <= op_.deadline && task_.probe.due(now)) {
+  const WaitVerdict verdict =
+      watch_wait(progressed, Clock::now(), op_.deadline, &task_.probe);
+  if (verdict == WaitVerdict::kLookForOtherProgram) {
     // Waiting with nothing to do: is a peer at this call site in another
     // program? (The host fails this operation if so; the next pass
     // completes.)
@@ -442,7 +442,7 @@ bool Pass::waited(bool progressed, bool all_done) {
     op_.host->check_programs_agree(task_.op);
     return false;
   }
-  if (!progressed && now > op_.deadline) {
+  if (verdict == WaitVerdict::kTimedOut) {
     // Which peer is stuck is known only when every ring waits for the same.
     std::set<int> waited_for;
     for (int r = 0; r < plan_.num_rings(); ++r) {
