@@ -10,6 +10,7 @@ the two algorithms alternating in rounds.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -32,6 +33,7 @@ def parse_args():
     )
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None, help="also write the rows here")
     return ap.parse_args()
 
 
@@ -85,6 +87,7 @@ def main():
             times.append(time.perf_counter() - t)
         return float(np.median(times)) * 1e3
 
+    rows = []
     print(
         f"# {args.devices} devices in one process, float32, ms per call "
         f"(median of {args.calls}, best of {args.rounds} rounds); rings {rings}"
@@ -118,12 +121,25 @@ def main():
                 rings=rings,
                 chunk_bytes=chunk,
             )
+            rows.append(
+                dict(
+                    link=link,
+                    bytes=nbytes,
+                    ring_ms=best["ring"],
+                    exchange_ms=best["exchange"],
+                    model_ring_over_exchange=model,
+                    auto_picks=picks,
+                )
+            )
             print(
                 f"{size_text(nbytes):>9} | {best['ring']:8.3f} {best['exchange']:9.3f} | "
                 f"{best['ring'] / best['exchange']:8.2f}x | {model:14.2f}x | {picks}",
                 flush=True,
             )
     jaxring.config.reset("cpu_link")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     return 0
 
 

@@ -58,6 +58,14 @@ def parser(doc: str) -> argparse.ArgumentParser:
         help="print jaxring.overlap's bucket summary when the step is traced (--mode overlap)",
     )
     p.add_argument(
+        "--result",
+        default=None,
+        metavar="PATH",
+        help="also write the run's summary (its settings, losses and final "
+        "metrics) to PATH as one JSON object; under python -m "
+        "jaxring.launch, {process} in PATH becomes the process index",
+    )
+    p.add_argument(
         "--check-update",
         action="store_true",
         help="run one step with SGD, compare its update with the one "
@@ -111,6 +119,30 @@ def check_update(args, step, plain_step, inputs, params=lambda state: state, rto
             "update check failed: the step's update differs from the "
             "one computed from the whole batch on one device"
         )
+
+
+def write_result(args, losses, **metrics) -> None:
+    """Writes the run's summary to --result (nothing without it): the
+    options that shape the curve, every step's loss, and the trainer's
+    final metrics, for scripts to read instead of parsing the printed
+    summary."""
+    if not args.result:
+        return
+    import json
+
+    import jax
+
+    summary = {
+        "mode": args.mode,
+        "compression": getattr(args, "compression", "none"),
+        "devices": args.devices,
+        "process": jax.process_index(),
+        "losses": [float(v) for v in losses],
+        **metrics,
+    }
+    path = args.result.replace("{process}", str(jax.process_index()))
+    with open(path, "w") as f:
+        json.dump(summary, f)
 
 
 def with_compression(args, optimizer):

@@ -307,6 +307,15 @@ def main(argv=None):
         f"bytes/step={wire_bytes} time after compile={elapsed:.1f} s"
     )
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))
+    common.write_result(
+        args,
+        losses,
+        batch_norm=args.batch_norm,
+        steps=n_done,
+        test_accuracy=test_acc,
+        bytes_per_step=wire_bytes,
+        seconds=elapsed,
+    )
     if args.timeline:
         print(f"timeline of the last epoch: {args.timeline}")
     return test_acc

@@ -23,6 +23,8 @@ import argparse
 import sys
 import time
 
+import common  # examples/common.py: the run's summary as JSON (--result)
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
@@ -58,6 +60,13 @@ def parse_args(argv=None):
         "computed from the whole batch on one device",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--result",
+        default=None,
+        metavar="PATH",
+        help="also write the run's summary (losses, metrics, the update "
+        "check's figures) to PATH as one JSON object",
+    )
     return p.parse_args(argv)
 
 
@@ -151,6 +160,7 @@ def main(argv=None):
         return x_train[idx], y_train[idx]
 
     opt_state = optimizer.init(params)
+    update_check = None
     if args.check_update:
         images, labels = x_train[: args.batch], y_train[: args.batch]
         # Uncommitted arrays: the reference runs on one device.
@@ -174,10 +184,13 @@ def main(argv=None):
         mu_diff = jax.tree.map(
             lambda a, b: np.asarray(a) - np.asarray(b), got_state[0].mu, ref_state[0].mu
         )
-        print(
-            f"update check: params_diff={largest(diff):.3e} update={largest(update):.3e} "
-            f"mu_diff={largest(mu_diff):.3e} mu={largest(ref_state[0].mu):.3e}"
-        )
+        update_check = {
+            "params_diff": largest(diff),
+            "update": largest(update),
+            "mu_diff": largest(mu_diff),
+            "mu": largest(ref_state[0].mu),
+        }
+        print("update check: " + " ".join(f"{k}={v:.3e}" for k, v in update_check.items()))
 
     params = jax.device_put(params, replicated)
     opt_state = jax.device_put(opt_state, replicated)
@@ -205,6 +218,14 @@ def main(argv=None):
         f"time after compile={elapsed:.1f} s"
     )
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))
+    common.write_result(
+        args,
+        losses,
+        steps=args.steps,
+        test_accuracy=test_acc,
+        seconds=elapsed,
+        update_check=update_check,
+    )
     return test_acc
 
 

@@ -232,7 +232,18 @@ def main(argv=None):
         f"bytes/step={wire_bytes} time after compile={elapsed:.1f} s"
     )
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))
-    if args.timeline and steps_done > trace_from:
+    traced = bool(args.timeline) and steps_done > trace_from
+    common.write_result(
+        args,
+        losses,
+        steps=steps_done,
+        validation_loss=valid,
+        bits_per_char=valid / np.log(2),
+        bytes_per_step=wire_bytes,
+        seconds=elapsed,
+        timeline_steps=[trace_from + 1, steps_done] if traced else None,
+    )
+    if traced:
         print(f"timeline of steps {trace_from + 1} to {steps_done}: {args.timeline}")
     elif args.timeline:
         print(

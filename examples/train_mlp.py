@@ -184,6 +184,7 @@ def main(argv=None):
         f"time after compile={elapsed:.1f} s"
     )
     print("losses:", " ".join(f"{v:.6f}" for v in losses[:10]))
+    common.write_result(args, losses, steps=n_done, test_accuracy=test_acc, seconds=elapsed)
     if args.timeline:
         print(f"timeline of the last epoch: {args.timeline}")
     return test_acc

@@ -4,6 +4,7 @@ Usage:
     python -m jaxring.bench [--devices 8] [--min-bytes 4K] [--max-bytes 64M]
                             [--dtype float32] [--rings R] [--chunk-bytes C]
                             [--algorithm auto|ring|direct] [--plot busbw.png]
+                            [--json rows.json]
 
 Both implementations run in the same process on the same virtual CPU
 devices, one size at a time, each timed over back-to-back calls. As in a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -236,6 +238,12 @@ def main(argv=None) -> int:
         default=None,
         help="also write busbw against size as a PNG (needs matplotlib)",
     )
+    ap.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="also write the rows (times in seconds, busbw in GB/s) to PATH as JSON",
+    )
     args = ap.parse_args(argv)
     # Fail before the long run, not after it.
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -255,6 +263,9 @@ def main(argv=None) -> int:
         args.rounds,
         algorithm=args.algorithm,
     )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     if args.plot:
         plot(
             rows,

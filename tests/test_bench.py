@@ -1,5 +1,6 @@
 """jaxring-bench: its table and its plot, on a few small sizes."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -26,6 +27,8 @@ def test_bench_prints_the_table_and_writes_the_plot(tmp_path):
             "1",
             "--plot",
             str(png),
+            "--json",
+            str(tmp_path / "rows.json"),
         ],
         capture_output=True,
         text=True,
@@ -33,10 +36,13 @@ def test_bench_prints_the_table_and_writes_the_plot(tmp_path):
         cwd=tmp_path,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = [l for l in res.stdout.splitlines() if l.strip().endswith("x") and "|" in l]
-    assert [r.split()[0:2] for r in rows] == [["4", "KiB"], ["16", "KiB"], ["64", "KiB"]], (
-        res.stdout
-    )
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["bytes"] for r in rows] == [4 << 10, 16 << 10, 64 << 10], rows
+    for r in rows:
+        assert r["jaxring_busbw"] > 0 and r["psum_busbw"] > 0, r
+        assert r["speedup"] == pytest.approx(r["psum_s"] / r["jaxring_s"]), r
+    # One table row per size, as printed.
+    assert sum(1 for l in res.stdout.splitlines() if l.rstrip().endswith("x")) == 3, res.stdout
     assert f"plot written to {png}" in res.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -69,6 +75,8 @@ def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path)
             "--exchange",
             "--plot",
             "",
+            "--json",
+            str(tmp_path / "rows.json"),
         ],
         capture_output=True,
         text=True,
@@ -76,17 +84,25 @@ def test_process_benchmark_prints_every_job_with_its_launcher_settings(tmp_path)
         cwd=tmp_path,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    lines = res.stdout.splitlines()
-    head = next(l for l in lines if l.startswith("# 2 processes"))
+    head = next(l for l in res.stdout.splitlines() if l.startswith("# 2 processes"))
     assert head.endswith("; jaxring.launch --cpu-bind cores --keep-freed-memory"), head
-    assert "shm/gloo" in res.stdout and "shm/direct" in res.stdout, res.stdout
-    assert "shm exch/ring" in res.stdout and "tcp exch/ring" in res.stdout, res.stdout
-    assert "xdir/ring" in res.stdout and "xdir/direct" in res.stdout, res.stdout
-    rows = [l.split("|") for l in lines if l.strip().endswith("x") and "|" in l]
-    assert [r[0].split() for r in rows] == [["4", "KiB"], ["16", "KiB"]], res.stdout
-    for r in rows:  # shm, tcp, gloo, gloo (tcp job), direct, shm direct, ring and
-        # exchange x2
-        assert len(r[1].split()) == 10 and all(float(v) > 0 for v in r[1].split()), r
+    # The ratio columns of every job pair.
+    for ratio in ("shm/gloo", "shm/direct", "shm exch/ring", "tcp exch/ring", "xdir/direct"):
+        assert ratio in res.stdout, res.stdout
+    jobs = json.loads((tmp_path / "rows.json").read_text())["2"]
+    # The shared-memory job: jaxring, gloo, direct over the host segment, the
+    # ring and the exchange; the TCP job: jaxring, gloo, ring, exchange; the
+    # one-process job: jaxring.
+    columns = {
+        "auto": ("jaxring", "gloo", "host_direct", "ring", "exchange"),
+        "tcp": ("jaxring", "gloo", "ring", "exchange"),
+        "direct": ("jaxring",),
+    }
+    assert sorted(jobs) == sorted(columns), jobs
+    for job, kinds in columns.items():
+        assert [r["bytes"] for r in jobs[job]] == [4 << 10, 16 << 10], jobs[job]
+        for r in jobs[job]:
+            assert all(r[f"{k}_busbw"] > 0 for k in kinds), (job, r)
 
 
 @pytest.mark.jax_independent  # the script's table
@@ -160,6 +176,8 @@ def test_exchange_crossover_prints_measured_and_modelled_ratios(tmp_path):
             "2",
             "--rounds",
             "1",
+            "--json",
+            str(tmp_path / "rows.json"),
         ],
         capture_output=True,
         text=True,
@@ -167,9 +185,8 @@ def test_exchange_crossover_prints_measured_and_modelled_ratios(tmp_path):
         cwd=tmp_path,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = [
-        l.split("|") for l in res.stdout.splitlines() if l.rstrip().endswith(("ring", "exchange"))
-    ]
-    assert [r[0].strip() for r in rows] == ["256 B", "64 KiB"], res.stdout
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["bytes"] for r in rows] == [256, 64 << 10], rows
+    assert all(r["ring_ms"] > 0 and r["exchange_ms"] > 0 for r in rows), rows
     # The model's choice on this link: the exchange for 256 B, the ring for 64 KiB.
-    assert [r[-1].strip() for r in rows] == ["exchange", "ring"], res.stdout
+    assert [r["auto_picks"] for r in rows] == ["exchange", "ring"], rows
