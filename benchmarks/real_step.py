@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import resource
 import statistics
@@ -155,6 +156,12 @@ def parse_args(argv=None):
         "in another order than XLA) grows from step to step",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write each model's figures (census, ms/step, agreement) to PATH",
+    )
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--rounds and --steps must be at least 1, --warmup at least 0")
@@ -696,6 +703,7 @@ def print_census(w, args, jaxring):
         )
     if args.report:
         print(report)
+    return {k: {"values": count, "elements": size} for k, (count, size) in kinds.items()}
 
 
 # ---- main -------------------------------------------------------------------
@@ -798,6 +806,13 @@ def bench(w, args, jaxring):
     # after all of them by what the steps made of it.
     reducing = [k for k in names if k in REDUCING]
     ok = True
+    result = {
+        "variants": {
+            k: {"ms_per_step": med[k] * 1e3, "over_plain": med[k] / base if base else None}
+            for k in names
+        },
+        "agreement": {},
+    }
     if len(reducing) > 1:
         ref = reducing[0]
         ref_first, ref_last = first_params[ref], w.params(states[ref])
@@ -812,13 +827,19 @@ def bench(w, args, jaxring):
                 first <= args.tolerance * moved_first and last <= args.drift_tolerance * moved_last
             )
             ok &= good
+            result["agreement"][k] = {
+                "after_first_step": first / moved_first,
+                "after_all_steps": last / moved_last,
+                "ok": good,
+            }
             print(
                 f"    {k:<16} after 1 step {first:.3g} ({first / moved_first:.2g}), "
                 f"after {total} steps {last:.3g} ({last / moved_last:.2g})  "
                 f"{'ok' if good else 'FAILED'}"
             )
     jax.block_until_ready(states)
-    return ok
+    result["reference"] = reducing[0] if reducing else None
+    return ok, result
 
 
 def main(argv=None):
@@ -828,13 +849,20 @@ def main(argv=None):
     jaxring.use_cpu_devices(args.devices)  # before JAX starts its backend
     models = ["resnet18", "transformer"] if args.model == "both" else [args.model]
     ok = True
+    results = {}
     for m in models:
         t0 = time.perf_counter()
         w = (resnet18_workload if m == "resnet18" else transformer_workload)(args, jaxring)
         print(f"{m}: set up in {time.perf_counter() - t0:.1f} s", flush=True)
+        census = None
         if any(v.startswith("overlap") for v in args.variants) or args.report:
-            print_census(w, args, jaxring)
-        ok &= bench(w, args, jaxring)
+            census = print_census(w, args, jaxring)
+        model_ok, results[m] = bench(w, args, jaxring)
+        results[m]["census"] = census
+        ok &= model_ok
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     if not ok:
         print("FAILED: the variants' parameters disagree")
         return 1

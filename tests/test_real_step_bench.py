@@ -1,8 +1,8 @@
 """benchmarks/real_step.py: the ResNet-18 step runs in every default variant,
 the variants agree, and the table is printed."""
 
+import json
 import pathlib
-import re
 import subprocess
 import sys
 import tempfile
@@ -34,22 +34,24 @@ def test_resnet18_step_prints_the_table_and_the_variants_agree():
                 "1",
                 "--warmup",
                 "0",
+                "--json",
+                "result.json",
             ],
             capture_output=True,
             text=True,
             timeout=300,
             cwd=cwd,
         )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = res.stdout
-    assert re.search(r"variant\s+ms/step\s+/ plain", out), out
-    rows = {
-        m.group(1): (float(m.group(2)), float(m.group(3)))
-        for m in re.finditer(
-            r"^\s+(plain|overlap|jaxring-pmean)\s+([\d.]+)\s+([\d.]+)", out, re.MULTILINE
-        )
-    }
-    assert set(rows) == {"plain", "overlap", "jaxring-pmean"}, out
-    assert rows["plain"][1] == 1.0 and all(ms > 0 for ms, _ in rows.values()), rows
-    assert out.count(" ok") == 2 and "FAILED" not in out, out
-    assert "BatchNorm statistics (forward):   20 values" in out, out
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        result = json.loads((pathlib.Path(cwd) / "result.json").read_text())["resnet18"]
+    variants = result["variants"]
+    assert set(variants) == {"plain", "overlap", "jaxring-pmean"}, result
+    assert variants["plain"]["over_plain"] == 1.0, variants
+    assert all(v["ms_per_step"] > 0 for v in variants.values()), variants
+    # The reducing variants agree with the first of them (plain).
+    assert result["reference"] == "plain", result
+    assert sorted(result["agreement"]) == ["jaxring-pmean", "overlap"], result
+    assert all(a["ok"] for a in result["agreement"].values()), result
+    assert result["census"]["BatchNorm statistics (forward)"]["values"] == 20, result
+    # The table a reader sees.
+    assert "variant" in res.stdout and "ms/step" in res.stdout and "FAILED" not in res.stdout
