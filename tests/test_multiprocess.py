@@ -915,10 +915,12 @@ def test_killed_peer_makes_every_survivor_raise_twenty_times():
             job.kill_all()
 
 
-def jaxring_segments() -> set[str]:
-    """jaxring's shared-memory segments in /dev/shm (shm_link.h, host_segment.h)."""
+def jaxring_segments(job_id: str = "") -> set[str]:
+    """jaxring's shared-memory segments in /dev/shm (shm_link.h,
+    host_segment.h), those of one job where its id (hex) is given: other
+    jobs on this machine, another test run's, may hold theirs."""
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("jaxring-")}
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"jaxring-{job_id}")}
     except FileNotFoundError:
         return set()
 
@@ -932,7 +934,6 @@ def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm(alg
     mid-operation makes both survivors raise PeerLostError naming it, well
     before the 30 s timeout (its sockets close; its pid ends), and
     afterwards /dev/shm still holds nothing of the job."""
-    before = jaxring_segments()
     job = Job(3, 30.0, args=(1 << 22, algorithm))
     try:
         job.wait_ready()
@@ -942,7 +943,9 @@ def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm(alg
                 assert ready["direct"] is True, ready
             else:
                 assert ready["shm_links"] > 0, ready
-        assert jaxring_segments() - before == set()
+        job_id = ready["job_id"]
+        assert len(job_id) == 32, ready
+        assert jaxring_segments(job_id) == set()
         time.sleep(0.1)
         killed_at = time.time()
         job.procs[2].kill()
@@ -953,7 +956,7 @@ def test_killed_peer_on_shared_memory_is_named_and_leaves_nothing_in_dev_shm(alg
             assert (said["error"], said["peer"]) == ("PeerLostError", 2), said
     finally:
         job.kill_all()
-    assert jaxring_segments() - before == set()
+    assert jaxring_segments(job_id) == set()
 
 
 # The host segment's set-up cut short (tests/multiprocess/setup_exit.py):

@@ -45,7 +45,13 @@ try:
                 info = jaxring.transport_info()
                 links = len(info["shm_outbound"])
                 direct = info["host_direct"]["available"]
-                report("ready", pid=os.getpid(), direct=direct, shm_links=links)
+                report(
+                    "ready",
+                    pid=os.getpid(),
+                    direct=direct,
+                    shm_links=links,
+                    job_id=info["job_id"],
+                )
 except Exception as e:  # what a training loop would see
     message = " ".join(str(e).split())
     report(
